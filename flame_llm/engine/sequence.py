@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+
+from flame_llm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request's tokens and KV bookkeeping.
+
+    num_computed_tokens counts tokens whose K/V are in the cache; num_cached_tokens counts prompt
+    tokens that came from the prefix cache (what results report as cached)."""
+
+    counter = itertools.count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 request_id: str | None = None) -> None:
+        self.seq_id = next(Sequence.counter)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.last_token = self.token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        self.sampling_params = sampling_params
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.schedule_skips = 0  # times passed over by the cache-aware ordering (aging)
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.token_times: list[float] = []
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        assert 0 <= i < self.num_blocks
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1

@@ -1,0 +1,53 @@
+"""Reference attention over the paged KV cache in plain torch: the CPU path and the GPU reference.
+
+Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Every sequence is one query
+segment (prefill chunk, prefix hit, decode or speculative verify alike): its q_len new tokens sit at
+the end of its seq_len keys, causal by position."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] to their slots; slot -1 (padding) is skipped."""
+    nh, hd = k_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, nh, hd)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, nh, hd)[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len cached rows of one sequence as [seq_len, num_kv_heads, head_dim]."""
+    bs = cache.shape[1]
+    nblocks = (seq_len + bs - 1) // bs
+    return cache[block_table[:nblocks].long()].flatten(0, 1)[:seq_len]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] -> out of the same shape. Rows past cu_seqlens_q[-1] are 0."""
+    out = torch.zeros_like(q)
+    num_heads = q.shape[1]
+    group = num_heads // k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = cu[i], cu[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], seq_len).to(q.dtype)
+        v = gather_kv(v_cache, block_tables[i], seq_len).to(q.dtype)
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qi = q[start:end].transpose(0, 1)  # [H, q_len, D]
+        # query j sits at absolute position seq_len - q_len + j and sees keys 0..that position
+        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,48 @@
+"""Tiny random-weight checkpoints written with transformers' save_pretrained: the embedded default
+model for the demo, and the fixtures the tests load through our real loader."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+TINY_DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flame_llm", "tiny-llama")
+
+
+def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed: int = 0,
+                    num_layers: int = 2, max_position_embeddings: int = 4096,
+                    sharded: bool = False, std: float = 0.35) -> str:
+    """Write a float32 random checkpoint. A large init spread keeps greedy outputs varied from token
+    to token (a model that repeats one token hides position and cache bugs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=max_position_embeddings, initializer_range=std,
+                  bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+        cls = LlamaForCausalLM
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+        cls = Qwen3ForCausalLM
+    else:
+        raise ValueError(f"arch must be 'llama' or 'qwen3'; got {arch!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():  # norms at 1 would leave the spread to the projections alone; vary them too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
+    return path
+
+
+def ensure_tiny_default() -> str:
+    """The demo's embedded default model, created once on first use."""
+    if not os.path.isfile(os.path.join(TINY_DEFAULT_DIR, "config.json")):
+        make_tiny_model(TINY_DEFAULT_DIR, "llama")
+    return TINY_DEFAULT_DIR
