@@ -34,6 +34,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_size = block_size
         self.block_table: list[int] = []
+        self.num_published_blocks = 0  # leading blocks whose hashes are in the prefix cache
+        self.last_block_hash = -1
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos

@@ -51,3 +51,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Causal attention of each segment over its own fresh k/v (no cache involved)."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k.shape[1]
+    cu = cu_seqlens_q.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        if end == start:
+            continue
+        qi = q[start:end].transpose(0, 1)
+        ki = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+        vi = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
+        out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def torch_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """The torch backend: store the step's K/V, then attend. Fresh-only steps attend to k/v directly."""
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.fresh_only:
+        return dense_causal_attention(q, k, v, meta.cu_seqlens_q, scale)
+    return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale)

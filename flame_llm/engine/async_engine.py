@@ -1,0 +1,184 @@
+"""AsyncEngine: the LLMEngine step loop on its own thread, awaited from any asyncio loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from flame_llm.config import Config
+from flame_llm.engine.llm_engine import LLMEngine
+from flame_llm.engine.sequence import Sequence
+from flame_llm.outputs import RequestOutput
+from flame_llm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    prompt: list[int]
+    params: SamplingParams
+    stream: asyncio.Queue | None = None
+    seq: Sequence | None = None
+    num_streamed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class AsyncEngine:
+    def __init__(self, config: Config) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self._cond = threading.Condition()
+        self._adds: list[tuple[str, _Pending]] = []
+        self._aborts: list[str] = []
+        self._pending: dict[str, _Pending] = {}
+        self._streams: dict[str, _Pending] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._loop, name="flame-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs) -> AsyncEngine:
+        return cls(Config(model=model, **kwargs))
+
+    def _submit(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None,
+                stream: bool) -> tuple[str, _Pending]:
+        if self._error is not None:
+            raise RuntimeError(f"engine loop failed: {self._error!r}")
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        ids = self.engine.to_token_ids(prompt)
+        self.engine.check_request(ids, params)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop, loop.create_future(), ids, params, asyncio.Queue() if stream else None)
+        with self._cond:
+            if request_id is None:
+                request_id = f"req-{self._next_id}"
+                self._next_id += 1
+            if request_id in self._pending or any(r == request_id for r, _ in self._adds):
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._adds.append((request_id, pending))
+            self._cond.notify()
+        return request_id, pending
+
+    async def generate(self, prompt_token_ids: str | Seq[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> RequestOutput:
+        rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=False)
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+
+    async def stream(self, prompt_token_ids: str | Seq[int], sampling_params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[int]:
+        """Yields output token ids as they are produced; the final RequestOutput is not yielded."""
+        rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=True)
+        try:
+            while True:
+                tok = await pending.stream.get()
+                if tok is None:
+                    break
+                yield tok
+            await pending.future  # re-raises a failure of the engine loop
+        finally:
+            if not pending.future.done():
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def stats(self) -> dict:
+        with self._cond:
+            queued = len(self._adds)
+        return {**self.engine.stats(), "num_queued": queued, "num_in_flight": len(self._pending)}
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=60)
+        self._fail_all(RuntimeError("engine shut down"))
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._stopped and not self._adds and not self._aborts and engine.is_finished():
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            try:
+                for rid, p in adds:
+                    p.seq = engine.add_request(p.prompt, p.params, rid)
+                    self._pending[rid] = p
+                    if p.stream is not None:
+                        self._streams[rid] = p
+                for rid in aborts:
+                    seq = engine.abort(rid)
+                    if seq is not None:
+                        self._deliver(seq)
+                if engine.is_finished():
+                    continue
+                finished, _ = engine.step()
+                for rid, p in list(self._streams.items()):
+                    self._push_tokens(p)
+                for seq in finished:
+                    self._deliver(seq)
+            except BaseException as e:  # the step failed: every waiting caller gets the error
+                logger.exception("engine step failed")
+                self._error = e
+                self._fail_all(e)
+                return
+
+    def _push_tokens(self, p: _Pending) -> None:
+        seq = p.seq
+        new = seq.completion_token_ids[p.num_streamed:]
+        if new:
+            p.num_streamed += len(new)
+            p.loop.call_soon_threadsafe(_put_many, p.stream, new)
+
+    def _deliver(self, seq: Sequence) -> None:
+        p = self._pending.pop(seq.request_id, None)
+        if p is None:
+            return
+        if self._streams.pop(seq.request_id, None) is not None:
+            self._push_tokens(p)
+            p.loop.call_soon_threadsafe(p.stream.put_nowait, None)
+        p.loop.call_soon_threadsafe(_resolve, p.future, self.engine.make_output(seq))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        pending = list(self._pending.values()) + [p for _, p in self._adds]
+        self._pending.clear()
+        self._adds.clear()
+        for p in pending:
+            if p.stream is not None:
+                p.loop.call_soon_threadsafe(p.stream.put_nowait, None)
+            p.loop.call_soon_threadsafe(_fail, p.future, exc)
+
+
+def _put_many(queue: asyncio.Queue, items: list[int]) -> None:
+    for x in items:
+        queue.put_nowait(x)
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))

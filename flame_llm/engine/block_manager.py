@@ -1,0 +1,140 @@
+"""Paged KV blocks with a chained-hash prefix cache.
+
+A block's hash is published only after its K/V are written (publish() runs after the step), a hit
+compares token ids as well as the hash, and a prompt never hits its last token: hits cover only
+full blocks that end before it, so the last token is always computed and yields logits."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from flame_llm.engine.sequence import Sequence
+from flame_llm.prefix import hash_block
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # free blocks, oldest-freed first: new blocks come from the front, a hit revives in O(1)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_hit_tokens = 0
+        self.num_query_tokens = 0
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the cached full blocks that start seq (never covering its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        h = -1
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.block(i)
+            h = hash_block(tokens, h)
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> int:
+        """Cached tokens seq would start with if its prompt can be allocated now, else -1."""
+        hits = self.match_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed = seq.num_blocks - len(hits) + revived
+        return len(hits) * self.block_size if needed <= len(self.free_block_ids) else -1
+
+    def allocate(self, seq: Sequence) -> None:
+        """Attach the cached prefix blocks; the blocks for tokens to compute come from append_slots."""
+        assert not seq.block_table
+        hits = self.match_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        cached = len(hits) * self.block_size
+        seq.num_computed_tokens = cached
+        seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+        seq.num_published_blocks = len(hits)
+        seq.last_block_hash = self.blocks[hits[-1]].hash if hits else -1
+        if self.enable_prefix_caching:
+            self.num_hit_tokens += seq.num_cached_tokens
+            self.num_query_tokens += seq.num_prompt_tokens
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != -1:
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+                self.num_evictions += 1
+            block.hash = -1
+            block.token_ids = []
+        block.ref_count = 1
+        return block_id
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = (seq.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size
+        return max(0, total - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        """Make the block table cover the next num_new_tokens tokens to compute."""
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free_block())
+
+    def publish(self, seq: Sequence) -> None:
+        """Register the hashes of seq's full blocks whose K/V are now written."""
+        full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_published_blocks:
+            return
+        h = seq.last_block_hash
+        for i in range(seq.num_published_blocks, full):
+            tokens = seq.block(i)
+            h = hash_block(tokens, h)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, tokens
+            self.hash_to_block_id[h] = block.block_id
+        seq.last_block_hash = h
+        seq.num_published_blocks = full
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
+        seq.last_block_hash = -1
+
+    def stats(self) -> dict:
+        return {"num_blocks": self.num_blocks, "num_free_blocks": self.num_free_blocks,
+                "prefix_hit_tokens": self.num_hit_tokens, "prefix_query_tokens": self.num_query_tokens,
+                "evictions": self.num_evictions}

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from flame_llm.config import Config
+from flame_llm.engine.block_manager import BlockManager
+from flame_llm.engine.model_runner import ModelRunner
+from flame_llm.engine.scheduler import Scheduler
+from flame_llm.engine.sequence import Sequence
+from flame_llm.outputs import RequestOutput
+from flame_llm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self._tokenizer = None
+        self.vocab_size = config.hf_config.vocab_size
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs) -> LLMEngine:
+        return cls(Config(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            if not any(os.path.isfile(os.path.join(self.config.model, f))
+                       for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+                raise ValueError(f"text prompts need a tokenizer, and model directory {self.config.model!r} "
+                                 "has none; pass token ids instead")
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        return self._tokenizer
+
+    def to_token_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def check_request(self, prompt_token_ids: list[int], sp: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; touches no engine state (any thread)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt_token_ids is empty; a prompt needs at least 1 token")
+        if n >= self.config.max_model_len:
+            raise ValueError(f"prompt_token_ids has {n} tokens; max_model_len is {self.config.max_model_len} "
+                             "and a prompt must leave room for one output token")
+        if not all(isinstance(t, int) for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids must be integers")
+        lo, hi = min(prompt_token_ids), max(prompt_token_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"prompt_token_ids must lie in [0, vocab_size={self.vocab_size}); "
+                             f"got {lo if lo < 0 else hi}")
+        sp.validate()
+        bs = self.config.block_size
+        need = (min(n + sp.max_tokens, self.config.max_model_len) + bs - 1) // bs
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks (prompt {n} + max_tokens {sp.max_tokens}); "
+                             f"the KV pool has {self.block_manager.num_blocks}")
+
+    def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        token_ids = self.to_token_ids(prompt)
+        self.check_request(token_ids, sampling_params)
+        seq = Sequence(token_ids, sampling_params, self.config.block_size, request_id)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> tuple[list[Sequence], int]:
+        seqs, num_tokens = self.scheduler.schedule()
+        if not seqs:
+            return [], 0
+        token_ids = self.model_runner.run(seqs, num_tokens)
+        finished = self.scheduler.postprocess(seqs, num_tokens, token_ids)
+        return finished, sum(num_tokens)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.scheduler.abort(request_id)
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "attention_backend": self.model_runner.backend,
+                "cuda_graphs": self.model_runner.use_graphs}
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
+        n = seq.num_completion_tokens
+        tpot = (seq.token_times[-1] - seq.token_times[0]) / (n - 1) if n > 1 else None
+        text = None
+        if self._tokenizer is not None:
+            text = self._tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.completion_token_ids, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, text,
+                             {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
+                              "finish": seq.finish_time, "ttft": ttft, "tpot": tpot,
+                              "preemptions": seq.num_preemptions})
+
+
+class LLM:
+    """Offline generation: `LLM(model_dir, **config).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(Config(model=model, **kwargs))
+
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        sampling_params = sampling_params or SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        engine = self.engine
+        token_ids = [engine.to_token_ids(p) for p in prompts]
+        for ids, sp in zip(token_ids, sampling_params):  # check all before admitting any
+            engine.check_request(ids, sp)
+        seqs = [engine.add_request(ids, sp) for ids, sp in zip(token_ids, sampling_params)]
+        if any(isinstance(p, str) for p in prompts):
+            engine.tokenizer  # noqa: B018 - decode text outputs too
+        with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm) as bar:
+            while not engine.is_finished():
+                finished, _ = engine.step()
+                bar.update(len(finished))
+        return [engine.make_output(s) for s in seqs]

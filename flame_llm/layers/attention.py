@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flame_llm.engine.context import get_context
+from flame_llm.kernels.torch_attention import dense_causal_attention, torch_attention_forward
+
+
+def _backend_fn(name: str):
+    if name == "torch":
+        return torch_attention_forward
+    if name == "triton":
+        from flame_llm.kernels.triton_attention import triton_attention_forward
+        return triton_attention_forward
+    if name == "flash_attn":
+        from flame_llm.kernels.flash_backend import flash_attention_forward
+        return flash_attention_forward
+    raise ValueError(f"attention_backend {name!r} is not one of 'torch', 'triton', 'flash_attn'")
+
+
+class Attention(nn.Module):
+    """Stores the step's K/V in this layer's paged cache and attends over it.
+
+    k_cache/v_cache are views into the runner's one KV tensor, bound after the memory profile."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = "torch"
+        self._fn = torch_attention_forward
+
+    def set_backend(self, name: str) -> None:
+        self.backend = name
+        self._fn = _backend_fn(name)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_context()
+        if self.k_cache.numel() == 0:  # memory-profile run before the cache exists
+            return dense_causal_attention(q, k, v, meta.cu_seqlens_q, self.scale)
+        return self._fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+

@@ -1,0 +1,69 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+A sampled token is argmax(probs / E) with E ~ Exp(1) per vocab entry (the exponential race, an exact
+draw from probs). A seeded request draws E from a generator keyed by (seed, output position), so
+its samples do not depend on which other requests share the batch or on preemption."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    temperatures: torch.Tensor  # float32 [B]; 0 = greedy
+    top_ks: torch.Tensor | None  # int64 [B], vocab size where off; None if no row uses top-k
+    top_ps: torch.Tensor | None  # float32 [B], 1.0 where off; None if no row uses top-p
+    seeds: list[tuple[int, int]]  # (row, key) for seeded rows
+    all_greedy: bool
+
+
+def make_sampling_batch(params: list, positions: list[int], vocab_size: int,
+                        device: torch.device) -> SamplingBatch:
+    """params: SamplingParams per row; positions: the output index each row samples."""
+    temps = [p.temperature for p in params]
+    all_greedy = all(t == 0.0 for t in temps)
+    top_ks = top_ps = None
+    if not all_greedy and any(p.top_k > 0 for p in params):
+        top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    if not all_greedy and any(p.top_p < 1.0 for p in params):
+        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    seeds = [(i, (p.seed * 1_000_003 + pos) % (2**63)) for i, (p, pos) in enumerate(zip(params, positions))
+             if p.seed is not None and p.temperature > 0]
+    return SamplingBatch(torch.tensor(temps, dtype=torch.float32, device=device), top_ks, top_ps, seeds,
+                         all_greedy)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
+                      top_ps: torch.Tensor | None) -> torch.Tensor:
+    if top_ks is None and top_ps is None:
+        return logits
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_ks is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        drop |= ranks[None, :] >= top_ks[:, None]
+    if top_ps is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop |= mass_before >= top_ps[:, None]
+        drop[:, 0] = False  # the most likely token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits float32 [B, V] -> token ids int64 [B]."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    temps = batch.temperatures
+    scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+    probs = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps).softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, key in batch.seeds:
+        gen = torch.Generator(device=probs.device).manual_seed(key)
+        noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temps > 0, sampled, greedy)
