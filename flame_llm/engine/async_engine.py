@@ -133,7 +133,7 @@ class AsyncEngine:
                 if engine.is_finished():
                     continue
                 finished, _ = engine.step()
-                for rid, p in list(self._streams.items()):
+                for p in list(self._streams.values()):
                     self._push_tokens(p)
                 for seq in finished:
                     self._deliver(seq)

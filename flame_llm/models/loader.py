@@ -37,7 +37,7 @@ def load_model(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     expected = set()
-    for name, p in params.items():
+    for name in params:
         owner = model.get_submodule(name.rsplit(".", 1)[0])
         shards = getattr(owner, "shard_offsets", None)
         expected.update((name, s) for s in shards) if shards else expected.add((name, None))
