@@ -8,6 +8,7 @@ from flame_llm.routing_key import (
     estimate_prefill_work,
     prefix_chain,
 )
+from router.policy import RouterPolicy
 
 rng = np.random.default_rng(0)
 
@@ -75,3 +76,165 @@ def test_work_estimates():
     for n, c in [(-1, 0), (10, 11), (10, -1)]:
         with pytest.raises(ValueError, match=f"num_tokens={n}, cached_tokens={c}"):
             estimate_prefill_work(n, c)
+
+
+# ---- policies ----
+
+def _chain(*blocks):
+    return list(blocks)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"num_shards": 0}, "num_shards must be an integer >= 1; got 0"),
+    ({"num_shards": 2.0}, "num_shards"),
+    ({"policy": "random"}, "policy must be one of cumulative, load_guarded, round_robin; got 'random'"),
+    ({"spill_factor": 0.9}, "spill_factor must be a number >= 1.0; got 0.9"),
+    ({"max_entries": 0}, "max_entries must be an integer >= 1; got 0"),
+    ({"decode_cost": -1}, "decode_cost must be a number >= 0"),
+])
+def test_policy_rejects_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RouterPolicy(**{"num_shards": 2, **kw})
+
+
+@pytest.mark.parametrize("items, match", [
+    ([([1], 1.0)], "item 0 must be \\(chain, est_prefill_work, est_decode_tokens\\)"),
+    ([([1], 1.0, 0), ([], 1.0, 0)], "item 1: chain must hold at least 1 hash; got 0"),
+    ([([1], -1.0, 0)], "item 0: est_prefill_work and est_decode_tokens must be >= 0; got -1.0, 0"),
+    ([([1], float("nan"), 0)], "must be >= 0"),
+    ([([1], 1.0, -2)], "must be >= 0; got 1.0, -2"),
+])
+def test_route_batch_rejects_bad_items_without_changing_state(items, match):
+    p = RouterPolicy(2)
+    with pytest.raises(ValueError, match=match):
+        p.route_batch(items)
+    assert p.stats() == RouterPolicy(2).stats()
+
+
+def test_cumulative_keeps_a_prefix_on_its_shard_across_and_within_batches():
+    p = RouterPolicy(4)
+    burst = [(_chain(1, 2, 3, 4), 100.0, 16)] * 8  # one new document asked 8 times in one batch
+    first = p.route_batch(burst)
+    assert len(set(first)) == 1
+    assert p.counters["new"] == 1 and p.counters["hit"] == 7
+    other = p.route_batch([(_chain(9, 10, 11, 12), 100.0, 16)])[0]
+    assert other != first[0]  # the unseen prefix went to a shard with less cumulative work
+    # shares the first two blocks with the burst: longest known match wins
+    assert p.route_batch([(_chain(1, 2, 7, 8), 100.0, 16)] * 3) == [first[0]] * 3
+    assert p.stats()["entries"] == 4 + 4 + 2
+
+
+def test_cumulative_balances_unseen_prefixes_by_estimated_work():
+    p = RouterPolicy(2)
+    works = [8.0] + [1.0] * 8
+    shards = p.route_batch([(_chain(i), w, 0) for i, w in enumerate(works)])
+    assert shards == [0] + [1] * 8
+    st = p.stats()["shards"]
+    assert st[0]["cumulative_work"] == st[1]["cumulative_work"] == 8.0
+    # the seed's policy balances what was ever routed, not what is outstanding
+    p.complete_many([(s, w, 0, 10, 0) for s, w in zip(shards, works, strict=True)])
+    p.route_batch([(_chain(100), 50.0, 0)])
+    assert p.route_batch([(_chain(101), 1.0, 0), (_chain(100), 1.0, 0)]) == [1, 0]
+
+
+def test_cumulative_never_spills_a_hot_prefix():
+    p = RouterPolicy(2)
+    assert set(p.route_batch([(_chain(5, 6), 1000.0, 100)] * 50)) == {0}
+    assert p.counters["spill"] == 0
+
+
+def test_load_guarded_spills_a_hot_prefix_and_returns_when_load_drops():
+    p = RouterPolicy(2, "load_guarded", spill_factor=1.25)
+    shards = p.route_batch([(_chain(5, 6), 100.0, 0)] * 20)
+    owner = shards[0]
+    assert p.counters["spill"] > 0 and shards.count(owner) > shards.count(1 - owner)
+    st = p.stats()["shards"]
+    # the owner stays within the guard: never above 1.25x the mean by more than one request
+    assert st[owner]["outstanding_work"] <= 1.25 * (st[0]["outstanding_work"] + st[1]["outstanding_work"]) / 2 + 100
+    p.complete_many([(s, 100.0, 0, 4096, 2048) for s in shards])
+    assert p.route_batch([(_chain(5, 6), 100.0, 0)]) == [owner]  # the spill did not move the prefix
+    assert p.stats()["shards"][owner]["cached_tokens"] == 2048 * shards.count(owner)
+
+
+def test_load_guarded_longest_match_beats_a_shorter_one():
+    p = RouterPolicy(2, "load_guarded")
+    assert p.route_batch([(_chain(1, 2), 100.0, 0)]) == [0]
+    assert p.route_batch([(_chain(1, 3), 100.0, 0)]) == [1]  # owner 0 overloaded: spill, 3 -> shard 1
+    assert p.counters["spill"] == 1
+    assert p.route_batch([(_chain(1, 3), 100.0, 0)]) == [1]  # longest match (3) is on shard 1
+    assert p.route_batch([(_chain(1, 4), 10.0, 0)]) == [0]  # only block 1 known: its owner, 0
+
+
+def test_load_guarded_counts_decode_work():
+    for policy, expect in [("load_guarded", 1), ("cumulative", 0)]:
+        p = RouterPolicy(2, policy, decode_cost=10.0)
+        assert p.route_batch([(_chain(1), 1.0, 1000), (_chain(2), 100.0, 0)]) == [0, 1]
+        assert p.route_batch([(_chain(3), 1.0, 0)]) == [expect], policy
+
+
+def test_complete_lowers_outstanding_and_records_cache_hits():
+    p = RouterPolicy(2, "load_guarded", decode_cost=2.0)
+    p.route_batch([(_chain(1), 10.0, 5)])
+    assert p.stats()["shards"][0]["outstanding_work"] == 20.0
+    p.complete(0, 10.0, 5, prompt_tokens=1000, cached_tokens=750)
+    s = p.stats()["shards"][0]
+    assert s["outstanding_work"] == 0.0 and s["completed"] == 1
+    assert (s["prompt_tokens"], s["cached_tokens"], s["cached_fraction"]) == (1000, 750, 0.75)
+    assert s["actual_prefill_work"] == estimate_prefill_work(1000, 750)
+    p.complete(0, 10.0, 5, 10, 0)  # a late completion never drives outstanding below zero
+    assert p.stats()["shards"][0]["outstanding_work"] == 0.0
+
+
+@pytest.mark.parametrize("args, match", [
+    ((2, 1.0, 0, 10, 0), "shard must be an integer in \\[0, 2\\); got 2"),
+    ((-1, 1.0, 0, 10, 0), "shard must be"),
+    ((0, -1.0, 0, 10, 0), "completion needs"),
+    ((0, 1.0, 0, 10, 11), "0 <= cached_tokens <= prompt_tokens; got 1.0, 0, 11, 10"),
+])
+def test_complete_rejects_bad_values(args, match):
+    with pytest.raises(ValueError, match=match):
+        RouterPolicy(2).complete(*args)
+
+
+def test_drop_shard_forgets_its_prefixes_and_load():
+    p = RouterPolicy(2)
+    a, b = p.route_batch([(_chain(1, 2), 10.0, 0), (_chain(3, 4), 10.0, 0)])
+    assert (a, b) == (0, 1)
+    p.drop_shard(0)
+    st = p.stats()
+    assert st["entries"] == 2 and st["counters"]["dropped"] == 2 and st["shards"][0]["outstanding_work"] == 0
+    assert p.route_batch([(_chain(3, 4), 1.0, 0)]) == [1]  # other shard's prefixes kept
+    new_before = p.counters["new"]
+    assert p.route_batch([(_chain(1, 2), 1.0, 0)]) == [0]  # routed as unseen, to the idle shard
+    assert p.counters["new"] == new_before + 1
+    with pytest.raises(ValueError, match="shard must be an integer in \\[0, 2\\); got 5"):
+        p.drop_shard(5)
+
+
+def test_lru_map_is_bounded_and_refreshed_on_use():
+    p = RouterPolicy(3, max_entries=8)
+    p.route_batch([(_chain(1, 2, 3, 4), 1.0, 0), (_chain(5, 6, 7, 8), 1.0, 0)])
+    p.route_batch([(_chain(1, 2, 3, 4), 1.0, 0)])  # refresh prefix A
+    p.route_batch([(_chain(9, 10, 11, 12), 1.0, 0)])  # evicts B, the least recently used
+    st = p.stats()
+    assert st["entries"] == 8 and st["counters"]["evicted"] == 4
+    hits = p.counters["hit"]
+    p.route_batch([(_chain(1, 2, 3, 4), 1.0, 0)])
+    assert p.counters["hit"] == hits + 1
+    p.route_batch([(_chain(5, 6, 7, 8), 1.0, 0)])
+    assert p.counters["new"] == 4  # A, B, C, and B again
+    assert p.stats()["entries"] <= 8
+
+
+def test_round_robin_alternates_ignoring_prefixes():
+    p = RouterPolicy(3, "round_robin")
+    assert p.route_batch([(_chain(1), 1.0, 0)] * 4) == [0, 1, 2, 0]
+    assert p.route_batch([(_chain(1), 1.0, 0)] * 2) == [1, 2]
+    st = p.stats()
+    assert st["counters"]["round_robin"] == 6 and st["counters"]["hit"] == 0 and st["entries"] == 0
+
+
+def test_stats_shape():
+    st = RouterPolicy(2, "load_guarded", spill_factor=1.5).stats()
+    assert st["policy"] == "load_guarded" and st["spill_factor"] == 1.5 and len(st["shards"]) == 2
+    assert set(st["counters"]) == {"hit", "new", "spill", "round_robin", "evicted", "dropped"}

@@ -1,0 +1,170 @@
+"""Pure routing policy: which shard serves each request of a formed batch. No Ray here.
+
+Requests arrive as (prefix chain, estimated prefill work, estimated decode tokens); chains come from
+`flame_llm.routing_key.prefix_chain`, work from `estimate_prefill_work`. The policy sees only what it
+is given at routing time and the completions fed back; it never looks at labels or future requests.
+
+Policies:
+- cumulative (the seed's): the longest known block-chain match goes to its shard; an unseen prefix
+  goes to the shard with the least cumulative estimated prefill work, which keeps it.
+- load_guarded: the longest known match goes to its shard unless that shard's outstanding estimated
+  work (prefill + decode, not yet completed) exceeds spill_factor x the mean outstanding; then it
+  spills to the least-loaded shard. An unseen prefix goes to the least-loaded shard.
+- round_robin: plain alternation, ignoring prefixes (the baseline of the affinity A/B).
+
+Assignments are registered while routing, so a burst sharing a new prefix stays together even inside
+one batch. A spilled request does not move its prefix: the owner keeps the matched blocks, the spill
+shard gets only blocks nobody had. The chain -> shard map is an LRU bounded by max_entries.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from flame_llm.routing_key import DECODE_TOKEN_COST, estimate_prefill_work
+
+POLICIES = ("cumulative", "load_guarded", "round_robin")
+RouteItem = tuple[Sequence[int], float, int]  # (prefix chain, est. prefill work, est. decode tokens)
+
+
+class RouterPolicy:
+
+    def __init__(self, num_shards: int, policy: str = "cumulative", spill_factor: float = 1.25,
+                 max_entries: int = 100_000, decode_cost: float = DECODE_TOKEN_COST) -> None:
+        if not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"num_shards must be an integer >= 1; got {num_shards!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if not isinstance(spill_factor, (int, float)) or spill_factor < 1.0:
+            raise ValueError(f"spill_factor must be a number >= 1.0; got {spill_factor!r}")
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries must be an integer >= 1; got {max_entries!r}")
+        if not isinstance(decode_cost, (int, float)) or decode_cost < 0:
+            raise ValueError(f"decode_cost must be a number >= 0; got {decode_cost!r}")
+        self.num_shards = num_shards
+        self.policy = policy
+        self.spill_factor = float(spill_factor)
+        self.max_entries = max_entries
+        self.decode_cost = float(decode_cost)
+        self._owner: OrderedDict[int, int] = OrderedDict()  # chain hash -> shard, LRU order
+        self._outstanding = [0.0] * num_shards  # estimated work routed, not yet completed
+        self._total_outstanding = 0.0
+        self._cumulative = [0.0] * num_shards  # estimated prefill work ever routed
+        self._routed = [0] * num_shards
+        self._completed = [0] * num_shards
+        self._prompt_tokens = [0] * num_shards
+        self._cached_tokens = [0] * num_shards
+        self._actual_work = [0.0] * num_shards  # prefill work from the cached counts results report
+        self._next_rr = 0
+        self.counters = {"hit": 0, "new": 0, "spill": 0, "round_robin": 0, "evicted": 0, "dropped": 0}
+
+    def route_batch(self, items: Sequence[RouteItem]) -> list[int]:
+        """Shard per request of one formed batch, in order. Validates the whole batch first, so a bad
+        item leaves the policy unchanged."""
+        for i, item in enumerate(items):
+            if len(item) != 3:
+                raise ValueError(f"item {i} must be (chain, est_prefill_work, est_decode_tokens); got {item!r:.80}")
+            chain, work, dec = item
+            if len(chain) == 0:
+                raise ValueError(f"item {i}: chain must hold at least 1 hash; got 0")
+            if not work >= 0 or not dec >= 0:
+                raise ValueError(f"item {i}: est_prefill_work and est_decode_tokens must be >= 0; "
+                                 f"got {work!r}, {dec!r}")
+        out, cum, owner, counters = self._outstanding, self._cumulative, self._owner, self.counters
+        n = self.num_shards
+        shards = []
+        for chain, work, dec in items:
+            if self.policy == "round_robin":
+                s = self._next_rr
+                self._next_rr = (s + 1) % n
+                counters["round_robin"] += 1
+            else:
+                known = self._longest_match(chain)
+                if known is None:
+                    s = self._least(cum if self.policy == "cumulative" else out)
+                    counters["new"] += 1
+                elif self.policy == "load_guarded" and out[known] > self.spill_factor * self._total_outstanding / n:
+                    s = self._least(out)
+                    counters["spill"] += 1
+                else:
+                    s = known
+                    counters["hit"] += 1
+                for h in chain:  # refresh what is known, register the rest to s
+                    if h in owner:
+                        owner.move_to_end(h)
+                    else:
+                        owner[h] = s
+                while len(owner) > self.max_entries:
+                    owner.popitem(last=False)
+                    counters["evicted"] += 1
+            load = work + self.decode_cost * dec
+            out[s] += load
+            self._total_outstanding += load
+            cum[s] += work
+            self._routed[s] += 1
+            shards.append(s)
+        return shards
+
+    def _longest_match(self, chain: Sequence[int]) -> int | None:
+        owner = self._owner
+        for h in reversed(chain):
+            s = owner.get(h)
+            if s is not None:
+                return s
+        return None
+
+    def _least(self, load: list[float]) -> int:
+        # ties go to the shard with less cumulative work, then the lower index
+        cum = self._cumulative
+        return min(range(self.num_shards), key=lambda i: (load[i], cum[i]))
+
+    def complete(self, shard: int, est_work: float, est_decode_tokens: int, prompt_tokens: int,
+                 cached_tokens: int) -> None:
+        """One finished request: its routing-time estimates leave the shard's outstanding work and
+        its actual prompt/cached token counts are recorded."""
+        self._check_shard(shard)
+        if not est_work >= 0 or not est_decode_tokens >= 0 or not 0 <= cached_tokens <= prompt_tokens:
+            raise ValueError("completion needs est_work >= 0, est_decode_tokens >= 0 and 0 <= cached_tokens "
+                             f"<= prompt_tokens; got {est_work!r}, {est_decode_tokens!r}, {cached_tokens!r}, "
+                             f"{prompt_tokens!r}")
+        # a completion may arrive after drop_shard reset the shard; never go below zero
+        done = min(self._outstanding[shard], est_work + self.decode_cost * est_decode_tokens)
+        self._outstanding[shard] -= done
+        self._total_outstanding = max(0.0, self._total_outstanding - done)
+        self._completed[shard] += 1
+        self._prompt_tokens[shard] += prompt_tokens
+        self._cached_tokens[shard] += cached_tokens
+        self._actual_work[shard] += estimate_prefill_work(prompt_tokens, cached_tokens)
+
+    def complete_many(self, completions: Sequence[tuple[int, float, int, int, int]]) -> None:
+        """complete() for each (shard, est_work, est_decode_tokens, prompt_tokens, cached_tokens)."""
+        for c in completions:
+            self.complete(*c)
+
+    def drop_shard(self, shard: int) -> None:
+        """Forget a restarted shard's prefixes (its engine is cold) and its outstanding work (its
+        in-flight requests are gone; the client resubmits them)."""
+        self._check_shard(shard)
+        before = len(self._owner)
+        self._owner = OrderedDict((h, s) for h, s in self._owner.items() if s != shard)
+        self.counters["dropped"] += before - len(self._owner)
+        self._total_outstanding = max(0.0, self._total_outstanding - self._outstanding[shard])
+        self._outstanding[shard] = 0.0
+
+    def _check_shard(self, shard: int) -> None:
+        if not isinstance(shard, int) or not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard must be an integer in [0, {self.num_shards}); got {shard!r}")
+
+    def stats(self) -> dict:
+        shards = []
+        for s in range(self.num_shards):
+            prompt = self._prompt_tokens[s]
+            shards.append({
+                "shard": s, "outstanding_work": self._outstanding[s], "cumulative_work": self._cumulative[s],
+                "actual_prefill_work": self._actual_work[s], "routed": self._routed[s],
+                "completed": self._completed[s], "prompt_tokens": prompt, "cached_tokens": self._cached_tokens[s],
+                "cached_fraction": self._cached_tokens[s] / prompt if prompt else 0.0,
+            })
+        return {"policy": self.policy, "num_shards": self.num_shards, "spill_factor": self.spill_factor,
+                "entries": len(self._owner), "max_entries": self.max_entries, "counters": dict(self.counters),
+                "shards": shards}
