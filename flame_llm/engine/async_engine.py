@@ -148,7 +148,7 @@ class AsyncEngine:
         new = seq.completion_token_ids[p.num_streamed:]
         if new:
             p.num_streamed += len(new)
-            p.loop.call_soon_threadsafe(_put_many, p.stream, new)
+            _call(p.loop, _put_many, p.stream, new)
 
     def _deliver(self, seq: Sequence) -> None:
         p = self._pending.pop(seq.request_id, None)
@@ -156,8 +156,8 @@ class AsyncEngine:
             return
         if self._streams.pop(seq.request_id, None) is not None:
             self._push_tokens(p)
-            p.loop.call_soon_threadsafe(p.stream.put_nowait, None)
-        p.loop.call_soon_threadsafe(_resolve, p.future, self.engine.make_output(seq))
+            _call(p.loop, p.stream.put_nowait, None)
+        _call(p.loop, _resolve, p.future, self.engine.make_output(seq))
 
     def _fail_all(self, exc: BaseException) -> None:
         pending = list(self._pending.values()) + [p for _, p in self._adds]
@@ -165,8 +165,16 @@ class AsyncEngine:
         self._adds.clear()
         for p in pending:
             if p.stream is not None:
-                p.loop.call_soon_threadsafe(p.stream.put_nowait, None)
-            p.loop.call_soon_threadsafe(_fail, p.future, exc)
+                _call(p.loop, p.stream.put_nowait, None)
+            _call(p.loop, _fail, p.future, exc)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Hand a result to the caller's loop; a caller whose loop has closed no longer listens."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
 
 
 def _put_many(queue: asyncio.Queue, items: list[int]) -> None:

@@ -1,0 +1,297 @@
+"""The Python client: routes each formed batch with one router call, queues requests on per-shard
+batchers, sends compressed payloads to the engine actors, retries what was rejected as overloaded
+or lost with a dead actor, and returns results in input order.
+
+All client work runs on one private event loop thread, so `generate` (sync) and `agenerate` (from
+any asyncio loop) share the batchers and concurrent callers' requests coalesce into batches."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+
+from flame_llm.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.sampling_params import SamplingParams
+from flame_llm.wire import BATCH_OVERHEAD, WireRequest, decode_results, encode_requests, request_wire_size
+
+log = logging.getLogger(__name__)
+RETRYABLE = ("overloaded",)
+
+
+@dataclass(slots=True)
+class Pending:
+    rid: str
+    tokens: np.ndarray  # uint32
+    sampling: SamplingParams
+    chain: list[int]
+    est_work: float
+    wire_bytes: int
+    future: asyncio.Future
+    shard: int = -1
+    attempts: int = 0
+
+
+class ShardBatcher:
+    """One shard's queue: flushes at max_prompts, after window_s from its first request, or before the
+    decoded payload would pass max_bytes, whichever comes first. `send(shard, batch)` is awaited in
+    its own task, so batches to one shard overlap."""
+
+    def __init__(self, shard: int, send, max_prompts: int = 128, window_s: float = 0.010,
+                 max_bytes: int = 4 << 20):
+        self.shard, self.send = shard, send
+        self.max_prompts, self.window_s, self.max_bytes = max_prompts, window_s, max_bytes
+        self.items: list[Pending] = []
+        self.nbytes = BATCH_OVERHEAD
+        self.timer: asyncio.TimerHandle | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self.flushes = {"prompts": 0, "window": 0, "bytes": 0}
+
+    def add(self, p: Pending) -> None:
+        assert p.wire_bytes + BATCH_OVERHEAD <= self.max_bytes, "oversized requests are refused before batching"
+        if self.nbytes + p.wire_bytes > self.max_bytes:
+            self.flush("bytes")
+        self.items.append(p)
+        self.nbytes += p.wire_bytes
+        if len(self.items) >= self.max_prompts:
+            self.flush("prompts")
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.window_s, self.flush, "window")
+
+    def flush(self, why: str) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.items, self.nbytes = self.items, [], BATCH_OVERHEAD
+        if batch:
+            self.flushes[why] += 1
+            task = asyncio.get_running_loop().create_task(self.send(self.shard, batch))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+
+class Client:
+    def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str,
+                 max_batch_prompts: int = 128, batch_window_ms: float = 10.0, max_batch_bytes: int = 4 << 20,
+                 zstd_level: int = 1, max_retries: int = 20, restart_timeout_s: float = 300.0,
+                 model_dir: str | None = None, service=None):
+        assert actors, "a service has at least one shard"
+        self.router, self.actors, self.model_revision = router, dict(actors), model_revision
+        self.max_batch_bytes, self.zstd_level, self.max_retries = max_batch_bytes, zstd_level, max_retries
+        self.restart_timeout_s, self.model_dir, self.service = restart_timeout_s, model_dir, service
+        self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        self._tokenizer = None
+        self._incarnation: dict[int, str] = {}
+        self._recovering: dict[int, asyncio.Future] = {}
+        self.counters = {"batches": 0, "route_calls": 0, "retries": 0, "restarts_seen": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
+        self._thread.start()
+        self.batchers = {s: ShardBatcher(s, self._send, max_batch_prompts, batch_window_ms / 1000.0,
+                                         max_batch_bytes) for s in self.actors}
+        for s, h in zip(self.actors, ray.get([a.health.remote() for a in self.actors.values()]), strict=True):
+            self._incarnation[s] = h["incarnation"]
+
+    @classmethod
+    def connect(cls, namespace: str = "flame", address: str | None = "auto", **kwargs) -> Client:
+        """Attach to a running service (see flame_llm.service)."""
+        from flame_llm.service import connect
+        return connect(namespace=namespace, address=address, **kwargs)
+
+    def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = False) -> list[dict]:
+        fut = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params, use_tqdm), self._loop)
+        return fut.result()
+
+    async def agenerate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        fut = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params, False), self._loop)
+        return await asyncio.wrap_future(fut)
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- on the client loop ---
+
+    async def _generate(self, prompts: list, sampling_params, use_tqdm: bool) -> list[dict]:
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries; prompts has {len(prompts)}")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        pend, routed = [], []
+        for prompt, sp in zip(prompts, sampling_params, strict=True):
+            tokens = self._tokens(prompt)
+            bad = tokens if isinstance(tokens, str) else None
+            if bad is not None:
+                tokens = np.zeros(0, dtype=np.uint32)
+            p = Pending(next(self._ids), tokens, sp, [], 0.0, request_wire_size(len(tokens), len(sp.stop_token_ids)),
+                        loop.create_future())
+            pend.append(p)
+            if bad is not None:
+                p.future.set_result(_error(p, "bad_prompt", bad))
+            elif not len(tokens):
+                p.future.set_result(_error(p, "empty_prompt", "prompt must hold at least 1 token; got 0"))
+            elif p.wire_bytes + BATCH_OVERHEAD > self.max_batch_bytes:
+                p.future.set_result(_error(p, "over_budget", f"request needs {p.wire_bytes} decoded bytes; "
+                                                             f"max_batch_bytes is {self.max_batch_bytes}"))
+            else:
+                p.chain = prefix_chain(tokens, self.model_revision)
+                p.est_work = estimate_prefill_work(len(tokens))
+                routed.append(p)
+        if routed:
+            await self._route(routed)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(pend), desc="requests")
+            for p in pend:
+                p.future.add_done_callback(lambda _: bar.update(1))
+        results = await asyncio.gather(*(p.future for p in pend))
+        if bar is not None:
+            bar.close()
+        t1 = time.perf_counter()
+        for r in results:
+            r["timings"]["client_s"] = t1 - t0
+            if self._tokenizer is not None and r["error"] is None:
+                r["text"] = self._tokenizer.decode(r["output_token_ids"])
+        return results
+
+    async def _route(self, batch: list[Pending]) -> None:
+        self.counters["route_calls"] += 1
+        try:
+            shards = await self.router.route.remote([(p.chain, p.est_work, p.sampling.max_tokens) for p in batch])
+        except Exception as e:  # the router is down: every request of the batch gets the error
+            for p in batch:
+                p.future.set_result(_error(p, "router_error", f"{type(e).__name__}: {e}"))
+            return
+        assert len(shards) == len(batch), "the router answers every request"
+        for p, s in zip(batch, shards, strict=True):
+            p.shard = s
+            self.batchers[s].add(p)
+
+    async def _send(self, shard: int, batch: list[Pending]) -> None:
+        try:
+            await self._send_batch(shard, batch)
+        except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
+            log.exception("shard %d: batch of %d failed", shard, len(batch))
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_result(_error(p, "client_error", f"{type(e).__name__}: {e}"))
+
+    async def _send_batch(self, shard: int, batch: list[Pending]) -> None:
+        self.counters["batches"] += 1
+        t0 = time.perf_counter()
+        payload = encode_requests([WireRequest(p.rid, p.tokens, p.sampling) for p in batch], self.model_revision,
+                                  self.zstd_level)
+        t1 = time.perf_counter()
+        try:
+            results = decode_results(await self.actors[shard].submit.remote(payload))
+        except RayActorError as e:
+            log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
+                        shard, len(batch), type(e).__name__)
+            if await self._await_restart(shard):
+                # the restarted engine is cold and the router dropped its prefixes: route them again
+                for p in batch:
+                    p.attempts += 1
+                self.counters["retries"] += len(batch)
+                await self._route(batch)
+            else:
+                for p in batch:
+                    p.future.set_result(_error(p, "shard_unavailable", f"shard {shard} died and did not come "
+                                                                       f"back within {self.restart_timeout_s}s: {e}"))
+            return
+        t2 = time.perf_counter()
+        if len(results) != len(batch):  # the actor could not read the batch: one record for all
+            assert len(results) == 1 and results[0]["id"] is None, "one result per request or one batch error"
+            results = [{**results[0], "id": p.rid} for p in batch]
+        completions = []
+        for p, r in zip(batch, results, strict=True):
+            assert r["id"] in (p.rid, None), "results come back in input order"
+            err = r["error"]
+            if err is not None and err["code"] in RETRYABLE and p.attempts < self.max_retries:
+                self._retry(p, err["retry_after_s"] or 0.0)
+                continue
+            r["id"] = p.rid
+            r["timings"].update(encode_s=t1 - t0, roundtrip_s=t2 - t1, attempts=p.attempts + 1)
+            ok = err is None
+            completions.append((shard, p.est_work, p.sampling.max_tokens, r["prompt_tokens"] if ok else 0,
+                                r["cached_tokens"] if ok else 0))
+            if not p.future.done():
+                p.future.set_result(r)
+        if completions:
+            self.router.complete.remote(completions)
+
+    def _retry(self, p: Pending, delay_s: float) -> None:
+        p.attempts += 1
+        self.counters["retries"] += 1
+        asyncio.get_running_loop().call_later(delay_s, self.batchers[p.shard].add, p)
+
+    async def _await_restart(self, shard: int) -> bool:
+        """Wait until the shard's actor answers again (shared by every batch that saw it die); when it
+        is a new incarnation, its engine is cold: the router drops the shard's prefixes."""
+        fut = self._recovering.get(shard)
+        if fut is None:
+            fut = self._recovering[shard] = asyncio.ensure_future(self._restart_once(shard))
+            fut.add_done_callback(lambda _: self._recovering.pop(shard, None))
+        return await asyncio.shield(fut)
+
+    async def _restart_once(self, shard: int) -> bool:
+        deadline = time.monotonic() + self.restart_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                h = await asyncio.wait_for(self.actors[shard].health.remote(), timeout=10.0)
+            except (RayActorError, asyncio.TimeoutError):
+                await asyncio.sleep(0.2)
+                continue
+            if h["incarnation"] != self._incarnation[shard]:
+                self._incarnation[shard] = h["incarnation"]
+                self.counters["restarts_seen"] += 1
+                await self.router.drop_shard.remote(shard)
+            return True
+        return False
+
+    def _tokens(self, prompt) -> np.ndarray | str:
+        """The prompt as uint32 token ids, or the reason it cannot be one."""
+        if isinstance(prompt, str):
+            return np.asarray(self._tokenize(prompt), dtype=np.uint32)
+        arr = prompt if isinstance(prompt, np.ndarray) else np.asarray(prompt)
+        if arr.ndim != 1 or arr.size and arr.dtype.kind not in "iu":
+            return f"prompt must be text or a flat sequence of token ids; got dtype {arr.dtype}, shape {arr.shape}"
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
+            return f"token ids must be in [0, 2**32); got min {int(arr.min())}, max {int(arr.max())}"
+        return arr.astype(np.uint32, copy=False)
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except Exception as e:
+                raise ValueError(f"prompts are text but the model dir {self.model_dir!r} has no usable "
+                                 f"tokenizer ({type(e).__name__}); pass token ids instead") from None
+        return self._tokenizer.encode(text)
+
+
+def _error(p: Pending, code: str, message: str) -> dict:
+    return {"id": p.rid, "output_token_ids": [], "finish_reason": None, "prompt_tokens": len(p.tokens),
+            "cached_tokens": 0, "shard": p.shard, "gpu_uuid": "", "node": "", "timings": {},
+            "error": {"code": code, "message": message, "retry_after_s": None}}

@@ -1,0 +1,178 @@
+"""Paged attention on the GPU with our Triton kernels (see triton_kernels.py for the kernel design).
+
+`triton_attention_forward` stores this step's K/V, then attends every query segment over its cached
+keys. Decode steps (is_decode) launch without host syncs or value-dependent shapes, so they can be
+captured in a CUDA graph. Fresh-only prefill steps can optionally go through torch's dense fused
+attention instead (DENSE_PREFILL), which the GPU benchmark compares against our kernel."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flame_llm.engine.context import AttentionMetadata
+from flame_llm.kernels.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
+
+logger = logging.getLogger(__name__)
+
+
+class TileConfig(NamedTuple):
+    block_m: int  # query rows per program: tokens x (query heads per kv head, padded to a power of 2)
+    block_n: int  # keys per K/V tile
+    num_warps: int
+    num_stages: int
+
+
+PREFILL_CONFIG = TileConfig(128, 64, 8, 3)
+DECODE_CONFIG = TileConfig(16, 64, 4, 3)  # block_m is raised to the padded GQA group when larger
+SMALL_Q_ROWS = 64  # segments with at most this many (token, head) rows use the decode-style config
+MIN_SPLIT_KEYS = 256  # split-KV never gives a split fewer keys than this (by max_seqlen_k)
+MAX_SPLITS = 64
+# Fresh-only (no cached prefix) prefill steps: "triton" (our kernel, as every other step) or torch's dense
+# attention on the fresh k/v: "sdpa" (torch picks), "cudnn", "flash", "efficient" (SDPA restricted to
+# that backend), "varlen" (torch.nn.attention.varlen.varlen_attn). The GPU benchmark decides the default.
+FRESH_PREFILL_BACKEND = "triton"
+FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen")
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # CPU (interpreter): behave like an H200 so the split-KV path is exercised
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, Hkv, D] into the cache rows slot_mapping [T]; slot -1 (padding) is skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "cache blocks must be dense"
+    assert k_cache.stride() == v_cache.stride() and slot_mapping.shape[0] >= num_tokens
+    if num_tokens == 0:
+        return
+    store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+
+
+def pick_config(meta: AttentionMetadata, group: int) -> TileConfig:
+    group_pad = triton.next_power_of_2(group)
+    if meta.is_decode or meta.max_seqlen_q * group_pad <= SMALL_Q_ROWS:
+        rows = 1 if meta.is_decode else meta.max_seqlen_q
+        block_m = max(DECODE_CONFIG.block_m, triton.next_power_of_2(rows * group_pad))
+        return DECODE_CONFIG._replace(block_m=block_m)
+    return PREFILL_CONFIG._replace(block_m=max(PREFILL_CONFIG.block_m, group_pad))
+
+
+def pick_num_splits(num_programs: int, max_seqlen_k: int, num_sms: int) -> int:
+    """Split the keys when the other grid dimensions leave SMs idle (small-batch decode / verify)."""
+    if num_programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, num_programs)
+    return max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, config: TileConfig | None = None,
+                           num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T, H, D] over the paged cache (no store). Rows past cu_seqlens_q[-1] are garbage."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size ({block_size}) must be a power of two")
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(0) == block_size * k_cache.stride(1), "cache blocks must be dense"
+    assert meta.block_tables.stride(1) == 1
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    cfg = config or pick_config(meta, group)
+    assert cfg.block_m % group_pad == 0 and cfg.block_m >= 16, f"block_m {cfg.block_m} vs group {group}"
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = meta.seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q_tiles = triton.cdiv(meta.max_seqlen_q, cfg.block_m // group_pad)
+    if num_splits is None:
+        num_splits = pick_num_splits(q_tiles * num_seqs * num_kv_heads, meta.max_seqlen_k,
+                                     _sm_count(q.device))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_out = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    paged_attention_kernel[(q_tiles, num_seqs, num_kv_heads * num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), num_tokens * num_heads,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1:
+        combine_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_tokens * num_heads,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  backend: str) -> torch.Tensor:
+    """Causal attention of fresh-only segments on the fresh k/v with torch's fused kernels."""
+    if backend == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
+                           meta.max_seqlen_q, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    if meta.seq_lens.shape[0] == 1 and meta.max_seqlen_q == q.shape[0]:
+        bounds = [0, q.shape[0]]  # one unpadded segment: no host sync
+    else:
+        bounds = meta.cu_seqlens_q.tolist()
+    out = torch.empty_like(q)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            with _sdpa_backend(backend):
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _sdpa_backend(backend: str):
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    if backend == "sdpa":
+        return contextlib.nullcontext()
+    return sdpa_kernel([backends[backend]])
+
+
+def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                             fresh_backend: str | None = None) -> torch.Tensor:
+    """Store k/v [T, Hkv, D] at meta.slot_mapping, then return the attention output [T, H, D] of q.
+
+    fresh_backend: path for fresh-only prefill steps (default: the module's FRESH_PREFILL_BACKEND)."""
+    fresh_backend = fresh_backend or FRESH_PREFILL_BACKEND
+    if fresh_backend not in FRESH_PREFILL_BACKENDS:
+        raise ValueError(f"fresh_backend {fresh_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if fresh_backend != "triton" and meta.fresh_only and not meta.is_decode:
+        return dense_prefill(q, k, v, meta, scale, fresh_backend)
+    return paged_attention_triton(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,84 @@
+import asyncio
+import time
+
+import pytest
+
+from flame_llm import LLM, AsyncEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = AsyncEngine.from_args(tiny_llama, block_size=16)
+    yield eng
+    eng.shutdown()
+
+
+def test_concurrent_generate_matches_offline(engine, tiny_llama):
+    prompts = [[5, 6, 7, 8], list(range(10, 60)), [100, 200]]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = LLM(tiny_llama, block_size=16).generate(prompts, sp, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, sp) for p in prompts))
+
+    outs = asyncio.run(main())
+    assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in ref]
+    assert all(o.metrics["ttft"] is not None for o in outs)
+
+
+def test_stream_yields_tokens_in_order(engine):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main():
+        toks = [t async for t in engine.stream([9, 8, 7], sp)]
+        full = await engine.generate([9, 8, 7], sp)
+        return toks, full
+
+    toks, full = asyncio.run(main())
+    assert toks == full.output_token_ids and len(toks) == 8
+
+
+def test_abort_finishes_with_abort(engine):
+    sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+
+    async def main():
+        task = asyncio.ensure_future(engine.generate([1, 2, 3], sp, request_id="long"))
+        await asyncio.sleep(0.2)
+        engine.abort("long")
+        return await task
+
+    out = asyncio.run(main())
+    assert out.finish_reason == "abort" and len(out.output_token_ids) < 4000
+
+
+def test_bad_request_raises_in_caller_and_engine_keeps_serving(engine):
+    async def main():
+        with pytest.raises(ValueError, match="vocab_size"):
+            await engine.generate([1, 10_000], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="already in flight"):
+            await asyncio.gather(engine.generate([1, 2], SamplingParams(max_tokens=50), request_id="dup"),
+                                 engine.generate([1, 2], SamplingParams(max_tokens=50), request_id="dup"))
+        return await engine.generate([1, 2], SamplingParams(max_tokens=2))
+
+    assert len(asyncio.run(main()).output_token_ids) == 2
+    # the first "dup" outlives its caller's closed loop; it finishes without harming the engine
+    deadline = time.time() + 30
+    while engine.stats()["num_in_flight"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.stats()["num_in_flight"] == 0
+
+    async def after():
+        return await engine.generate([3, 4], SamplingParams(max_tokens=2))
+
+    assert len(asyncio.run(after()).output_token_ids) == 2
+
+
+def test_shutdown_fails_pending_and_refuses_new(tiny_llama):
+    eng = AsyncEngine.from_args(tiny_llama, block_size=16)
+    eng.shutdown()
+
+    async def main():
+        await eng.generate([1, 2], SamplingParams(max_tokens=2))
+
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(main())
