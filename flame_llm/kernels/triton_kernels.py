@@ -21,7 +21,7 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 1:
+    if slot < 0:  # padded row
         return
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
