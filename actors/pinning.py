@@ -33,7 +33,8 @@ class NodeGPUs:
 
 @dataclass(slots=True, frozen=True)
 class ShardPlacement:
-    shard: str  # "gpu-0", ... or "cpu-0", ...
+    shard: int  # 0..n-1, the router's and the results' shard id
+    name: str  # "gpu-0", ... or "cpu-0", ...
     node_id: str
     gpu_uuid: str | None  # None for a CPU shard
 
@@ -106,11 +107,11 @@ def plan_shards(nodes: list[NodeGPUs], num_shards: int | str = "auto", cpu_shard
         if not isinstance(n, int) or not 1 <= n <= len(slots):
             raise ValueError(f"num_shards must be 'auto' or an integer in [1, {len(slots)}] "
                              f"(GPUs in the cluster); got {num_shards!r}")
-        return [ShardPlacement(f"gpu-{k}", node, uuid) for k, (node, uuid) in enumerate(slots[:n])]
+        return [ShardPlacement(k, f"gpu-{k}", node, uuid) for k, (node, uuid) in enumerate(slots[:n])]
     n = cpu_shards if num_shards == "auto" else num_shards
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"num_shards must be 'auto' or an integer >= 1; got {num_shards!r}")
-    return [ShardPlacement(f"cpu-{k}", nodes[k % len(nodes)].node_id, None) for k in range(n)]
+    return [ShardPlacement(k, f"cpu-{k}", nodes[k % len(nodes)].node_id, None) for k in range(n)]
 
 
 def normalize_uuid(uuid: str) -> str:

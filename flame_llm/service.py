@@ -41,6 +41,11 @@ def init_ray(cfg: ServiceConfig) -> bool:
         return False
     kwargs = {"namespace": cfg.namespace, "logging_level": logging.WARNING, "log_to_driver": False}
     if cfg.ray_address is None:
+        # workers of a local Ray inherit this environment: let them import our packages from a checkout
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if root not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
         ray.init(num_cpus=cfg.ray_num_cpus, include_dashboard=False, **kwargs)
         return True
     ray.init(address=cfg.ray_address, **kwargs)

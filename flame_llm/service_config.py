@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-ROUTER_POLICIES = ("cumulative", "load_guarded")
+from router.policy import POLICIES as ROUTER_POLICIES
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ def test_parse_nvidia_smi_rejects_garbage():
 def test_plan_one_shard_per_gpu_on_every_node():
     fake_nodes = [NodeGPUs("node-a", FAKE_UUIDS_A, 2), NodeGPUs("node-b", FAKE_UUIDS_B, 2)]
     plan = plan_shards(fake_nodes)
-    assert [p.shard for p in plan] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+    assert [(p.shard, p.name) for p in plan] == [(0, "gpu-0"), (1, "gpu-1"), (2, "gpu-2"), (3, "gpu-3")]
     assert [p.node_id for p in plan] == ["node-a", "node-a", "node-b", "node-b"]
     assert [p.gpu_uuid for p in plan] == list(FAKE_UUIDS_A + FAKE_UUIDS_B)
     assert len({p.gpu_uuid for p in plan}) == 4  # never two shards on one GPU
@@ -61,9 +61,9 @@ def test_plan_errors_name_the_limit():
 
 def test_plan_cpu_shards_round_robin_over_nodes():
     plan = plan_shards([NodeGPUs("node-a", ()), NodeGPUs("node-b", ())])
-    assert [(p.shard, p.node_id, p.gpu_uuid) for p in plan] == [("cpu-0", "node-a", None),
-                                                                ("cpu-1", "node-b", None)]
-    assert [p.shard for p in plan_shards([NodeGPUs("n", ())], 3)] == ["cpu-0", "cpu-1", "cpu-2"]
+    assert [(p.shard, p.name, p.node_id, p.gpu_uuid) for p in plan] == [(0, "cpu-0", "node-a", None),
+                                                                        (1, "cpu-1", "node-b", None)]
+    assert [p.name for p in plan_shards([NodeGPUs("n", ())], 3)] == ["cpu-0", "cpu-1", "cpu-2"]
 
 
 def test_check_device_accepts_torch_form_and_rejects_mismatch():

@@ -1,0 +1,182 @@
+"""The engine actor: one per GPU (or CPU shard), holding one AsyncEngine for its whole life.
+
+`submit` runs in the default concurrency group (its own event loop); health, stats, drain and
+shutdown run in the "control" group, on another loop, so a saturated admission loop never starves
+them. Ray creates the class with `ray.remote(EngineActor).options(...)` in flame_llm.service.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+import uuid
+
+import ray
+
+from actors.admission import Admission, Overloaded
+from actors.pinning import pin_visible_device, verify_device
+
+log = logging.getLogger(__name__)
+
+CONTROL_GROUP = "control"
+CONCURRENCY_GROUPS = {CONTROL_GROUP: 4}
+
+
+def resolve_model(model: str) -> str:
+    if model == "tiny":
+        from flame_llm.tiny import ensure_tiny_default
+        return ensure_tiny_default()
+    return model
+
+
+class EngineActor:
+    def __init__(self, shard: int, name: str, gpu_uuid: str | None, model: str, engine_kwargs: dict,
+                 max_inflight_tokens: int, max_inflight_requests: int, max_queued_requests: int,
+                 max_decoded_bytes: int = 4 << 20, zstd_level: int = 1, torch_threads: int = 1):
+        pin_visible_device(gpu_uuid)  # before anything touches CUDA
+        import torch
+
+        from flame_llm import AsyncEngine
+
+        self.shard, self.name, self.gpu_uuid = shard, name, gpu_uuid
+        self.device_id = gpu_uuid or name  # what results report as gpu_uuid: the UUID, or "cpu-k"
+        kwargs = dict(engine_kwargs)
+        if gpu_uuid is not None:
+            verify_device(gpu_uuid, name)
+            kwargs.setdefault("device", "cuda")
+        else:
+            torch.set_num_threads(torch_threads)
+            kwargs.setdefault("device", "cpu")
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        self.restarted = ctx.was_current_actor_reconstructed
+        self.incarnation = uuid.uuid4().hex  # lets the client tell a restarted actor from the old one
+        t0 = time.perf_counter()
+        self.model = resolve_model(model)
+        self.engine = AsyncEngine.from_args(self.model, **kwargs)
+        cfg = self.engine.config
+        self.model_revision = cfg.model_revision
+        self.vocab_size = cfg.hf_config.vocab_size
+        self.max_model_len = cfg.max_model_len
+        self.load_s = time.perf_counter() - t0
+        self.max_decoded_bytes, self.zstd_level = max_decoded_bytes, zstd_level
+        self.admission = Admission(max_inflight_tokens, max_inflight_requests, max_queued_requests)
+        self.draining = False
+        self.counters = {"batches": 0, "requests": 0, "bad_batches": 0, "errors": 0, "cached_tokens": 0,
+                         "prompt_tokens": 0, "output_tokens": 0, "decode_s": 0.0, "encode_s": 0.0}
+        # Everything allocated so far lives as long as the actor: keep the collector off it.
+        gc.collect()
+        gc.freeze()
+        self.frozen_objects = gc.get_freeze_count()
+        log.info("shard %s on %s (node %s): model loaded in %.1fs, %d objects frozen%s", name, self.device_id,
+                 self.node_id, self.load_s, self.frozen_objects, " (restarted)" if self.restarted else "")
+
+    def _base(self) -> dict:
+        return {"shard": self.shard, "gpu_uuid": self.device_id, "node": self.node_id}
+
+    async def submit(self, payload: bytes) -> bytes:
+        """A request batch payload in, a result payload out (input order). Never raises for bad input."""
+        from flame_llm.wire import WireError, decode_requests, encode_results
+
+        t0 = time.perf_counter()
+        self.counters["batches"] += 1
+        try:
+            batch = decode_requests(payload, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                                    max_decoded_bytes=self.max_decoded_bytes,
+                                    expected_revision=self.model_revision)
+        except WireError as e:
+            self.counters["bad_batches"] += 1
+            err = {"code": e.code, "message": str(e), "retry_after_s": None}
+            return encode_results([{**self._base(), "id": None, "error": err}], self.zstd_level)
+        t1 = time.perf_counter()
+        self.counters["decode_s"] += t1 - t0
+        results = await asyncio.gather(*(self._serve(item, t1) for item in batch.items))
+        for r in results:
+            r["timings"]["decode_s"] = t1 - t0
+        t2 = time.perf_counter()
+        out = encode_results(results, self.zstd_level)
+        self.counters["encode_s"] += time.perf_counter() - t2
+        return out
+
+    async def _serve(self, item, t_start: float) -> dict:
+        from flame_llm.wire import RequestError
+
+        if isinstance(item, RequestError):
+            self.counters["errors"] += 1
+            return {**self._base(), "id": item.id, "error": item.to_dict(), "timings": {}}
+        res = {**self._base(), "id": item.id, "prompt_tokens": len(item.prompt_token_ids)}
+        if self.draining:
+            self.counters["errors"] += 1
+            res["error"] = {"code": "draining", "message": f"shard {self.name} is draining",
+                            "retry_after_s": None}
+            res["timings"] = {}
+            return res
+        sp = item.sampling
+        cost = len(item.prompt_token_ids) + sp.max_tokens
+        try:
+            await self.admission.acquire(cost)
+        except Overloaded as e:
+            self.counters["errors"] += 1
+            res["error"] = {"code": "overloaded", "message": f"shard {self.name}: {e}",
+                            "retry_after_s": e.retry_after_s}
+            res["timings"] = {"queue_s": time.perf_counter() - t_start}
+            return res
+        t_admit = time.perf_counter()
+        try:
+            out = await self.engine.generate(item.prompt_token_ids.tolist(), sp, request_id=item.id)
+        except Exception as e:  # one request's failure must not fail its batch
+            self.counters["errors"] += 1
+            if isinstance(e, ValueError):  # the engine's own request checks (KV pool size, length)
+                code = "invalid_request"
+            else:
+                code = "engine_error"
+                log.exception("shard %s: request %s failed", self.name, item.id)
+            res["error"] = {"code": code, "message": f"{type(e).__name__}: {e}", "retry_after_s": None}
+            res["timings"] = {"queue_s": t_admit - t_start}
+            return res
+        finally:
+            self.admission.release(cost)
+        t_done = time.perf_counter()
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += out.num_prompt_tokens
+        self.counters["cached_tokens"] += out.num_cached_tokens
+        self.counters["output_tokens"] += len(out.output_token_ids)
+        res.update(output_token_ids=out.output_token_ids, finish_reason=out.finish_reason,
+                   prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+                   timings={"queue_s": t_admit - t_start, "engine_s": t_done - t_admit,
+                            "total_s": t_done - t_start,
+                            **{k: float(v) for k, v in out.metrics.items()
+                               if k in ("ttft", "tpot") and isinstance(v, (int, float))}})
+        return res
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def health(self) -> dict:
+        return {**self._base(), "name": self.name, "incarnation": self.incarnation, "restarted": self.restarted,
+                "pid": os.getpid(), "model": self.model, "model_revision": self.model_revision,
+                "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
+                "max_decoded_bytes": self.max_decoded_bytes, "draining": self.draining}
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def stats(self) -> dict:
+        return {**self.health(), **self.counters, **self.admission.stats(), "load_s": self.load_s,
+                "frozen_objects": self.frozen_objects, "engine": self.engine.stats()}
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def drain(self, timeout_s: float = 60.0) -> bool:
+        """Refuse new requests; wait until admitted and queued ones finish. True when drained."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.admission.requests or self.admission.queued:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def shutdown(self, timeout_s: float = 60.0) -> bool:
+        drained = await self.drain(timeout_s)
+        gc.unfreeze()
+        self.engine.shutdown()
+        return drained
