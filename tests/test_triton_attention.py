@@ -53,7 +53,8 @@ def make_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, *
     meta = AttentionMetadata(
         cu_seqlens_q=cu, seq_lens=lens, block_tables=block_tables, slot_mapping=torch.cat(slots),
         max_seqlen_q=max(q_lens_all), max_seqlen_k=max_seqlen_k or max(seq_lens), is_decode=decode,
-        fresh_only=list(seq_lens) == list(q_lens) and pad_rows == 0, cu_seqlens_k=lens.cumsum(0).to(torch.int32))
+        fresh_only=list(seq_lens) == list(q_lens) and pad_rows == 0,
+        cu_seqlens_k=torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32))
     tensors = [q, k, v, k_cache, v_cache]
     for name in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "cu_seqlens_k"):
         setattr(meta, name, getattr(meta, name).to(device))
@@ -166,3 +167,60 @@ def test_user_errors_name_the_field():
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_bf16_matches_torch(name):
     run_and_check(CASES[name] | dict(dtype=torch.bfloat16, device="cuda"), tol=1e-2)
+
+
+def _fake_flash_attn():
+    """flash_attn's two entry points emulated with the torch reference (the real one needs CUDA)."""
+    import types
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, block_table=None):
+        assert causal and max_q >= 1 and max_k >= 1
+        if block_table is None:  # contiguous k/v: view every token as its own cache block
+            lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+            block_table = torch.full((len(lens), int(lens.max())), -1, dtype=torch.int32)
+            for i, (s, e) in enumerate(zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+                block_table[i, :e - s] = torch.arange(s, e)
+            k, v = k[:, None], v[:, None]
+        return paged_attention(q, k, v, cu_q, cu_k[1:] - cu_k[:-1], block_table, softmax_scale)
+
+    def with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=False):
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+        return paged_attention(q[:, 0], k_cache, v_cache, cu, cache_seqlens, block_table, softmax_scale)[:, None]
+
+    return types.SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_with_kvcache=with_kvcache)
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    import importlib
+    import sys
+
+    from flame_llm.kernels import flash_backend
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
+    yield importlib.reload(flash_backend)
+    monkeypatch.delitem(sys.modules, "flash_attn")
+    importlib.reload(flash_backend)
+
+
+@pytest.mark.parametrize("name", ["fresh_ragged_gqa4_d64_bs16", "prefix_gqa8_d64_bs64", "decode_gqa8_d64_bs32"])
+def test_flash_backend_plumbing(fake_flash, name):
+    case = CASES[name] | dict(block_size=256)
+    (q, k, v, k_cache, v_cache), meta = make_case(**case)
+    num_real = len(case["seq_lens"])
+    k_ref, v_ref, ref = reference(q, k, v, k_cache, v_cache, meta, num_real, 0.125)
+    assert fake_flash.FLASH_ATTN_AVAILABLE
+    out = fake_flash.flash_attention_forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="block_size"):
+        fake_flash.flash_attention_forward(q, k, v, k_cache[:, :128], v_cache[:, :128], meta, 0.125)
+
+
+def test_flash_backend_imports_without_flash_attn():
+    from flame_llm.kernels import flash_backend
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        assert not flash_backend.FLASH_ATTN_AVAILABLE
+        with pytest.raises(RuntimeError, match="flash_attn"):
+            flash_backend.flash_attention_forward(*[None] * 5, None, 1.0)
