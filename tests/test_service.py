@@ -1,0 +1,270 @@
+"""The service on a real local Ray cluster: two CPU shards of the tiny model, the named router, the
+client. One Ray session for the module; the admission gate is tested on its own first."""
+import asyncio
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import ray
+import zstandard
+
+from actors.admission import Admission, Overloaded
+from flame_llm import LLM, SamplingParams
+from flame_llm.routing_key import estimate_prefill_work
+from flame_llm.service import start_service
+from flame_llm.service_config import ServiceConfig
+from flame_llm.wire import WireRequest, decode_results, encode_requests
+
+ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16, "cpu_kvcache_gib": 0.0625}
+
+
+# --- admission gate (no Ray) ---
+
+def test_admission_bounds_wait_fifo_and_reject():
+    async def main():
+        gate = Admission(max_tokens=100, max_requests=2, max_queued=2)
+        await gate.acquire(60)
+        await gate.acquire(30)
+        assert gate.stats()["inflight_requests"] == 2
+        order = []
+
+        async def waiter(cost, tag):
+            await gate.acquire(cost)
+            order.append(tag)
+
+        w1 = asyncio.create_task(waiter(50, "a"))
+        w2 = asyncio.create_task(waiter(10, "b"))  # would fit by tokens after one release, but FIFO
+        await asyncio.sleep(0)
+        assert gate.queued == 2
+        with pytest.raises(Overloaded, match="max_queued_requests=2") as e:
+            await gate.acquire(1)
+        assert e.value.retry_after_s > 0
+        gate.release(60)  # frees 60 tokens and a slot: "a" (50) fits, then "b" needs a slot
+        await asyncio.sleep(0)
+        assert order == ["a"]
+        gate.release(30)
+        await asyncio.gather(w1, w2)
+        assert order == ["a", "b"] and gate.tokens == 60 and gate.requests == 2
+        gate.release(50)
+        gate.release(10)
+        assert gate.stats() == {"inflight_tokens": 0, "inflight_requests": 0, "queued": 0, "queued_tokens": 0,
+                                "admitted": 4, "rejected": 1, "waited": 2}
+
+    asyncio.run(main())
+
+
+def test_admission_oversized_request_runs_alone_and_cancel_leaves_queue():
+    async def main():
+        gate = Admission(max_tokens=10, max_requests=4, max_queued=4)
+        await gate.acquire(50)  # bigger than the bound, nothing in flight: admitted
+        task = asyncio.create_task(gate.acquire(5))
+        await asyncio.sleep(0)
+        assert gate.queued == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert gate.queued == 0 and gate.queued_tokens == 0
+        gate.release(50)
+        assert gate.tokens == 0 and gate.requests == 0
+
+    asyncio.run(main())
+
+
+# --- the service ---
+
+@pytest.fixture(scope="module")
+def service(tiny_llama):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = ServiceConfig(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
+                        router_policy="cumulative", namespace="test-service", max_inflight_requests=8,
+                        max_queued_requests=8)
+    svc = start_service(cfg)
+    client = svc.client()
+    yield svc, client
+    client.close()
+    svc.stop(timeout_s=10)
+    ray.shutdown()
+
+
+def _prompts(n, length, seed, prefix=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        body = rng.integers(3, 512, size=length).tolist()
+        out.append((prefix or []) + body)
+    return out
+
+
+def test_health_placement_and_frozen_heap(service):
+    svc, _ = service
+    assert [h["name"] for h in svc.health] == ["cpu-0", "cpu-1"]
+    assert [h["gpu_uuid"] for h in svc.health] == ["cpu-0", "cpu-1"]
+    stats = ray.get(svc.actors[0].stats.remote())
+    assert stats["frozen_objects"] > 0 and stats["model_revision"] == svc.health[0]["model_revision"]
+
+
+def test_outputs_equal_llm_generate(service, tiny_llama):
+    _, client = service
+    prompts = _prompts(6, 40, seed=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    seeded = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=12, seed=100 + i) for i in range(6)]
+    got_g = client.generate(prompts, greedy)
+    got_s = client.generate(prompts, seeded)
+    llm = LLM(tiny_llama, **ENGINE)
+    want_g = llm.generate(prompts, greedy, use_tqdm=False)
+    want_s = llm.generate(prompts, seeded, use_tqdm=False)
+    for got, want in ((got_g, want_g), (got_s, want_s)):
+        assert [r["error"] for r in got] == [None] * 6
+        assert [r["output_token_ids"] for r in got] == [w.output_token_ids for w in want]
+        assert [r["finish_reason"] for r in got] == [w.finish_reason for w in want]
+        assert [r["prompt_tokens"] for r in got] == [40] * 6
+    assert {r["shard"] for r in got_g} == {0, 1}  # six unseen prefixes: both shards serve
+    r = got_g[0]
+    assert r["node"] == ray.get_runtime_context().get_node_id()
+    assert set(r["timings"]) >= {"queue_s", "engine_s", "total_s", "client_s", "decode_s", "roundtrip_s"}
+
+
+def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):
+    svc, client = service
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    doc = _prompts(1, 300, seed=7)[0]  # more than one 256-token routing block
+    first = client.generate(_prompts(4, 8, seed=8, prefix=doc), sp)
+    again = client.generate(_prompts(4, 8, seed=9, prefix=doc), sp)
+    shards = {r["shard"] for r in first + again}
+    assert len(shards) == 1
+    assert all(r["cached_tokens"] >= 256 for r in again)  # the owner's cache holds the document
+    # unseen prefixes go, one by one, to the shard with the least cumulative estimated work
+    cum = [s["cumulative_work"] for s in ray.get(svc.router.stats.remote())["shards"]]
+    fresh = client.generate(_prompts(8, 300, seed=10), sp)
+    work = estimate_prefill_work(300)
+    expected = []
+    for _ in range(8):
+        k = int(np.argmin(cum))
+        cum[k] += work
+        expected.append(k)
+    assert [r["shard"] for r in fresh] == expected
+
+
+def test_overloaded_requests_are_retried(service):
+    svc, client = service
+    before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
+    prompts = _prompts(48, 16, seed=11)  # 24 per shard against 8 in flight + 8 queued
+    res = client.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    assert [r["error"] for r in res] == [None] * 48
+    rejected = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) - before
+    assert rejected > 0 and client.counters["retries"] >= rejected
+    assert max(r["timings"]["attempts"] for r in res) > 1
+
+
+def _raw(obj) -> bytes:
+    return zstandard.ZstdCompressor().compress(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_bad_inputs_get_their_errors_while_good_batch_completes(service):
+    svc, client = service
+    rev = svc.health[0]["model_revision"]
+    good_sp = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "max_tokens": 4, "ignore_eos": False,
+               "stop_token_ids": [], "seed": None}
+    tok = np.arange(5, 15, dtype="<u4").tobytes()
+
+    def req(rid, prompt=tok, sampling=good_sp):
+        return {"id": rid, "prompt": prompt, "sampling": sampling}
+
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))  # declares 8 MiB > the 4 MiB budget
+    batch_errors = {
+        "bad_zstd": b"not zstd at all",
+        "bad_msgpack": zstandard.ZstdCompressor().compress(b"\xc1\xc1\xc1"),
+        "bad_schema": _raw({"version": 1, "requests": []}),
+        "wrong_revision": _raw({"version": 1, "model_revision": "other@0", "requests": [req("x")]}),
+        "over_budget": bomb,
+    }
+    request_errors = _raw({"version": 1, "model_revision": rev, "requests": [
+        req("oov", np.array([5, 512], dtype="<u4").tobytes()),
+        req("empty", b""),
+        req("long", np.ones(1025, dtype="<u4").tobytes()),
+        req("sampling", sampling={**good_sp, "top_p": 0.0}),
+        req("ok"),
+        req("full", np.ones(1024, dtype="<u4").tobytes()),  # the engine needs room for one output token
+    ]})
+    good = _prompts(12, 24, seed=12)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(res=client.generate(good, SamplingParams(temperature=0.0,
+                                                                                           max_tokens=8))))
+    t.start()
+    actor = svc.actors[1]
+    refs = {code: actor.submit.remote(p) for code, p in batch_errors.items()}
+    per_req = decode_results(ray.get(actor.submit.remote(request_errors)))
+    for code, ref in refs.items():
+        (rec,) = decode_results(ray.get(ref))
+        assert rec["id"] is None and rec["error"]["code"] == code, rec
+    codes = {r["id"]: (r["error"] or {}).get("code") for r in per_req}
+    assert codes == {"oov": "token_out_of_range", "empty": "empty_prompt", "long": "prompt_too_long",
+                     "sampling": "bad_sampling", "ok": None, "full": "invalid_request"}
+    assert "top_p" in per_req[3]["error"]["message"]
+    t.join(timeout=120)
+    assert [r["error"] for r in out["res"]] == [None] * 12
+
+
+def test_client_side_errors_and_batch_level_error_fanout(service):
+    _, client = service
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    res = client.generate([[], [1, -3], [[1, 2]], [4, 5, 6], [600, 1]], sp)
+    assert [(r["error"] or {}).get("code") for r in res] == ["empty_prompt", "bad_prompt", "bad_prompt", None,
+                                                             "token_out_of_range"]
+    with pytest.raises(ValueError, match="sampling_params has 1 entries; prompts has 2"):
+        client.generate([[1], [2]], [sp])
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        client.generate(["text needs a tokenizer"], sp)
+
+
+def test_agenerate_from_caller_loop(service):
+    _, client = service
+    prompts = _prompts(3, 20, seed=13)
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+
+    async def main():
+        return await asyncio.gather(client.agenerate(prompts[:2], sp), client.agenerate(prompts[2:], sp))
+
+    a, b = asyncio.run(main())
+    assert [r["output_token_ids"] for r in a + b] == [r["output_token_ids"] for r in client.generate(prompts, sp)]
+
+
+def test_killed_actor_restarts_and_every_request_completes_once(service):
+    svc, client = service
+    victim = svc.actors[0]
+    old = ray.get(victim.health.remote())
+    prompts = _prompts(32, 60, seed=14)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(res=client.generate(prompts, SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True))))
+    t.start()
+    deadline = time.monotonic() + 60
+    while ray.get(victim.stats.remote())["inflight_requests"] == 0:  # mid-burst: the shard is busy
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    ray.kill(victim, no_restart=False)
+    t.join(timeout=180)
+    res = out["res"]
+    assert len(res) == 32 and len({r["id"] for r in res}) == 32
+    assert [r["error"] for r in res] == [None] * 32
+    assert all(len(r["output_token_ids"]) == 24 for r in res)
+    new = ray.get(victim.health.remote())
+    assert new["restarted"] and new["incarnation"] != old["incarnation"] and new["gpu_uuid"] == old["gpu_uuid"]
+    assert client.counters["restarts_seen"] == 1
+    assert ray.get(svc.router.stats.remote())["counters"]["dropped"] >= 0
+
+
+def test_drain_then_shutdown(service):
+    svc, client = service
+    actor = svc.actors[1]
+    assert ray.get(actor.drain.remote(5.0)) is True
+    res = client.generate(_prompts(1, 10, seed=15), SamplingParams(max_tokens=2))
+    if res[0]["shard"] == 1:
+        assert res[0]["error"]["code"] == "draining"
+    rev = svc.health[0]["model_revision"]
+    payload = encode_requests([WireRequest("d", [1, 2, 3], SamplingParams(max_tokens=2))], rev)
+    (rec,) = decode_results(ray.get(actor.submit.remote(payload)))
+    assert rec["error"]["code"] == "draining"
+    assert ray.get(actor.shutdown.remote(5.0)) is True
