@@ -1,0 +1,119 @@
+"""Burst traces: documents of generated token ids, each followed by questions, shuffled with a seed.
+
+no-reuse: num_docs documents x 1 question; reuse: num_docs x questions. A request's prompt is its
+document's tokens followed by its question's tokens, so every question of a document shares the whole
+document as its prefix and nothing else is shared. Token ids are drawn uniformly from the model's
+vocabulary [token_low, vocab_size) by a seeded generator (dummy-weight models have no tokenizer).
+
+Warmup rounds apply a per-round shift within the vocabulary to every token: lengths and prefix relations
+stay, but no warmup prefix equals a measured one, so the measured prefixes are unseen by the engines.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import xxhash
+
+from flame_llm.http_server import prompt_digest as input_hash  # the one digest: client and server agree
+
+TRACE_NAMES = ("no-reuse", "reuse")
+
+
+@dataclass(slots=True)
+class TraceSpec:
+    name: str = "reuse"  # "no-reuse": 1 question per document; "reuse": `questions` per document
+    num_docs: int = 64
+    questions: int = 4  # per document in the reuse trace
+    doc_tokens: int = 8192
+    question_tokens: int = 64
+    output_tokens: int = 16
+    seed: int = 0
+    vocab_size: int = 128256
+    token_low: int = 0  # ids are drawn from [token_low, vocab_size)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("name", self.name in TRACE_NAMES, f"one of {TRACE_NAMES}"),
+            ("num_docs", _int(self.num_docs) and self.num_docs >= 1, "an integer >= 1"),
+            ("questions", _int(self.questions) and self.questions >= 1, "an integer >= 1"),
+            ("doc_tokens", _int(self.doc_tokens) and self.doc_tokens >= 1, "an integer >= 1"),
+            ("question_tokens", _int(self.question_tokens) and self.question_tokens >= 1, "an integer >= 1"),
+            ("output_tokens", _int(self.output_tokens) and self.output_tokens >= 1, "an integer >= 1"),
+            ("seed", _int(self.seed) and self.seed >= 0, "an integer >= 0"),
+            ("token_low", _int(self.token_low) and self.token_low >= 0, "an integer >= 0"),
+            ("vocab_size", _int(self.vocab_size) and self.vocab_size >= self.token_low + 4,
+             f"an integer >= token_low + 4 ({self.token_low + 4})"),
+        ]
+        for field, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"trace field {field!r} must be {limit}; got {getattr(self, field)!r}")
+
+    @property
+    def questions_per_doc(self) -> int:
+        return 1 if self.name == "no-reuse" else self.questions
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_docs * self.questions_per_doc
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    rid: str
+    doc: int
+    question: int
+    token_ids: np.ndarray  # uint32
+    input_hash: str  # input_hash(token_ids)
+
+
+@dataclass(slots=True)
+class Trace:
+    spec: TraceSpec
+    requests: list[TraceRequest]  # in release order (shuffled)
+    shift: int = 0  # 0 for the measured trace; warmup round k uses a nonzero shift
+
+    def describe(self) -> dict:
+        """What the report records about the trace: its spec, lengths, prefix relations and a digest."""
+        s = self.spec
+        digest = xxhash.xxh64()
+        for r in self.requests:
+            digest.update(r.input_hash.encode())
+        return {**asdict(s), "questions_per_doc": s.questions_per_doc, "num_requests": s.num_requests,
+                "prompt_tokens": s.doc_tokens + s.question_tokens, "shared_prefix_tokens": s.doc_tokens,
+                "prefix_relation": "the questions of one document share exactly its doc_tokens-token prefix; "
+                                   "different documents share nothing",
+                "token_source": f"generated: uniform over [{s.token_low}, {s.vocab_size}) with numpy "
+                                f"default_rng(seed={s.seed}); no tokenizer, no natural text",
+                "order": "shuffled with the same seed", "shift": self.shift, "trace_digest": digest.hexdigest()}
+
+
+def make_trace(spec: TraceSpec, shift: int = 0, id_prefix: str = "") -> Trace:
+    """The seeded trace; shift != 0 maps every id t to low + (t - low + shift) mod (vocab - low)."""
+    rng = np.random.default_rng(spec.seed)
+    lo, hi, q = spec.token_low, spec.vocab_size, spec.questions_per_doc
+    docs = rng.integers(lo, hi, size=(spec.num_docs, spec.doc_tokens), dtype=np.int64)
+    questions = rng.integers(lo, hi, size=(spec.num_docs, q, spec.question_tokens), dtype=np.int64)
+    order = rng.permutation(spec.num_docs * q)
+    if shift:
+        docs = lo + (docs - lo + shift) % (hi - lo)
+        questions = lo + (questions - lo + shift) % (hi - lo)
+    requests = []
+    for k in order.tolist():
+        d, j = divmod(k, q)
+        ids = np.concatenate([docs[d], questions[d, j]]).astype(np.uint32)
+        requests.append(TraceRequest(f"{id_prefix}d{d}q{j}", d, j, ids, input_hash(ids)))
+    return Trace(spec, requests, shift)
+
+
+def warmup_traces(spec: TraceSpec, rounds: int = 2) -> list[Trace]:
+    """`rounds` shifted copies of the trace, each with its own nonzero shift (distinct modulo the range)."""
+    if not _int(rounds) or rounds < 0:
+        raise ValueError(f"warmup rounds must be an integer >= 0; got {rounds!r}")
+    span = spec.vocab_size - spec.token_low
+    step = max(1, span // (rounds + 1))
+    return [make_trace(spec, shift=k * step, id_prefix=f"w{k}-") for k in range(1, rounds + 1)]
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,0 +1,231 @@
+"""Our engine standalone behind an OpenAI-style HTTP API, one process per GPU (the bench's `engine`
+system and the reference the service is measured against).
+
+POST /v1/completions takes token-id prompts (a list of ids, or a list of such lists) or text when the
+model dir has a tokenizer, and answers with each choice's `token_ids`, `usage.prompt_tokens_details.
+cached_tokens` and a `flame` block (device, prompt hash, engine timings). GET /health and /v1/models.
+Bad input answers 400 with an OpenAI-style error naming the field. Started by
+`flame-llm serve-http --model DIR --port N [--gpu-uuid GPU-...]` or `python -m flame_llm.http_server`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import os
+import time
+import uuid
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 << 20
+ENGINE = web.AppKey("engine", object)
+INFO = web.AppKey("info", dict)
+
+
+class BadRequest(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def parse_request(body: object) -> tuple[list, dict]:
+    """(prompts, sampling kwargs) from a completions body; BadRequest names the offending field."""
+    if not isinstance(body, dict):
+        raise BadRequest("body", f"the request body must be a JSON object; got {type(body).__name__}")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise BadRequest("prompt", "field 'prompt' must be a non-empty list of token ids (integers >= 0), a list "
+                                   f"of such lists, or text; got {json.dumps(prompt)[:80]}")
+    for name, want in (("n", 1), ("best_of", 1), ("stream", False), ("echo", False)):
+        if body.get(name) not in (None, want):
+            raise BadRequest(name, f"field {name!r} must be {json.dumps(want)} (not supported otherwise); "
+                                   f"got {json.dumps(body[name])[:40]}")
+    sp: dict = {"max_tokens": body.get("max_tokens", 16)}
+    for name in ("temperature", "top_p", "top_k", "ignore_eos", "seed"):
+        if body.get(name) is not None:
+            sp[name] = body[name]
+    if body.get("stop_token_ids") is not None:
+        if not isinstance(body["stop_token_ids"], list):
+            raise BadRequest("stop_token_ids", "field 'stop_token_ids' must be a list of token ids")
+        sp["stop_token_ids"] = tuple(body["stop_token_ids"])
+    if "ignore_eos" in sp and not isinstance(sp["ignore_eos"], bool):
+        raise BadRequest("ignore_eos", f"field 'ignore_eos' must be true or false; got {sp['ignore_eos']!r}")
+    if isinstance(sp["max_tokens"], bool) or not isinstance(sp["max_tokens"], int):
+        raise BadRequest("max_tokens", f"field 'max_tokens' must be an integer >= 1; got {sp['max_tokens']!r}")
+    return prompts, sp
+
+
+def prompt_digest(token_ids) -> str:
+    """xxh64 over the prompt's little-endian uint32 ids: what a client compares with what it sent."""
+    import numpy as np
+    import xxhash
+
+    return xxhash.xxh64(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
+
+
+def _ids(p: object) -> bool:
+    return (isinstance(p, list) and len(p) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p))
+
+
+async def completions(request: web.Request) -> web.Response:
+    from flame_llm.sampling_params import SamplingParams
+
+    engine, info = request.app[ENGINE], request.app[INFO]
+    t0 = time.perf_counter()
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _error(400, f"the request body is not valid JSON: {e}", "body")
+    try:
+        prompts, sp_kwargs = parse_request(body)
+        try:
+            sp = SamplingParams(**sp_kwargs)
+        except ValueError as e:  # "sampling parameter 'x' must be ..."
+            raise BadRequest(str(e).split("'")[1] if "'" in str(e) else "body", str(e)) from None
+        ids = [engine.engine.to_token_ids(p) for p in prompts]
+        if len(ids) > 1:  # check all before admitting any; a single prompt is checked as it is submitted
+            for i in ids:
+                engine.engine.check_request(i, sp)
+    except BadRequest as e:
+        return _error(400, str(e), e.param)
+    except ValueError as e:  # the engine's own checks: vocabulary range, length, KV pool, tokenizer
+        return _error(400, f"field 'prompt': {e}", "prompt")
+    rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+    try:
+        outs = await asyncio.gather(*(engine.generate(i, sp, request_id=f"{rid}-{k}") for k, i in enumerate(ids)))
+    except ValueError as e:  # raised by the submission checks, before the request reached the engine
+        if engine._error is not None:
+            return _error(500, f"engine loop failed: {engine._error!r}", None, "server_error")
+        return _error(400, f"field 'prompt': {e}", "prompt")
+    except Exception as e:
+        log.exception("request %s failed", rid)
+        return _error(500, f"{type(e).__name__}: {e}", None, "server_error")
+    t1 = time.perf_counter()
+    choices, n_prompt, n_out, n_cached, digests = [], 0, 0, 0, []
+    for k, o in enumerate(outs):
+        finish = "length" if o.finish_reason == "length" else o.finish_reason
+        choices.append({"index": k, "text": o.text or "", "token_ids": o.output_token_ids, "logprobs": None,
+                        "finish_reason": finish})
+        n_prompt += o.num_prompt_tokens
+        n_out += len(o.output_token_ids)
+        n_cached += o.num_cached_tokens
+        digests.append(prompt_digest(o.prompt_token_ids))
+    metrics = outs[0].metrics if len(outs) == 1 else {}
+    resp = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": info["model_name"],
+            "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                      "prompt_tokens_details": {"cached_tokens": n_cached}},
+            "flame": {"gpu_uuid": info["gpu_uuid"], "node": info["node"], "prompt_hashes": digests,
+                      "server_s": t1 - t0, "ttft": metrics.get("ttft"), "tpot": metrics.get("tpot")}}
+    return web.json_response(resp)
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if engine._error is not None:
+        return _error(503, f"engine loop failed: {engine._error!r}", None, "server_error")
+    return web.json_response({"status": "ok", **request.app[INFO]})
+
+
+async def models(request: web.Request) -> web.Response:
+    info = request.app[INFO]
+    return web.json_response({"object": "list", "data": [{"id": info["model_name"], "object": "model",
+                                                         "owned_by": "flame-llm", "max_model_len":
+                                                         info["max_model_len"]}]})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].stats())
+
+
+def build_app(engine, gpu_uuid: str | None = None, device_name: str = "cpu",
+              model_name: str | None = None) -> web.Application:
+    """The aiohttp app around a running AsyncEngine (the caller owns the engine's life)."""
+    cfg = engine.config
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app[INFO] = {"model": cfg.model, "model_name": model_name or os.path.basename(os.path.normpath(cfg.model)),
+                 "model_revision": cfg.model_revision, "gpu_uuid": gpu_uuid or device_name,
+                 "node": os.uname().nodename, "pid": os.getpid(), "vocab_size": cfg.hf_config.vocab_size,
+                 "max_model_len": cfg.max_model_len}
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/stats", stats)
+    return app
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory, or 'tiny' for the embedded default")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--gpu-uuid", default=None, help="pin to this GPU (CUDA_VISIBLE_DEVICES=UUID, verified)")
+    p.add_argument("--device-name", default="cpu", help="what responses report as gpu_uuid without a GPU")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--engine-json", default="{}", help="extra flame_llm.config.Config fields as a JSON object")
+    p.add_argument("--torch-threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Load the engine (pinned and verified when --gpu-uuid is given) and serve until SIGINT/SIGTERM."""
+    from actors.pinning import pin_visible_device, verify_device
+
+    pin_visible_device(args.gpu_uuid)  # before anything initialises CUDA
+    import torch
+
+    from flame_llm.engine.async_engine import AsyncEngine
+
+    try:
+        kwargs = json.loads(args.engine_json)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--engine-json is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"--engine-json must be a JSON object of Config fields; got {args.engine_json[:80]!r}")
+    if args.gpu_uuid:
+        verify_device(args.gpu_uuid, f"http:{args.port}")
+        kwargs.setdefault("device", "cuda")
+    elif args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    model = args.model
+    if model == "tiny":
+        from flame_llm.tiny import ensure_tiny_default
+        model = ensure_tiny_default()
+    t0 = time.perf_counter()
+    engine = AsyncEngine.from_args(model, load_format=args.load_format, **kwargs)
+    log.info("engine loaded in %.1fs on %s", time.perf_counter() - t0, args.gpu_uuid or args.device_name)
+    gc.collect()
+    gc.freeze()  # like the engine actor: keep the collector off the long-lived startup heap
+    app = build_app(engine, args.gpu_uuid, args.device_name, args.served_model_name)
+
+    async def _close(_app: web.Application) -> None:
+        gc.unfreeze()
+        await asyncio.to_thread(engine.shutdown)
+
+    app.on_cleanup.append(_close)
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handle_signals=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="flame-llm serve-http", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
