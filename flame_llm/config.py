@@ -44,6 +44,7 @@ class Config:
     cpu_kvcache_gib: float = 1.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    fused_ops: bool = True  # Triton RMSNorm(+residual), RoPE and SiLU-mul on CUDA; torch ops elsewhere
     attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "flash_attn"
     # scheduler / cache features: each off reproduces the original two-phase scheduler exactly
     enable_chunked_prefill: bool = False

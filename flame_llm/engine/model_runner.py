@@ -10,6 +10,7 @@ from flame_llm.config import Config
 from flame_llm.engine.context import AttentionMetadata, set_context
 from flame_llm.engine.sequence import Sequence
 from flame_llm.layers.attention import Attention
+from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import make_sampling_batch, sample
 from flame_llm.models.llama import MODELS
 from flame_llm.models.loader import init_dummy, load_model
@@ -63,6 +64,10 @@ class ModelRunner:
         self.backend = resolve_backend(config.attention_backend, self.device, config.block_size)
         for layer in self.attn_layers:
             layer.set_backend(self.backend)
+        if self.device.type == "cuda" and config.fused_ops:
+            for m in self.model.modules():
+                if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+                    m.fused = True
         torch.manual_seed(config.seed)
         self.num_blocks = self.allocate_kv_cache()
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
@@ -104,7 +109,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
-        lens = [cfg.max_model_len] * (n // cfg.max_model_len) + ([n % cfg.max_model_len] if n % cfg.max_model_len else [])
+        m = cfg.max_model_len
+        lens = [m] * (n // m) + ([n % m] if n % m else [])
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(m, device=self.device) for m in lens])
         set_context(AttentionMetadata(cu, cu[1:] - cu[:-1], torch.zeros(len(lens), 1, dtype=torch.int32,

@@ -56,6 +56,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = False  # set by the ModelRunner on CUDA: one Triton launch instead of several
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
@@ -66,6 +67,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            from flame_llm.kernels.fused import add_rmsnorm
+            return add_rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -73,7 +77,12 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
+    fused = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from flame_llm.kernels.fused import silu_mul
+            return silu_mul(x)
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up
 
@@ -115,8 +124,12 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.fused = False
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.fused:  # rotates q and k in place
+            from flame_llm.kernels.fused import rope_inplace
+            return rope_inplace(q, positions, self.cos_sin_cache), rope_inplace(k, positions, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
