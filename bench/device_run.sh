@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call = one stage (the device tool's command line is short). From the repo root there:
+#   bash bench/device_run.sh STAGE
+# Unpacks .device/site.tar.xz (Ray, zstandard; built by ../shared/tools/device-bundle) and writes
+# logs and JSON under $OUT.
+set -uo pipefail
+tar -xJf .device/site.tar.xz -C /tmp || exit 1
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+stage=${1:?stage}
+shift
+case $stage in
+  smoke)
+    python3 -m pytest tests/test_gpu_engine.py tests/test_fused_kernels.py tests/test_triton_attention.py -q -x \
+      2>&1 | tail -30 | tee "$OUT/smoke.log"
+    timeout 420 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
+  kernels)
+    timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -60 ;;
+  engine)
+    timeout 540 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
