@@ -1,0 +1,141 @@
+"""CLI parsing, YAML config validation, the demo (the README's main job) as a subprocess, and
+serve / submit / status / stop across processes on one real Ray cluster."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from flame_llm.cli import COMMANDS, build_parser, main
+from flame_llm.service_config import ServiceConfig, config_from_dict, load_service_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_shipped_configs_load():
+    svc = load_service_config(os.path.join(REPO, "configs", "service.yaml"))
+    assert svc.load_format == "dummy" and svc.engine["max_model_len"] == 32768 and svc.num_shards == "auto"
+    demo = load_service_config(os.path.join(REPO, "configs", "demo.yaml"))
+    assert demo.model == "tiny" and demo.num_shards == 2
+    assert load_service_config(os.path.join(REPO, "configs", "demo.yaml"), namespace="x").namespace == "x"
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"modle": "tiny"}, r"unknown field\(s\) \['modle'\]"),
+    ({"num_shards": 0}, "'num_shards' must be 'auto' or an integer >= 1; got 0"),
+    ({"num_shards": "all"}, "'num_shards' must be"),
+    ({"router_policy": "random"}, "'router_policy' must be one of"),
+    ({"spill_factor": 0.5}, "'spill_factor' must be a number >= 1.0"),
+    ({"max_batch_prompts": True}, "'max_batch_prompts' must be an integer >= 1"),
+    ({"batch_window_ms": -1}, "'batch_window_ms' must be in"),
+    ({"max_batch_bytes": 10}, "'max_batch_bytes' must be an integer in"),
+    ({"zstd_level": 30}, "'zstd_level' must be an integer in"),
+    ({"max_inflight_tokens": 0}, "'max_inflight_tokens'"),
+    ({"max_restarts": -2}, "'max_restarts' must be an integer >= -1"),
+    ({"engine": {"max_num_seq": 4}}, r"'engine' must be Config fields only .*\['max_num_seq'\]"),
+    ({"engine": ["x"]}, "'engine' must be a mapping"),
+    ({"namespace": "a b"}, "'namespace' must be"),
+    ({"gpu_uuids": "GPU-1"}, "'gpu_uuids' must be a list"),
+    ({"load_format": "pt"}, "'load_format' must be one of"),
+    ({"ray_address": ""}, "'ray_address' must be"),
+])
+def test_config_errors_name_the_field(raw, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict(raw, "test.yaml")
+
+
+def test_yaml_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="bad.yaml: not valid YAML"):
+        load_service_config(str(bad))
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="top level must be a mapping"):
+        load_service_config(str(bad))
+    bad.write_text("zstd_level: 0\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: service config field 'zstd_level'"):
+        load_service_config(str(bad))
+    bad.write_text("")
+    assert load_service_config(str(bad)) == ServiceConfig()
+
+
+def test_parser_has_every_command_and_checks_arguments(capsys):
+    parser = build_parser()
+    for name in COMMANDS:
+        assert parser.parse_args([name] + (["--config", "x.yaml"] if name == "serve" else [])).func is COMMANDS[name][0]
+    args = parser.parse_args(["submit", "--num-prompts", "3", "--max-tokens", "5", "--namespace", "ns"])
+    assert (args.num_prompts, args.max_tokens, args.namespace) == (3, 5, "ns")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["submit", "--num-prompts", "many"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["launch"])
+
+
+def test_cli_reports_user_errors(tmp_path, capsys):
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "No such file" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: tiny\n")
+    with pytest.raises(SystemExit, match="--detach needs ray_address"):
+        main(["serve", "--config", str(cfg), "--detach"])
+
+
+def test_demo_runs(tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-m", "flame_llm.cli", "demo"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any(line.split()[:3] == ["0", "cpu-0", "cpu-0"] for line in lines)
+    assert any(line.split()[:3] == ["1", "cpu-1", "cpu-1"] for line in lines)
+    assert "8/8 ok" in out.stdout
+    rows = [line.split() for line in lines if line.split()[1:3] in (["0", "cpu-0"], ["1", "cpu-1"])]
+    assert len(rows) == 8 and len({r[1] for r in rows}) == 2  # the two documents, one shard each
+
+
+def test_serve_submit_status_stop(tmp_path, tiny_llama):
+    cfg = tmp_path / "svc.yaml"
+    cfg.write_text(yaml.safe_dump({"model": tiny_llama, "num_shards": 2, "namespace": "cli-test", "ray_num_cpus": 2,
+                                   "engine": {"max_model_len": 512, "max_num_batched_tokens": 512,
+                                              "cpu_kvcache_gib": 0.03125}}))
+    serve = subprocess.Popen([sys.executable, "-m", "flame_llm.cli", "serve", "--config", str(cfg)], cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
+    try:
+        address, lines = None, []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = serve.stdout.readline()
+            assert line, f"serve exited early: {lines}"
+            lines.append(line)
+            if "ray address:" in line:
+                address = line.rsplit("ray address:", 1)[1].strip()
+            if line.startswith("serving"):
+                break
+        assert address, lines
+        assert any("RAY_AUTH_MODE=token" in line for line in lines)
+        common = ["--namespace", "cli-test", "--address", address]
+        out_file = tmp_path / "results.jsonl"
+        steps = [["submit", *common, "--num-prompts", "4", "--prompt-len", "20", "--max-tokens", "3",
+                  "--output", str(out_file)], ["status", *common], ["stop", *common], ["status", *common]]
+        # one client process runs the four commands in turn (a fresh interpreter sees RAY_AUTH_MODE)
+        script = ("import sys\nfrom flame_llm.cli import main\n"
+                  f"for argv in {steps!r}:\n    print('== rc', main(argv), flush=True)\n")
+        out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=240, env={**os.environ, "PYTHONPATH": REPO, "RAY_AUTH_MODE": "token"})
+        parts = out.stdout.split("== rc ")
+        assert [p.split()[0] for p in parts[1:]] == ["0", "0", "0", "2"], out.stdout + out.stderr[-3000:]
+        assert "4/4 ok" in parts[0] and len(out_file.read_text().splitlines()) == 4
+        assert "cpu-0" in parts[1] and "cpu-1" in parts[1] and "hit rate" in parts[1]
+        assert "stopped 2 engine actors" in parts[2]
+        assert "no flame-llm service in Ray namespace 'cli-test'" in out.stderr
+    finally:
+        t0 = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+    assert serve.returncode == 0 and time.monotonic() - t0 < 30
