@@ -1,0 +1,78 @@
+"""Fresh interleaved pairs: for each trace, `--pairs` pairs; inside pair p the systems run one after the
+other, each started fresh, in an order rotated by p (A B, B A, ...). Then the paired report.
+
+    ray job submit --working-dir . -- python -m bench.pairs --systems flame,engine --pairs 5 --out DIR
+    flame-llm bench --systems flame,engine --pairs 5 --out DIR        (the same, without a job)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict
+
+from tqdm import tqdm
+
+from bench.report import render_markdown, write_report
+from bench.runner import add_run_args, local_ray_scope, options_from_args, run_one
+from bench.systems import parse_system
+from bench.traces import TRACE_NAMES
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", default="flame,engine",
+                   help="comma-separated labels: flame, engine, vllm, vllm-seed, each optionally -rr; the first "
+                        "is the subject of the report's ratios")
+    p.add_argument("--traces", default=",".join(TRACE_NAMES), help="comma-separated: no-reuse, reuse")
+    p.add_argument("--pairs", type=int, default=5)
+    add_run_args(p)
+
+
+def run(a: argparse.Namespace) -> int:
+    o = options_from_args(a)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    traces = [t.strip() for t in a.traces.split(",") if t.strip()]
+    for s in systems:
+        parse_system(s, o.policy)  # a bad label fails before anything starts
+    bad = [t for t in traces if t not in TRACE_NAMES]
+    if bad or not traces:
+        raise SystemExit(f"--traces must be a comma-separated subset of {TRACE_NAMES}; got {a.traces!r}")
+    if len(set(systems)) != len(systems) or len(systems) < 1:
+        raise SystemExit(f"--systems must list distinct systems; got {a.systems!r}")
+    if a.pairs < 1:
+        raise SystemExit(f"--pairs must be >= 1; got {a.pairs}")
+    os.makedirs(o.out, exist_ok=True)
+    with open(os.path.join(o.out, "bench.json"), "w") as f:
+        json.dump({"systems": systems, "traces": traces, "pairs": a.pairs, "argv": sys.argv,
+                   "started_at": dt.datetime.now(dt.timezone.utc).isoformat(), "options": asdict(o)}, f, indent=1)
+    plan = [(t, p, pos, systems[(p + pos) % len(systems)])
+            for t in traces for p in range(a.pairs) for pos in range(len(systems))]
+    failed = []
+    with local_ray_scope(), tqdm(plan, desc="runs", unit="run") as bar:
+        for t, p, pos, label in bar:
+            bar.set_postfix_str(f"{t} pair {p} {label}")
+            raw = run_one(o, label, t, p, pos)
+            if not raw["checks"]["ok"]:
+                failed.append(raw["path"])
+                log.error("%s: checks failed: %s %s", raw["path"], raw["error"] or "", raw["checks"]["failures"])
+    rep = write_report(o.out, None, systems)
+    print(render_markdown(rep, o.out))
+    if failed:
+        print(f"{len(failed)} run(s) failed their checks: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flame-llm bench", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

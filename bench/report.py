@@ -1,0 +1,234 @@
+"""Paired report from raw run records: `flame-llm report <raw dir>` (or `python -m bench.report`).
+
+Every number comes from the per-request records: a run's throughput is its request count over the latest
+completion (seconds from burst release), cached percentage is cached over prompt tokens, latencies are the
+completion times pooled over a system's runs. Runs whose checks failed are listed and left out of the
+statistics. The first system is the subject; ratios are subject / each other system, per pair and of the
+medians. Writes report.md, report.json and report.png (the PNG only when matplotlib is importable).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+import statistics
+import sys
+
+import numpy as np
+
+from bench.runner import RAW_FORMAT
+
+log = logging.getLogger(__name__)
+PAIR_FLOOR = 0.99  # a pair at or above this ratio counts as "no net overhead" for that pair
+
+
+def load_runs(raw_dir: str) -> list[dict]:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(raw_dir, "**", "*.json"), recursive=True)):
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and rec.get("format") == RAW_FORMAT:
+            rec["path"] = os.path.relpath(path, raw_dir)
+            runs.append(rec)
+    if not runs:
+        raise ValueError(f"no raw run records ({RAW_FORMAT}) under {raw_dir!r}")
+    return runs
+
+
+def run_summary(run: dict) -> dict:
+    reqs = run["requests"]
+    burst = max((r["done_s"] for r in reqs), default=0.0)
+    prompt = sum(r["prompt_tokens"] for r in reqs)
+    return {"pair": run["pair"], "position": run["position"], "ok": bool(run["checks"]["ok"]),
+            "requests": len(reqs), "burst_s": burst, "req_s": len(reqs) / burst if burst > 0 else 0.0,
+            "cached_pct": 100.0 * sum(r["cached_tokens"] for r in reqs) / prompt if prompt else 0.0,
+            "path": run.get("path"), "failures": run["checks"].get("failures", {}), "error": run.get("error")}
+
+
+def _pct(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    a = np.asarray(xs, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def system_stats(runs: list[dict]) -> dict:
+    both = sorted(((run_summary(r), r) for r in runs), key=lambda x: x[0]["pair"])
+    summ = [s for s, _ in both]
+    good = [r for s, r in both if s["ok"]]
+    rates = [s["req_s"] for s in summ if s["ok"]]
+    reqs = [q for r in good for q in r["requests"]]
+    prompt = sum(q["prompt_tokens"] for q in reqs)
+    timing_keys = sorted({k for q in reqs for k, v in q.get("timings", {}).items() if isinstance(v, (int, float))})
+    return {
+        "runs": len(summ), "runs_ok": len(rates),
+        "req_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)} if rates else None,
+        "cached_pct": 100.0 * sum(q["cached_tokens"] for q in reqs) / prompt if prompt else 0.0,
+        "cached_reported": all(q.get("cached_reported", True) for q in reqs),
+        "latency_s": _pct([q["done_s"] for q in reqs]),
+        "latency_source": sorted({q.get("done_source", "request") for q in reqs}),
+        "timings_median_s": {k: statistics.median([q["timings"][k] for q in reqs if k in q.get("timings", {})])
+                             for k in timing_keys},
+        "per_run": summ,
+    }
+
+
+def build_report(runs: list[dict], order: list[str] | None = None) -> dict:
+    traces: dict[str, dict] = {}
+    for r in runs:
+        traces.setdefault(r["trace"]["name"], {}).setdefault(r["label"], []).append(r)
+    out = {"traces": {}}
+    for name in sorted(traces, key=lambda n: (n != "no-reuse", n)):
+        by_label = traces[name]
+        labels = [x for x in (order or []) if x in by_label] + sorted(x for x in by_label if x not in (order or []))
+        stats = {lab: system_stats(by_label[lab]) for lab in labels}
+        first = by_label[labels[0]][0]
+        ratios = []
+        subj = labels[0]
+        for ref in labels[1:]:
+            ratios.append(_ratio(subj, ref, stats[subj], stats[ref]))
+        out["traces"][name] = {"trace": first["trace"], "systems": labels, "stats": stats, "ratios": ratios,
+                               "engine_config": first.get("engine_config"), "placement": first.get("placement"),
+                               "policy": {lab: by_label[lab][0]["policy"] for lab in labels},
+                               "warmup_shifts": first.get("warmup_shifts")}
+    return out
+
+
+def _ratio(subj: str, ref: str, a: dict, b: dict) -> dict:
+    ra = {s["pair"]: s["req_s"] for s in a["per_run"] if s["ok"]}
+    rb = {s["pair"]: s["req_s"] for s in b["per_run"] if s["ok"]}
+    paired = {p: ra[p] / rb[p] for p in sorted(set(ra) & set(rb)) if rb[p] > 0}
+    med = a["req_s"]["median"] / b["req_s"]["median"] if a["req_s"] and b["req_s"] else None
+    vals = list(paired.values())
+    return {"subject": subj, "reference": ref, "ratio_of_medians": med, "paired": paired,
+            "paired_min": min(vals) if vals else None, "paired_max": max(vals) if vals else None,
+            "pairs_at_or_above_floor": sum(v >= PAIR_FLOOR for v in vals), "pairs": len(vals), "floor": PAIR_FLOOR}
+
+
+def _f(x, fmt: str = "{:.3f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def render_markdown(rep: dict, source: str) -> str:
+    lines = ["# Burst benchmark report", "", f"Raw records: `{source}`. Every figure below is recomputed from the "
+             "per-request records; runs that failed a check are listed and excluded.", ""]
+    for name, t in rep["traces"].items():
+        tr = t["trace"]
+        lines += [f"## Trace `{name}`", "",
+                  f"{tr['num_requests']} requests = {tr['num_docs']} documents x {tr['questions_per_doc']} "
+                  f"question(s); prompt = {tr['doc_tokens']}-token document + {tr['question_tokens']}-token question "
+                  f"({tr['prompt_tokens']} tokens); output {tr['output_tokens']} tokens, EOS ignored, greedy; "
+                  f"seed {tr['seed']}, digest `{tr['trace_digest']}`.",
+                  f"Token ids: {tr['token_source']}. Prefix relation: {tr['prefix_relation']}. "
+                  f"Warmup: {len(t['warmup_shifts'] or [])} full rounds shifted by {t['warmup_shifts']} within the "
+                  "vocabulary (same lengths and prefix relations, prefixes unseen).",
+                  f"Engine limits (flame/engine): `{json.dumps(t['engine_config'])}`; shard -> device "
+                  f"`{t['placement']}`; placement policy: {t['policy']}.", "",
+                  "| system | runs ok | req/s median [min-max] | cached % | completion latency p50 / p90 / p99 (s) |",
+                  "|---|---|---|---|---|"]
+        for lab in t["systems"]:
+            s = t["stats"][lab]
+            rs, lat = s["req_s"], s["latency_s"]
+            rate = f"{rs['median']:.3f} [{rs['min']:.3f}-{rs['max']:.3f}]" if rs else "n/a"
+            cached = f"{s['cached_pct']:.2f}" + ("" if s["cached_reported"] else " (not reported)")
+            src = "" if s["latency_source"] == ["request"] else " (burst end: no per-request times)"
+            lat_s = f"{_f(lat.get('p50'))} / {_f(lat.get('p90'))} / {_f(lat.get('p99'))}{src}" if lat else "n/a"
+            lines.append(f"| {lab} | {s['runs_ok']}/{s['runs']} | {rate} | {cached} | {lat_s} |")
+        if t["ratios"]:
+            lines += ["", "| ratio | of medians | paired [min-max] | pairs >= 99% |", "|---|---|---|---|"]
+            for r in t["ratios"]:
+                lines.append(f"| {r['subject']} / {r['reference']} | {_f(r['ratio_of_medians'], '{:.4f}')} | "
+                             f"[{_f(r['paired_min'], '{:.4f}')}-{_f(r['paired_max'], '{:.4f}')}] | "
+                             f"{r['pairs_at_or_above_floor']}/{r['pairs']} |")
+        lines += ["", "| pair | " + " | ".join(f"{lab} req/s (order)" for lab in t["systems"]) + " |",
+                  "|---" * (len(t["systems"]) + 1) + "|"]
+        pairs = sorted({s["pair"] for lab in t["systems"] for s in t["stats"][lab]["per_run"]})
+        for p in pairs:
+            cells = []
+            for lab in t["systems"]:
+                s = next((x for x in t["stats"][lab]["per_run"] if x["pair"] == p), None)
+                cells.append("-" if s is None else f"{s['req_s']:.3f} ({s['position']})" + ("" if s["ok"] else
+                                                                                           " FAILED"))
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+        lines += ["", "Median per-request timings (s): " + "; ".join(
+            f"{lab}: " + ", ".join(f"{k} {v:.4f}" for k, v in t["stats"][lab]["timings_median_s"].items())
+            for lab in t["systems"])]
+        bad = [s for lab in t["systems"] for s in t["stats"][lab]["per_run"] if not s["ok"]]
+        for s in bad:
+            lines.append(f"- FAILED run `{s['path']}`: {s['error'] or ''} {s['failures']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_png(rep: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no PNG written (pip install matplotlib)")
+        return False
+    names = list(rep["traces"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        t = rep["traces"][name]
+        for i, lab in enumerate(t["systems"]):
+            s = t["stats"][lab]
+            ys = [x["req_s"] for x in s["per_run"] if x["ok"]]
+            ax.scatter([i] * len(ys), ys, alpha=0.6)
+            if s["req_s"]:
+                ax.hlines(s["req_s"]["median"], i - 0.3, i + 0.3, colors="black")
+        ax.set_xticks(range(len(t["systems"])), t["systems"])
+        ax.set_title(f"{name}: req/s per pair (bar: median)")
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(raw_dir: str, out_dir: str | None = None, order: list[str] | None = None) -> dict:
+    """Render report.md / report.json / report.png from the raw records under raw_dir."""
+    out_dir = out_dir or raw_dir
+    if order is None:
+        meta = os.path.join(raw_dir, "bench.json")
+        if os.path.isfile(meta):
+            with open(meta) as f:
+                order = json.load(f).get("systems")
+    rep = build_report(load_runs(raw_dir), order)
+    os.makedirs(out_dir, exist_ok=True)
+    rep["png"] = "report.png" if render_png(rep, os.path.join(out_dir, "report.png")) else None
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(rep, f, indent=1)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(render_markdown(rep, raw_dir) + (f"\n![req/s per pair]({rep['png']})\n" if rep["png"] else ""))
+    return rep
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("raw_dir", help="a bench results dir (holds raw/), or any dir with raw run JSON below it")
+    p.add_argument("--out", default=None, help="where report.md/.json/.png go (default: raw_dir)")
+    p.add_argument("--systems", default="", help="comma-separated order; the first is the subject of the ratios")
+
+
+def run(a: argparse.Namespace) -> int:
+    order = [s for s in a.systems.split(",") if s] or None
+    rep = write_report(a.raw_dir, a.out, order)
+    print(render_markdown(rep, a.raw_dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flame-llm report", description="paired burst report from raw records")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""One burst run, the `ray job submit` entrypoint:
+
+    ray job submit --working-dir . -- python -m bench.runner --system flame --trace reuse --out bench/results/x
+
+starts the system fresh, runs the warmup rounds, releases the measured burst, stops the system, checks every
+request and writes the raw per-request JSON (outside the burst: start, warmup, checks, stop). `bench.pairs`
+calls `run_one` for five interleaved pairs; `bench.report` renders what the raw files hold.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from bench.systems import Setup, make_system, parse_system
+from bench.traces import TRACE_NAMES, Trace, TraceSpec, input_hash, make_trace, warmup_traces
+
+log = logging.getLogger(__name__)
+RAW_FORMAT = "flame-bench-raw/1"
+
+
+@dataclass(slots=True)
+class RunOptions:
+    model: str = "configs/models/llama-3.1-8b"  # a model dir, or "tiny"
+    load_format: str = "dummy"
+    out: str = "bench/results/run"
+    num_shards: int = 0  # 0: every visible GPU (or 2 CPU shards without GPUs)
+    gpu_uuids: list[str] = field(default_factory=list)
+    policy: str = "load_guarded"  # the sticky placement; a "-rr" system label uses round_robin
+    docs: int = 64
+    questions: int = 4
+    doc_tokens: int = 8192
+    question_tokens: int = 64
+    output_tokens: int = 16
+    seed: int = 0
+    warmup_rounds: int = 2
+    max_model_len: int = 32768
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool = False
+    engine_json: dict = field(default_factory=dict)  # more Config fields for flame and engine
+    torch_threads: int = 1
+    startup_timeout_s: float = 900.0
+    burst_timeout_s: float = 3600.0
+    vllm_bin: str = "vllm"
+    vllm_pythonpath: str = ""
+    vllm_args: list[str] = field(default_factory=list)
+    vllm_return_token_ids: bool = False
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    d = RunOptions()
+    p.add_argument("--model", default=d.model, help="model dir (config.json; dummy weights) or 'tiny'")
+    p.add_argument("--load-format", default=d.load_format, choices=("dummy", "auto"))
+    p.add_argument("--out", default=d.out, help="results dir: raw/ records, logs/, report files")
+    p.add_argument("--num-shards", type=int, default=d.num_shards, help="0: every local GPU, or 2 CPU shards")
+    p.add_argument("--gpu-uuids", default="", help="comma-separated GPU UUIDs to use (default: all)")
+    p.add_argument("--policy", default=d.policy, choices=("load_guarded", "cumulative"),
+                   help="sticky placement policy (labels ending in -rr use round_robin)")
+    for name in ("docs", "questions", "doc_tokens", "question_tokens", "output_tokens", "seed", "warmup_rounds",
+                 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "torch_threads"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    p.add_argument("--enforce-eager", action="store_true", help="flame and engine without CUDA graphs")
+    p.add_argument("--engine-json", default="{}", help="more flame_llm Config fields (flame and engine)")
+    p.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    p.add_argument("--burst-timeout-s", type=float, default=d.burst_timeout_s)
+    p.add_argument("--vllm-bin", default=d.vllm_bin, help="the vllm executable (e.g. /tmp/vsite/site/bin/vllm)")
+    p.add_argument("--vllm-pythonpath", default="", help="prepended to PYTHONPATH of vllm replicas only")
+    p.add_argument("--vllm-args", default="", help="extra flags for every `vllm serve`, one string")
+    p.add_argument("--vllm-return-token-ids", action="store_true",
+                   help="ask vLLM to echo token ids (costs prompt echo; default: output length from usage)")
+
+
+def options_from_args(a: argparse.Namespace) -> RunOptions:
+    try:
+        extra = json.loads(a.engine_json)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--engine-json is not valid JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit("--engine-json must be a JSON object of flame_llm Config fields")
+    names = [f for f in RunOptions.__dataclass_fields__ if f not in ("gpu_uuids", "engine_json", "vllm_args")]
+    return RunOptions(**{n: getattr(a, n) for n in names}, engine_json=extra, vllm_args=a.vllm_args.split(),
+                      gpu_uuids=[u.strip() for u in a.gpu_uuids.split(",") if u.strip()])
+
+
+def engine_config(o: RunOptions) -> dict:
+    """The Config fields flame's actors and the engine servers share, matching vLLM's flags."""
+    cfg = {"max_model_len": o.max_model_len, "max_num_seqs": o.max_num_seqs,
+           "max_num_batched_tokens": o.max_num_batched_tokens, "enable_prefix_caching": True,
+           "enable_chunked_prefill": o.max_num_batched_tokens < o.max_model_len, "enforce_eager": o.enforce_eager}
+    return {**cfg, **o.engine_json}
+
+
+def plan_devices(o: RunOptions) -> list[str]:
+    """Shard k's device, by the service's own placement rule on this node (GPUs in index order)."""
+    from actors.pinning import NodeGPUs, local_gpu_uuids, plan_shards
+
+    uuids = tuple(local_gpu_uuids())
+    n = o.num_shards or ("auto" if uuids else 2)
+    places = plan_shards([NodeGPUs("local", uuids, len(uuids))], n, 2, tuple(o.gpu_uuids))
+    return [p.gpu_uuid or p.name for p in places]
+
+
+def build_setup(o: RunOptions, log_dir: str) -> Setup:
+    from flame_llm.config import default_model_revision
+
+    model = o.model
+    if model == "tiny":
+        from flame_llm.tiny import ensure_tiny_default
+        model = ensure_tiny_default()
+    model = os.path.abspath(model)
+    addr = os.environ.get("RAY_ADDRESS") or None  # set by `ray job submit`; empty or unset: a local Ray
+    return Setup(model=model, model_revision=default_model_revision(model), devices=plan_devices(o),
+                 engine=engine_config(o), load_format=o.load_format, log_dir=log_dir, ray_address=addr,
+                 torch_threads=o.torch_threads, startup_timeout_s=o.startup_timeout_s,
+                 burst_timeout_s=o.burst_timeout_s, vllm_bin=o.vllm_bin, vllm_pythonpath=o.vllm_pythonpath,
+                 vllm_args=o.vllm_args, vllm_return_token_ids=o.vllm_return_token_ids)
+
+
+def trace_spec(o: RunOptions, name: str, model_dir: str) -> TraceSpec:
+    from flame_llm.config import load_hf_config
+
+    vocab = load_hf_config(model_dir).vocab_size
+    return TraceSpec(name=name, num_docs=o.docs, questions=o.questions, doc_tokens=o.doc_tokens,
+                     question_tokens=o.question_tokens, output_tokens=o.output_tokens, seed=o.seed, vocab_size=vocab)
+
+
+def check_run(trace: Trace, records: list[dict], placement: list[str]) -> dict:
+    """Every request: input hash (as sent, and as served where the system reports it), answered exactly once,
+    prompt and output length, no error, placement equal to the shard -> device map."""
+    want = {r.rid: r for r in trace.requests}
+    seen = Counter(rec["id"] for rec in records)
+    fails: Counter = Counter()
+    examples: list[str] = []
+
+    def fail(kind: str, msg: str) -> None:
+        fails[kind] += 1
+        if len(examples) < 20:
+            examples.append(msg)
+
+    for rid in sorted(set(want) - set(seen)):
+        fail("missing", f"{rid}: no answer")
+    for rid, n in sorted(seen.items()):
+        if rid not in want:
+            fail("unexpected", f"{rid}: not in the trace")
+        elif n > 1:
+            fail("duplicate", f"{rid}: answered {n} times")
+    n_out = trace.spec.output_tokens
+    for rec in records:
+        req = want.get(rec["id"])
+        if req is None:
+            continue
+        if rec.get("error"):
+            fail("error", f"{rec['id']}: {rec['error']}")
+            continue
+        if input_hash(req.token_ids) != req.input_hash:
+            fail("input_hash", f"{rec['id']}: the prompt handed to the system no longer hashes to the trace's")
+        if rec.get("served_hash") not in (None, req.input_hash):
+            fail("input_hash", f"{rec['id']}: served prompt hash {rec['served_hash']} != {req.input_hash}")
+        if rec["prompt_tokens"] != len(req.token_ids):
+            fail("prompt_tokens", f"{rec['id']}: {rec['prompt_tokens']} prompt tokens served, "
+                                  f"{len(req.token_ids)} sent")
+        if rec["output_len"] != n_out or rec["finish_reason"] != "length":
+            fail("output_len", f"{rec['id']}: {rec['output_len']} tokens ({rec['finish_reason']}), want {n_out}")
+        shard = rec.get("shard")
+        if not isinstance(shard, int) or not 0 <= shard < len(placement) or rec["gpu_uuid"] != placement[shard]:
+            fail("placement", f"{rec['id']}: shard {shard} answered from {rec['gpu_uuid']!r}; map {placement}")
+    return {"ok": not fails, "failures": dict(fails), "examples": examples, "requests": len(records),
+            "expected": len(want)}
+
+
+def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position: int = 0) -> dict:
+    """Start `label` fresh, warm up, run one measured burst, stop; write and return the raw record."""
+    spec_sys = parse_system(label, o.policy)
+    tag = f"{trace_name}-{label}-pair{pair:02d}"
+    setup = build_setup(o, os.path.join(o.out, "logs"))
+    spec = trace_spec(o, trace_name, setup.model)
+    trace, warm = make_trace(spec), warmup_traces(spec, o.warmup_rounds)
+    raw = {"format": RAW_FORMAT, "label": label, "system": spec_sys.kind, "vllm_config": spec_sys.vllm_config,
+           "policy": spec_sys.policy, "trace": trace.describe(), "warmup_shifts": [w.shift for w in warm],
+           "pair": pair, "position": position, "started_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+           "host": platform.node(), "python": sys.version.split()[0], "options": asdict(o),
+           "engine_config": setup.engine, "model": setup.model, "model_revision": setup.model_revision,
+           "placement": setup.devices, "error": None}
+    system = make_system(spec_sys, setup, tag)
+    timings: dict = {}
+    records: list[dict] = []
+    t0 = time.perf_counter()
+    try:
+        raw["start"] = system.start()
+        t1 = time.perf_counter()
+        for k, w in enumerate(warm):
+            _, wrecs = system.run_burst(w.requests, spec.output_tokens)
+            wcheck = check_run(w, wrecs, setup.devices)
+            if not wcheck["ok"]:
+                raise RuntimeError(f"warmup round {k + 1} failed its checks: {wcheck['failures']} "
+                                   f"{wcheck['examples'][:3]}")
+        t2 = time.perf_counter()
+        t_release, records = system.run_burst(trace.requests, spec.output_tokens)
+        timings["burst_wall_s"] = time.perf_counter() - t_release
+        raw["stats"] = system.stats()
+        timings.update(start_s=t1 - t0, warmup_s=t2 - t1)
+    except Exception as e:
+        log.exception("%s: run failed", tag)
+        raw["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        t3 = time.perf_counter()
+        try:
+            system.stop()
+        except Exception as e:
+            log.exception("%s: stop failed", tag)
+            raw["error"] = raw["error"] or f"stop failed: {type(e).__name__}: {e}"
+        timings["stop_s"] = time.perf_counter() - t3
+    raw["timings"] = timings
+    by_id = {r.rid: r for r in trace.requests}
+    raw["requests"] = [{**r, "doc": by_id[r["id"]].doc, "question": by_id[r["id"]].question,
+                        "input_hash": by_id[r["id"]].input_hash} if r["id"] in by_id else r for r in records]
+    raw["checks"] = check_run(trace, records, setup.devices)
+    if raw["error"]:
+        raw["checks"]["ok"] = False
+    path = os.path.join(o.out, "raw", trace_name, label, f"pair{pair:02d}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    raw["path"] = path
+    return raw
+
+
+@contextlib.contextmanager
+def local_ray_scope():
+    """Shut down a Ray that a flame run started locally (never one this process was already attached to)."""
+    import ray
+
+    attached = ray.is_initialized()
+    try:
+        yield
+    finally:
+        if not attached and ray.is_initialized():
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.runner", description="one fresh burst run, raw JSON out")
+    p.add_argument("--system", required=True, help="flame | engine | vllm | vllm-seed, optionally with -rr")
+    p.add_argument("--trace", required=True, choices=TRACE_NAMES)
+    p.add_argument("--pair", type=int, default=0, help="pair index recorded for the report")
+    add_run_args(p)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with local_ray_scope():
+        raw = run_one(options_from_args(a), a.system, a.trace, a.pair)
+    n = len(raw["requests"])
+    burst = max((r["done_s"] for r in raw["requests"]), default=0.0)
+    print(f"{a.system} {a.trace}: {n} requests in {burst:.3f}s = {n / burst if burst else 0:.3f} req/s; "
+          f"checks {'ok' if raw['checks']['ok'] else 'FAILED ' + json.dumps(raw['checks']['failures'])}; "
+          f"raw: {raw['path']}")
+    return 0 if raw["checks"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

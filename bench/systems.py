@@ -1,0 +1,313 @@
+"""The systems a burst runs against, behind one small interface: start() -> info, run_burst(requests,
+max_tokens) -> (release perf_counter, records), stats(), stop().
+
+- flame: the service (router + one engine actor per device) through the Python client.
+- engine: one `flame_llm.http_server` process per device, driven by the sticky-prefix HTTP client.
+- vllm: one `vllm serve` process per device, same client; config "default" or "seed" (eager, Triton attention).
+Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label
+ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+
+from bench.http_client import Replica, StickyHttpClient
+from bench.traces import TraceRequest
+
+log = logging.getLogger(__name__)
+KINDS = ("flame", "engine", "vllm", "vllm-seed")
+VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
+
+
+@dataclass(slots=True)
+class SystemSpec:
+    label: str  # e.g. "flame", "engine-rr", "vllm-seed"
+    kind: str  # flame | engine | vllm
+    vllm_config: str | None  # "default" | "seed" for vllm
+    policy: str  # the router policy placing requests
+
+
+def parse_system(label: str, sticky_policy: str = "load_guarded") -> SystemSpec:
+    base, rr = (label[:-3], True) if label.endswith("-rr") else (label, False)
+    if base not in KINDS:
+        raise ValueError(f"system must be one of {', '.join(KINDS)}, optionally with '-rr' (round-robin "
+                         f"placement); got {label!r}")
+    kind = "vllm" if base.startswith("vllm") else base
+    cfg = ("seed" if base == "vllm-seed" else "default") if kind == "vllm" else None
+    return SystemSpec(label, kind, cfg, "round_robin" if rr else sticky_policy)
+
+
+@dataclass(slots=True)
+class Setup:
+    model: str  # absolute model dir
+    model_revision: str
+    devices: list[str]  # shard k's GPU UUID, or cpu-k
+    engine: dict  # flame_llm Config fields shared by flame and engine (load_format excluded)
+    load_format: str = "dummy"
+    log_dir: str = "."
+    ray_address: str | None = None
+    torch_threads: int = 1  # CPU shards / CPU servers
+    cpu_per_shard: float = 0.5
+    startup_timeout_s: float = 900.0
+    burst_timeout_s: float = 3600.0
+    spill_factor: float = 1.25
+    vllm_bin: str = "vllm"
+    vllm_pythonpath: str = ""
+    vllm_args: list[str] = field(default_factory=list)  # extra flags for every vllm serve
+    gpu_memory_utilization: float = 0.9
+    vllm_return_token_ids: bool = False
+
+    @property
+    def on_gpu(self) -> bool:
+        return not self.devices[0].startswith("cpu-")
+
+
+def make_system(spec: SystemSpec, setup: Setup, tag: str):
+    return FlameSystem(spec, setup, tag) if spec.kind == "flame" else HttpSystem(spec, setup, tag)
+
+
+class FlameSystem:
+    def __init__(self, spec: SystemSpec, setup: Setup, tag: str):
+        self.spec, self.setup, self.tag = spec, setup, tag
+        self.service = self.client = None
+        self._loop = asyncio.new_event_loop()
+
+    def start(self) -> dict:
+        from flame_llm.service import init_ray, make_client, start_service
+        from flame_llm.service_config import ServiceConfig
+
+        s = self.setup
+        cfg = ServiceConfig(model=s.model, load_format=s.load_format, engine=dict(s.engine),
+                            num_shards=len(s.devices), cpu_shards=len(s.devices), cpu_per_shard=s.cpu_per_shard,
+                            torch_threads=s.torch_threads, gpu_uuids=list(s.devices) if s.on_gpu else [],
+                            router_policy=self.spec.policy, spill_factor=s.spill_factor,
+                            ray_address=s.ray_address, namespace=f"bench-{uuid.uuid4().hex[:10]}",
+                            startup_timeout_s=s.startup_timeout_s)
+        init_ray(cfg)
+        self.service = start_service(cfg)
+        placed = [p.gpu_uuid or p.name for p in self.service.placements]
+        if placed != s.devices:
+            raise RuntimeError(f"flame placed shards on {placed}; the bench's shard -> device map is {s.devices}")
+        self.client = make_client(cfg, self.service.router, self.service.actors)
+        return {"placement": placed, "health": self.service.health, "namespace": cfg.namespace,
+                "verified_by": "each actor checks torch's cuda:0 UUID against its planned UUID at start"
+                if s.on_gpu else "CPU shards"}
+
+    def run_burst(self, requests: list[TraceRequest], max_tokens: int) -> tuple[float, list[dict]]:
+        from flame_llm.sampling_params import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        prompts = [r.token_ids for r in requests]
+        call = asyncio.wait_for(self.client.agenerate(prompts, sp), self.setup.burst_timeout_s)
+        t_release = time.perf_counter()
+        results = self._loop.run_until_complete(call)
+        t_end = time.perf_counter()
+        records = []
+        for req, r in zip(requests, results, strict=True):
+            done_at = r["timings"].get("done_at")  # per-request completion, when the client reports it
+            records.append({"id": req.rid, "shard": r["shard"], "gpu_uuid": r["gpu_uuid"], "node": r["node"],
+                            "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
+                            "cached_reported": r["error"] is None, "output_len": len(r["output_token_ids"]),
+                            "output_token_ids": r["output_token_ids"], "finish_reason": r["finish_reason"],
+                            "served_hash": r.get("prompt_hash"), "timings": r["timings"], "error": r["error"],
+                            "done_s": (done_at - t_release) if done_at is not None else t_end - t_release,
+                            "done_source": "request" if done_at is not None else "burst"})
+        return t_release, records
+
+    def stats(self) -> dict:
+        import ray
+        return {"router": ray.get(self.service.router.stats.remote()), "client": dict(self.client.counters)}
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.service is not None:
+            self.service.stop()
+        self._loop.close()
+        if self.setup.on_gpu:
+            wait_gpus_idle(self.setup.devices)
+
+
+class HttpSystem:
+    """engine or vllm: one server process per device, each in its own session (process group)."""
+
+    def __init__(self, spec: SystemSpec, setup: Setup, tag: str):
+        self.spec, self.setup, self.tag = spec, setup, tag
+        self.procs: list[subprocess.Popen] = []
+        self.client: StickyHttpClient | None = None
+        self.commands: list[list[str]] = []
+        self._loop = asyncio.new_event_loop()
+
+    def command(self, device: str, port: int) -> tuple[list[str], dict]:
+        s = self.setup
+        env = dict(os.environ)
+        if s.on_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = device
+        if self.spec.kind == "engine":
+            engine = {**s.engine, "device": "cuda" if s.on_gpu else "cpu"}
+            cmd = [sys.executable, "-m", "flame_llm.http_server", "--model", s.model, "--port", str(port),
+                   "--served-model-name", "bench", "--load-format", s.load_format,
+                   "--engine-json", json.dumps(engine), "--torch-threads", str(s.torch_threads)]
+            cmd += ["--gpu-uuid", device] if s.on_gpu else ["--device-name", device]
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+            return cmd, env
+        e = s.engine
+        cmd = [s.vllm_bin, "serve", s.model, "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", "bench", "--load-format", s.load_format, "--skip-tokenizer-init",
+               "--max-model-len", str(e["max_model_len"]), "--max-num-seqs", str(e["max_num_seqs"]),
+               "--max-num-batched-tokens", str(e["max_num_batched_tokens"]), "--enable-prefix-caching",
+               "--enable-prompt-tokens-details", "--gpu-memory-utilization", str(s.gpu_memory_utilization),
+               "--seed", "0"]
+        cmd += list(VLLM_SEED_FLAGS) if self.spec.vllm_config == "seed" else []
+        cmd += list(s.vllm_args)
+        if s.vllm_pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [s.vllm_pythonpath, env.get("PYTHONPATH", "")]))
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        return cmd, env
+
+    def start(self) -> dict:
+        s = self.setup
+        if s.on_gpu:
+            wait_gpus_idle(s.devices)
+        ports = [free_port() for _ in s.devices]
+        os.makedirs(s.log_dir, exist_ok=True)
+        for k, (dev, port) in enumerate(zip(s.devices, ports, strict=True)):
+            cmd, env = self.command(dev, port)
+            self.commands.append(cmd)
+            logf = open(os.path.join(s.log_dir, f"{self.tag}-replica{k}.log"), "wb")  # noqa: SIM115
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, start_new_session=True))
+            logf.close()
+        for k, port in enumerate(ports):
+            self._wait_healthy(k, port)
+        replicas = [Replica(k, f"http://127.0.0.1:{p}", d) for k, (p, d) in enumerate(zip(ports, s.devices,
+                                                                                             strict=True))]
+        self.client = StickyHttpClient(replicas, s.model_revision, self.spec.policy, s.spill_factor,
+                                       return_token_ids=s.vllm_return_token_ids and self.spec.kind == "vllm",
+                                       timeout_s=s.burst_timeout_s)
+        health = self._loop.run_until_complete(self.client.open())
+        check = verify_replicas(s.devices, [p.pid for p in self.procs]) if s.on_gpu else {"verified_by": "CPU"}
+        for k, h in enumerate(health):  # our server reports the device it verified through torch
+            if "gpu_uuid" in h and h["gpu_uuid"] != s.devices[k]:
+                raise RuntimeError(f"replica {k} reports device {h['gpu_uuid']}; planned {s.devices[k]}")
+        return {"placement": list(s.devices), "health": health, "commands": self.commands, **check}
+
+    def _wait_healthy(self, k: int, port: int) -> None:
+        deadline = time.monotonic() + self.setup.startup_timeout_s
+        proc = self.procs[k]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.label} replica {k} exited with {proc.returncode} during startup; "
+                                   f"log tail:\n{self._log_tail(k)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.spec.label} replica {k} not healthy after {self.setup.startup_timeout_s}s; "
+                           f"log tail:\n{self._log_tail(k)}")
+
+    def _log_tail(self, k: int) -> str:
+        path = os.path.join(self.setup.log_dir, f"{self.tag}-replica{k}.log")
+        try:
+            with open(path, "rb") as f:
+                return f.read()[-3000:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def run_burst(self, requests: list[TraceRequest], max_tokens: int) -> tuple[float, list[dict]]:
+        return self._loop.run_until_complete(self.client.run_burst(requests, max_tokens))
+
+    def stats(self) -> dict:
+        return {"router_policy": self.client.stats()}
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self._loop.run_until_complete(self.client.close())
+        self._loop.close()
+        for p in self.procs:
+            stop_group(p)
+        if self.setup.on_gpu:
+            wait_gpus_idle(self.setup.devices)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM the process group this Popen leads (its own session), then SIGKILL what remains."""
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+    proc.wait(timeout=10)
+
+
+def gpu_apps() -> list[tuple[int, str]]:
+    """(pid, GPU UUID) of every compute process nvidia-smi lists; [] without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = [line.split(",") for line in out.stdout.strip().splitlines() if "," in line]
+    return [(int(p), u.strip()) for p, u in rows if p.strip().isdigit()]
+
+
+def wait_gpus_idle(devices: list[str], timeout_s: float = 180.0) -> None:
+    """Wait until no process computes on these GPUs (the previous system has released them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = sorted({u for _, u in gpu_apps() if u in devices})
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"GPUs still in use after {timeout_s}s: {busy} ({gpu_apps()})")
+        time.sleep(1.0)
+
+
+def verify_replicas(devices: list[str], leaders: list[int]) -> dict:
+    """Map each GPU compute process to the replica whose session it belongs to; raise when one computes
+    on another replica's GPU. Processes that cannot be mapped (another PID namespace) are reported."""
+    sessions = {pid: k for k, pid in enumerate(leaders)}
+    seen, unmapped = {}, []
+    for pid, gpu in gpu_apps():
+        try:
+            k = sessions.get(os.getsid(pid))
+        except OSError:
+            k = None
+        if k is None:
+            unmapped.append([pid, gpu])
+        elif gpu != devices[k]:
+            raise RuntimeError(f"replica {k} (session {leaders[k]}) computes on {gpu}; planned {devices[k]}")
+        else:
+            seen.setdefault(k, []).append(pid)
+    return {"verified_by": "nvidia-smi compute processes mapped to replica sessions",
+            "verified_replicas": sorted(seen), "unmapped_gpu_processes": unmapped}

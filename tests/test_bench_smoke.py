@@ -1,0 +1,137 @@
+"""Burst benchmark on CPU: the real pairs driver, runner, systems (flame on a local Ray, engine as HTTP server
+processes) and report, on the tiny model with scaled-down traces; plus the pieces that need no engine."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bench import pairs, report
+from bench.runner import check_run
+from bench.systems import parse_system
+from bench.traces import TraceSpec, input_hash, make_trace, warmup_traces
+
+SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
+         "--question-tokens", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512",
+         "--max-num-seqs", "16", "--engine-json", '{"cpu_kvcache_gib": 0.0625}', "--policy", "cumulative"]
+
+
+def _spec(**kw) -> TraceSpec:
+    return TraceSpec(**{"num_docs": 3, "questions": 2, "doc_tokens": 40, "question_tokens": 5, "vocab_size": 97,
+                        **kw})
+
+
+def test_traces_are_seeded_shuffled_and_warmups_keep_prefix_relations_with_unseen_ids():
+    spec = _spec()
+    t, again, other = make_trace(spec), make_trace(spec), make_trace(_spec(seed=1))
+    assert [r.input_hash for r in t.requests] == [r.input_hash for r in again.requests]
+    assert [r.input_hash for r in t.requests] != [r.input_hash for r in other.requests]
+    assert len(t.requests) == 6 and all(len(r.token_ids) == 45 for r in t.requests)
+    assert [r.rid for r in t.requests] != sorted(r.rid for r in t.requests)  # shuffled (seed 0)
+    assert make_trace(_spec(name="no-reuse")).spec.num_requests == 3
+    warm = warmup_traces(spec, 2)
+    assert len({w.shift for w in warm}) == 2 and all(w.shift % 97 for w in warm)
+    docs = {r.doc: r.token_ids[:40] for r in t.requests}
+    for w in warm:
+        for r in w.requests:
+            assert len(r.token_ids) == 45 and r.token_ids.max() < 97
+            assert np.array_equal(r.token_ids[:40], (docs[r.doc] + w.shift) % 97)  # same doc, same shifted prefix
+            assert not any(np.array_equal(r.token_ids[:40], d) for d in docs.values())
+    d = t.describe()
+    assert d["seed"] == 0 and d["prompt_tokens"] == 45 and "generated" in d["token_source"]
+    with pytest.raises(ValueError, match="trace field 'num_docs' must be an integer >= 1; got 0"):
+        _spec(num_docs=0)
+
+
+def test_system_labels():
+    assert parse_system("vllm-seed-rr").vllm_config == "seed"
+    assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
+        "cumulative"
+    with pytest.raises(ValueError, match="system must be one of flame, engine, vllm, vllm-seed"):
+        parse_system("sglang")
+
+
+def _records(trace, placement=("cpu-0", "cpu-1")):
+    return [{"id": r.rid, "shard": k % 2, "gpu_uuid": placement[k % 2], "prompt_tokens": len(r.token_ids),
+             "output_len": 16, "finish_reason": "length", "served_hash": r.input_hash, "error": None}
+            for k, r in enumerate(trace.requests)]
+
+
+def test_checks_catch_missing_duplicate_length_hash_and_placement():
+    trace = make_trace(_spec())
+    assert check_run(trace, _records(trace), ["cpu-0", "cpu-1"])["ok"]
+    recs = _records(trace)
+    recs[1] = dict(recs[0])  # request 1 missing, request 0 answered twice
+    recs[2]["output_len"] = 15
+    recs[3]["gpu_uuid"] = "cpu-1" if recs[3]["shard"] == 0 else "cpu-0"
+    recs[4]["served_hash"] = "0" * 16
+    recs[5]["error"] = {"code": "overloaded"}
+    c = check_run(trace, recs, ["cpu-0", "cpu-1"])
+    assert not c["ok"]
+    assert c["failures"] == {"missing": 1, "duplicate": 1, "output_len": 1, "placement": 1, "input_hash": 1,
+                             "error": 1}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    os.environ.pop("RAY_ADDRESS", None)
+    out = str(tmp_path_factory.mktemp("bench"))
+    rc = pairs.main(["--systems", "flame,engine", "--traces", "no-reuse,reuse", "--pairs", "1", "--out", out,
+                     *SCALE])
+    return rc, out
+
+
+def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smoke):
+    rc, out = smoke
+    assert rc == 0
+    rep = json.load(open(os.path.join(out, "report.json")))
+    md = open(os.path.join(out, "report.md")).read()
+    for trace, n in (("no-reuse", 4), ("reuse", 8)):
+        t = rep["traces"][trace]
+        assert t["systems"] == ["flame", "engine"] and t["trace"]["num_requests"] == n
+        rates = {}
+        for label in ("flame", "engine"):
+            raw = json.load(open(os.path.join(out, "raw", trace, label, "pair00.json")))
+            assert raw["checks"] == {"ok": True, "failures": {}, "examples": [], "requests": n, "expected": n}
+            reqs = raw["requests"]
+            assert sorted(r["id"] for r in reqs) == sorted({r["id"] for r in reqs}) and len(reqs) == n
+            assert all(r["gpu_uuid"] == ["cpu-0", "cpu-1"][r["shard"]] and r["output_len"] == 16 for r in reqs)
+            owner = {}
+            for r in reqs:  # cumulative placement: every question of a document on its document's shard
+                assert owner.setdefault(r["doc"], r["shard"]) == r["shard"]
+            rates[label] = n / max(r["done_s"] for r in reqs)
+            s = t["stats"][label]
+            assert s["req_s"]["median"] == pytest.approx(rates[label], rel=1e-12)
+            cached = 100 * sum(r["cached_tokens"] for r in reqs) / sum(r["prompt_tokens"] for r in reqs)
+            assert s["cached_pct"] == pytest.approx(cached)
+            assert s["latency_s"]["p50"] == pytest.approx(float(np.percentile([r["done_s"] for r in reqs], 50)))
+            assert f"{rates[label]:.3f}" in md
+        (ratio,) = t["ratios"]
+        assert ratio["ratio_of_medians"] == pytest.approx(rates["flame"] / rates["engine"])
+        assert ratio["paired"] == {"0": pytest.approx(rates["flame"] / rates["engine"])}
+    assert "## Trace `reuse`" in md and "flame / engine" in md
+
+
+def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_path):
+    _, out = smoke
+    path = os.path.join(out, "raw", "reuse", "engine", "pair00.json")
+    raw = json.load(open(path))
+    for r in raw["requests"]:
+        r["done_s"] = 2.0  # 8 requests in 2 s
+    os.makedirs(tmp_path / "raw" / "reuse" / "engine")
+    json.dump(raw, open(tmp_path / "raw" / "reuse" / "engine" / "pair00.json", "w"))
+    raw["pair"], raw["checks"] = 1, {**raw["checks"], "ok": False, "failures": {"output_len": 1}}
+    json.dump(raw, open(tmp_path / "raw" / "reuse" / "engine" / "pair01.json", "w"))
+    assert report.main([str(tmp_path)]) == 0
+    rep = json.load(open(tmp_path / "report.json"))
+    s = rep["traces"]["reuse"]["stats"]["engine"]
+    assert s["req_s"] == {"median": 4.0, "min": 4.0, "max": 4.0} and (s["runs"], s["runs_ok"]) == (2, 1)
+    assert "FAILED run `raw/reuse/engine/pair01.json`" in open(tmp_path / "report.md").read()
+    with pytest.raises(ValueError, match="no raw run records"):
+        report.load_runs(str(tmp_path / "raw" / "none"))
+
+
+def test_input_hash_is_the_servers_digest():
+    ids = np.arange(10, dtype=np.uint32)
+    from flame_llm.http_server import prompt_digest
+    assert input_hash(ids) == prompt_digest(ids.tolist()) != input_hash(ids[:-1])
