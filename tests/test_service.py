@@ -13,7 +13,7 @@ import zstandard
 from actors.admission import Admission, Overloaded
 from flame_llm import LLM, SamplingParams
 from flame_llm.routing_key import estimate_prefill_work
-from flame_llm.service import start_service
+from flame_llm.service import make_client, start_service
 from flame_llm.service_config import ServiceConfig
 from flame_llm.wire import WireRequest, decode_results, encode_requests
 
@@ -229,6 +229,33 @@ def test_agenerate_from_caller_loop(service):
 
     a, b = asyncio.run(main())
     assert [r["output_token_ids"] for r in a + b] == [r["output_token_ids"] for r in client.generate(prompts, sp)]
+
+
+def test_service_and_client_error_paths(service, tiny_qwen3):
+    svc, _ = service
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(RuntimeError, match="namespace 'test-service' already runs a service"):
+        start_service(svc.cfg)
+    bad = ServiceConfig(model=tiny_qwen3, num_shards=1, cpu_per_shard=0.25, namespace="test-bad", max_restarts=0,
+                        engine={**ENGINE, "device": "cuda"})  # valid config, but this machine has no CUDA
+    with pytest.raises(RuntimeError, match=r"shard cpu-0 on node \w+ \(CPU\) failed to start"):
+        start_service(bad)
+    other = start_service(ServiceConfig(model=tiny_qwen3, num_shards=1, cpu_per_shard=0.25,
+                                        namespace="test-other", engine=ENGINE))
+    try:
+        with pytest.raises(RuntimeError, match="shards serve different model revisions"):
+            make_client(None, svc.router, {0: svc.actors[0], 1: other.actors[0]})
+        client = other.client(restart_timeout_s=1.0)
+        assert client.generate([[5, 6, 7]], sp)[0]["error"] is None
+        ray.kill(other.actors[0], no_restart=True)
+        (res,) = client.generate([[5, 6, 7]], sp)
+        assert res["error"]["code"] == "shard_unavailable" and "did not come back" in res["error"]["message"]
+        ray.kill(other.router, no_restart=True)
+        (res,) = client.generate([[5, 6, 7]], sp)
+        assert res["error"]["code"] == "router_error"
+        client.close()
+    finally:
+        other.stop(timeout_s=2)
 
 
 def test_killed_actor_restarts_and_every_request_completes_once(service):
