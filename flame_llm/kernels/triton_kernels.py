@@ -50,7 +50,7 @@ def _kv_rows(bt_ptr, start, offs_n, seq_len, BLOCK_N: tl.constexpr, BLOCK_SIZE: 
 def _attend(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, head_off, lo, hi, qpos, seq_len,
             qk_scale, stride_crow, offs_n, offs_d,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+            BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax over key tiles [lo, hi). MASKED: apply the causal and sequence-end masks."""
     for start in range(lo, hi, BLOCK_N):
         rows = _kv_rows(bt_ptr, start, offs_n, seq_len, BLOCK_N, BLOCK_SIZE)
@@ -67,7 +67,7 @@ def _attend(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, head_off, lo, hi
         else:
             k = tl.load(k_cache_ptr + offs)
             v = tl.load(v_cache_ptr + offs)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(keys[None, :] <= qpos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -78,7 +78,7 @@ def _attend(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, head_off, lo, hi
         alpha = tl.exp2(m_i - m_new_safe)
         p = tl.exp2(s - m_new_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -90,9 +90,9 @@ def paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_crow, stride_ch, stride_bt, stride_psplit,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD  # tokens per query tile
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the longest rows start first
     seq = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
@@ -120,7 +120,7 @@ def paged_attention_kernel(
     k_end = tl.minimum(ctx_len + (tile + 1) * BLOCK_Q, seq_len)  # one past the last query position
     diag_lo = (first_pos // BLOCK_N) * BLOCK_N
     if NUM_SPLITS == 1:
-        k_lo = 0
+        k_lo = seq_len * 0
         k_hi = k_end
     else:
         split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -134,10 +134,10 @@ def paged_attention_kernel(
     head_off = kv_head * stride_ch
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off,
                             k_lo, tl.minimum(k_hi, diag_lo), qpos, seq_len, qk_scale, stride_crow,
-                            offs_n, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False)
+                            offs_n, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off,
                             tl.maximum(k_lo, diag_lo), k_hi, qpos, seq_len, qk_scale, stride_crow,
-                            offs_n, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True)
+                            offs_n, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # a row with no keys (seq_len 0) yields 0, not NaN
     out = acc / l_safe[:, None]
