@@ -208,16 +208,23 @@ class Client:
         except RayActorError as e:
             log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
                         shard, len(batch), type(e).__name__)
-            if await self._await_restart(shard):
-                # the restarted engine is cold and the router dropped its prefixes: route them again
-                for p in batch:
-                    p.attempts += 1
-                self.counters["retries"] += len(batch)
-                await self._route(batch)
-            else:
+            if not await self._await_restart(shard):
                 for p in batch:
                     p.future.set_result(_error(p, "shard_unavailable", f"shard {shard} died and did not come "
                                                                        f"back within {self.restart_timeout_s}s: {e}"))
+                return
+            # the restarted engine is cold and the router dropped its prefixes: route them again
+            again = []
+            for p in batch:
+                p.attempts += 1
+                if p.attempts > self.max_retries:  # a request that keeps killing shards stops here
+                    p.future.set_result(_error(p, "shard_died", f"shard {shard} died while serving this "
+                                                                f"request, {p.attempts} times: {e}"))
+                else:
+                    again.append(p)
+            self.counters["retries"] += len(again)
+            if again:
+                await self._route(again)
             return
         t2 = time.perf_counter()
         if len(results) != len(batch):  # the actor could not read the batch: one record for all

@@ -245,6 +245,19 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
     try:
         with pytest.raises(RuntimeError, match="shards serve different model revisions"):
             make_client(None, svc.router, {0: svc.actors[0], 1: other.actors[0]})
+        strict = other.client(max_retries=0)  # no resubmission: requests lost with a shard say so
+        out = {}
+        t = threading.Thread(target=lambda: out.update(res=strict.generate(_prompts(4, 20, seed=16), SamplingParams(
+            temperature=0.0, max_tokens=400, ignore_eos=True))))
+        t.start()
+        deadline = time.monotonic() + 60
+        while ray.get(other.actors[0].stats.remote())["inflight_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        ray.kill(other.actors[0], no_restart=False)
+        t.join(timeout=120)
+        assert [r["error"]["code"] for r in out["res"]] == ["shard_died"] * 4
+        strict.close()
         client = other.client(restart_timeout_s=1.0)
         assert client.generate([[5, 6, 7]], sp)[0]["error"] is None
         ray.kill(other.actors[0], no_restart=True)
