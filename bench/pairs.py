@@ -17,20 +17,26 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from bench.report import render_markdown, write_report
-from bench.runner import add_run_args, local_ray_scope, options_from_args, run_one
+from bench.runner import RUN_ARGUMENTS, local_ray_scope, options_from_args, run_one
 from bench.systems import parse_system
 from bench.traces import TRACE_NAMES
 
 log = logging.getLogger(__name__)
 
 
+# (flags, add_argument kwargs): the `flame-llm bench` options
+ARGUMENTS = [
+    (("--systems",), {"default": "flame,engine", "help": "comma-separated labels: flame, engine, vllm, vllm-seed, "
+                      "each optionally -rr; the first is the subject of the report's ratios"}),
+    (("--traces",), {"default": ",".join(TRACE_NAMES), "help": "comma-separated: no-reuse, reuse"}),
+    (("--pairs",), {"type": int, "default": 5}),
+    *RUN_ARGUMENTS,
+]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--systems", default="flame,engine",
-                   help="comma-separated labels: flame, engine, vllm, vllm-seed, each optionally -rr; the first "
-                        "is the subject of the report's ratios")
-    p.add_argument("--traces", default=",".join(TRACE_NAMES), help="comma-separated: no-reuse, reuse")
-    p.add_argument("--pairs", type=int, default=5)
-    add_run_args(p)
+    for flags, kwargs in ARGUMENTS:
+        p.add_argument(*flags, **kwargs)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -178,6 +178,11 @@ def render_png(rep: dict, path: str) -> bool:
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         t = rep["traces"][name]
+        pairs = sorted({x["pair"] for lab in t["systems"] for x in t["stats"][lab]["per_run"] if x["ok"]})
+        for p in pairs:  # one gray line per pair across the systems
+            pts = [(i, x["req_s"]) for i, lab in enumerate(t["systems"]) for x in t["stats"][lab]["per_run"]
+                   if x["ok"] and x["pair"] == p]
+            ax.plot([a for a, _ in pts], [b for _, b in pts], color="0.8", linewidth=0.8, zorder=0)
         for i, lab in enumerate(t["systems"]):
             s = t["stats"][lab]
             ys = [x["req_s"] for x in s["per_run"] if x["ok"]]
@@ -186,6 +191,7 @@ def render_png(rep: dict, path: str) -> bool:
                 ax.hlines(s["req_s"]["median"], i - 0.3, i + 0.3, colors="black")
         ax.set_xticks(range(len(t["systems"])), t["systems"])
         ax.set_title(f"{name}: req/s per pair (bar: median)")
+        ax.set_ylabel("requests / s")
         ax.set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -211,10 +217,17 @@ def write_report(raw_dir: str, out_dir: str | None = None, order: list[str] | No
     return rep
 
 
+# (flags, add_argument kwargs): the `flame-llm report` options
+ARGUMENTS = [
+    (("raw_dir",), {"help": "a bench results dir (holds raw/), or any dir with raw run JSON below it"}),
+    (("--out",), {"default": None, "help": "where report.md/.json/.png go (default: raw_dir)"}),
+    (("--systems",), {"default": "", "help": "comma-separated order; the first is the subject of the ratios"}),
+]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("raw_dir", help="a bench results dir (holds raw/), or any dir with raw run JSON below it")
-    p.add_argument("--out", default=None, help="where report.md/.json/.png go (default: raw_dir)")
-    p.add_argument("--systems", default="", help="comma-separated order; the first is the subject of the ratios")
+    for flags, kwargs in ARGUMENTS:
+        p.add_argument(*flags, **kwargs)
 
 
 def run(a: argparse.Namespace) -> int:

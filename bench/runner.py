@@ -56,27 +56,34 @@ class RunOptions:
     vllm_return_token_ids: bool = False
 
 
+_D = RunOptions()
+# (flags, add_argument kwargs): the options of one run, shared by bench.runner, bench.pairs and `flame-llm bench`
+RUN_ARGUMENTS = [
+    (("--model",), {"default": _D.model, "help": "model dir (config.json; dummy weights) or 'tiny'"}),
+    (("--load-format",), {"default": _D.load_format, "choices": ("dummy", "auto")}),
+    (("--out",), {"default": _D.out, "help": "results dir: raw/ records, logs/, report files"}),
+    (("--num-shards",), {"type": int, "default": 0, "help": "0: every local GPU, or 2 CPU shards"}),
+    (("--gpu-uuids",), {"default": "", "help": "comma-separated GPU UUIDs to use (default: all)"}),
+    (("--policy",), {"default": _D.policy, "choices": ("load_guarded", "cumulative"),
+                     "help": "sticky placement policy (labels ending in -rr use round_robin)"}),
+    *[(("--" + n.replace("_", "-"),), {"type": int, "default": getattr(_D, n)})
+      for n in ("docs", "questions", "doc_tokens", "question_tokens", "output_tokens", "seed", "warmup_rounds",
+                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "torch_threads")],
+    (("--enforce-eager",), {"action": "store_true", "help": "flame and engine without CUDA graphs"}),
+    (("--engine-json",), {"default": "{}", "help": "more flame_llm Config fields (flame and engine)"}),
+    (("--startup-timeout-s",), {"type": float, "default": _D.startup_timeout_s}),
+    (("--burst-timeout-s",), {"type": float, "default": _D.burst_timeout_s}),
+    (("--vllm-bin",), {"default": _D.vllm_bin, "help": "the vllm executable (e.g. /tmp/vsite/site/bin/vllm)"}),
+    (("--vllm-pythonpath",), {"default": "", "help": "prepended to PYTHONPATH of vllm replicas only"}),
+    (("--vllm-args",), {"default": "", "help": "extra flags for every `vllm serve`, one string"}),
+    (("--vllm-return-token-ids",), {"action": "store_true", "help": "ask vLLM to echo token ids (prompt echo "
+                                    "costs; default: output length from usage)"}),
+]
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    d = RunOptions()
-    p.add_argument("--model", default=d.model, help="model dir (config.json; dummy weights) or 'tiny'")
-    p.add_argument("--load-format", default=d.load_format, choices=("dummy", "auto"))
-    p.add_argument("--out", default=d.out, help="results dir: raw/ records, logs/, report files")
-    p.add_argument("--num-shards", type=int, default=d.num_shards, help="0: every local GPU, or 2 CPU shards")
-    p.add_argument("--gpu-uuids", default="", help="comma-separated GPU UUIDs to use (default: all)")
-    p.add_argument("--policy", default=d.policy, choices=("load_guarded", "cumulative"),
-                   help="sticky placement policy (labels ending in -rr use round_robin)")
-    for name in ("docs", "questions", "doc_tokens", "question_tokens", "output_tokens", "seed", "warmup_rounds",
-                 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "torch_threads"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    p.add_argument("--enforce-eager", action="store_true", help="flame and engine without CUDA graphs")
-    p.add_argument("--engine-json", default="{}", help="more flame_llm Config fields (flame and engine)")
-    p.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
-    p.add_argument("--burst-timeout-s", type=float, default=d.burst_timeout_s)
-    p.add_argument("--vllm-bin", default=d.vllm_bin, help="the vllm executable (e.g. /tmp/vsite/site/bin/vllm)")
-    p.add_argument("--vllm-pythonpath", default="", help="prepended to PYTHONPATH of vllm replicas only")
-    p.add_argument("--vllm-args", default="", help="extra flags for every `vllm serve`, one string")
-    p.add_argument("--vllm-return-token-ids", action="store_true",
-                   help="ask vLLM to echo token ids (costs prompt echo; default: output length from usage)")
+    for flags, kwargs in RUN_ARGUMENTS:
+        p.add_argument(*flags, **kwargs)
 
 
 def options_from_args(a: argparse.Namespace) -> RunOptions:

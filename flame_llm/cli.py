@@ -10,6 +10,10 @@ import signal
 import sys
 import time
 
+from bench.pairs import ARGUMENTS as BENCH_ARGS
+from bench.report import ARGUMENTS as REPORT_ARGS
+from flame_llm.http_server import ARGUMENTS as SERVE_HTTP_ARGS
+
 log = logging.getLogger("flame_llm.cli")
 
 DEMO_CONFIG = {"model": "tiny", "num_shards": 2, "cpu_per_shard": 0.5, "torch_threads": 1, "ray_num_cpus": 2,
@@ -182,6 +186,21 @@ def demo(args) -> int:
     return 1 if any(r["error"] for r in results) else 0
 
 
+def serve_http(args) -> int:
+    from flame_llm.http_server import serve as serve_engine_http
+    return serve_engine_http(args)
+
+
+def bench(args) -> int:
+    from bench.pairs import run
+    return run(args)
+
+
+def report(args) -> int:
+    from bench.report import run
+    return run(args)
+
+
 # name: (function, help, arguments)
 COMMANDS = {
     "serve": (serve, "start or join Ray, create the router and one engine actor per GPU",
@@ -202,6 +221,9 @@ COMMANDS = {
     "demo": (demo, "local Ray, two CPU shards, the tiny default model: one batch, results and placement",
              [(("--config",), {"help": "service YAML instead of the built-in demo config"}),
               (("--max-tokens",), {"type": int, "default": 8})]),
+    "serve-http": (serve_http, "our engine alone as an OpenAI-style HTTP server (token-id prompts)", SERVE_HTTP_ARGS),
+    "bench": (bench, "burst benchmark: fresh interleaved pairs of systems, then the paired report", BENCH_ARGS),
+    "report": (report, "paired report (Markdown, JSON, PNG) from a bench run's raw records", REPORT_ARGS),
 }
 
 

@@ -169,19 +169,26 @@ def build_app(engine, gpu_uuid: str | None = None, device_name: str = "cpu",
     return app
 
 
+# (flags, add_argument kwargs): the `flame-llm serve-http` options
+ARGUMENTS = [
+    (("--model",), {"required": True, "help": "model directory, or 'tiny' for the embedded default"}),
+    (("--host",), {"default": "127.0.0.1"}),
+    (("--port",), {"type": int, "default": 8000}),
+    (("--gpu-uuid",), {"default": None, "help": "pin to this GPU (CUDA_VISIBLE_DEVICES=UUID, verified)"}),
+    (("--device-name",), {"default": "cpu", "help": "what responses report as gpu_uuid without a GPU"}),
+    (("--served-model-name",), {"default": None}),
+    (("--load-format",), {"default": "auto", "choices": ("auto", "dummy")}),
+    (("--engine-json",), {"default": "{}", "help": "extra flame_llm.config.Config fields as a JSON object"}),
+    (("--torch-threads",), {"type": int, "default": 0, "help": "CPU intra-op threads (0: torch's default)"}),
+]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model directory, or 'tiny' for the embedded default")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--gpu-uuid", default=None, help="pin to this GPU (CUDA_VISIBLE_DEVICES=UUID, verified)")
-    p.add_argument("--device-name", default="cpu", help="what responses report as gpu_uuid without a GPU")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    p.add_argument("--engine-json", default="{}", help="extra flame_llm.config.Config fields as a JSON object")
-    p.add_argument("--torch-threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
+    for flags, kwargs in ARGUMENTS:
+        p.add_argument(*flags, **kwargs)
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace) -> int:
     """Load the engine (pinned and verified when --gpu-uuid is given) and serve until SIGINT/SIGTERM."""
     from actors.pinning import pin_visible_device, verify_device
 
@@ -218,14 +225,15 @@ def serve(args: argparse.Namespace) -> None:
 
     app.on_cleanup.append(_close)
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handle_signals=True)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flame-llm serve-http", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(p.parse_args(argv))
+    return serve(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

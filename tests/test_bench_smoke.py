@@ -2,6 +2,7 @@
 processes) and report, on the tiny model with scaled-down traces; plus the pieces that need no engine."""
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from bench import pairs, report
 from bench.runner import check_run
 from bench.systems import parse_system
 from bench.traces import TraceSpec, input_hash, make_trace, warmup_traces
+from flame_llm import cli
 
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
          "--question-tokens", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512",
@@ -112,7 +114,7 @@ def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smok
     assert "## Trace `reuse`" in md and "flame / engine" in md
 
 
-def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_path):
+def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_path, monkeypatch):
     _, out = smoke
     path = os.path.join(out, "raw", "reuse", "engine", "pair00.json")
     raw = json.load(open(path))
@@ -122,11 +124,20 @@ def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_p
     json.dump(raw, open(tmp_path / "raw" / "reuse" / "engine" / "pair00.json", "w"))
     raw["pair"], raw["checks"] = 1, {**raw["checks"], "ok": False, "failures": {"output_len": 1}}
     json.dump(raw, open(tmp_path / "raw" / "reuse" / "engine" / "pair01.json", "w"))
-    assert report.main([str(tmp_path)]) == 0
+    assert cli.main(["report", str(tmp_path)]) == 0  # `flame-llm report <raw dir>`
     rep = json.load(open(tmp_path / "report.json"))
     s = rep["traces"]["reuse"]["stats"]["engine"]
     assert s["req_s"] == {"median": 4.0, "min": 4.0, "max": 4.0} and (s["runs"], s["runs_ok"]) == (2, 1)
     assert "FAILED run `raw/reuse/engine/pair01.json`" in open(tmp_path / "report.md").read()
+    try:
+        import matplotlib  # noqa: F401
+        assert rep["png"] == "report.png" and (tmp_path / "report.png").stat().st_size > 1000
+    except ImportError:
+        assert rep["png"] is None
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the PNG degrades away; md and json still come
+    rep = report.write_report(str(tmp_path), str(tmp_path / "nopng"))
+    assert rep["png"] is None and not (tmp_path / "nopng" / "report.png").exists()
+    assert (tmp_path / "nopng" / "report.md").exists()
     with pytest.raises(ValueError, match="no raw run records"):
         report.load_runs(str(tmp_path / "raw" / "none"))
 
