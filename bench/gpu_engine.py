@@ -79,8 +79,7 @@ def decode_step_ms(llm: LLM, batch: int, ctx: int, steps: int, seed: int) -> flo
     return 1e3 * times[len(times) // 2]
 
 
-def free(llm) -> None:
-    del llm
+def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -128,27 +127,27 @@ def main() -> None:
         res["decode_b1"] = {"tok_per_s": 255 / (wall - ttft), "wall_s": wall}
         save()
     if "traces" in parts:
-        try:
-            from bench.traces import make_trace
-        except ImportError as e:
-            res["traces"] = f"skipped: {e}"
-        else:
-            res["traces"] = {}
-            sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-            for name in ("no_reuse", "reuse"):
-                warm = make_trace(name, vocab_size=hf.vocab_size, seed=1, shift=1)
-                timed_generate(llm, warm.prompts, sp)
-                trace = make_trace(name, vocab_size=hf.vocab_size, seed=1)
-                wall, outs = timed_generate(llm, trace.prompts, sp)
-                cached = sum(o.num_cached_tokens for o in outs) / sum(o.num_prompt_tokens for o in outs)
-                res["traces"][name] = {"requests": len(outs), "wall_s": wall, "req_per_s": len(outs) / wall,
-                                       "cached_frac": cached}
-                save()
+        from bench.traces import TraceSpec, make_trace, warmup_traces
+
+        res["traces"] = {}
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        for name in ("no-reuse", "reuse"):
+            spec = TraceSpec(name=name, vocab_size=hf.vocab_size, seed=0)
+            for warm in warmup_traces(spec, rounds=2):  # the protocol's two shifted rounds, unseen prefixes
+                timed_generate(llm, [r.token_ids.tolist() for r in warm.requests], sp)
+            trace = make_trace(spec)
+            wall, outs = timed_generate(llm, [r.token_ids.tolist() for r in trace.requests], sp)
+            assert all(len(o.output_token_ids) == 16 for o in outs)
+            cached = sum(o.num_cached_tokens for o in outs) / sum(o.num_prompt_tokens for o in outs)
+            res["traces"][name] = {"requests": len(outs), "wall_s": wall, "req_per_s": len(outs) / wall,
+                                   "cached_frac": cached, "trace": trace.describe()}
+            save()
     graphs_on = llm.engine.model_runner.use_graphs
     if "graphs" in parts:
         res["decode_step_ms"] = {("graphs" if graphs_on else "eager"): {
             b: decode_step_ms(llm, b, 2048, 24, 10 + b) for b in (1, 8, 32, 64)}}
-        free(llm)
+        del llm
+        free()
         llm = LLM(MODEL, load_format="dummy", attention_backend=args.backend, enforce_eager=True, **SEED_LIMITS)
         res["decode_step_ms"]["eager"] = {b: decode_step_ms(llm, b, 2048, 24, 10 + b) for b in (1, 8, 32, 64)}
         save()
