@@ -36,8 +36,22 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
+    # write beside the target and rename into place, so two processes creating it never see half a model
+    import shutil
+    import tempfile
+
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tiny-")
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
+    try:
+        if os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
+        os.rename(tmp, path)
+    except OSError:  # another process finished first (or the target already has files): keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise
     return path
 
 

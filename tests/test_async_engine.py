@@ -82,3 +82,23 @@ def test_shutdown_fails_pending_and_refuses_new(tiny_llama):
 
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(main())
+
+
+def test_failed_step_loop_is_reported(tiny_llama):
+    eng = AsyncEngine.from_args(tiny_llama, block_size=16)
+    assert not eng.failed and eng.error is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    eng.engine.model_runner.run = broken
+
+    async def main():
+        await eng.generate([1, 2], SamplingParams(max_tokens=2))
+
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(main())
+    assert eng.failed and "boom" in repr(eng.error)
+    with pytest.raises(RuntimeError, match="engine loop failed"):
+        asyncio.run(main())
+    eng.shutdown()

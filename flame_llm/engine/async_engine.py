@@ -92,6 +92,15 @@ class AsyncEngine:
             if not pending.future.done():
                 self.abort(rid)
 
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the step loop, or None while it runs."""
+        return self._error
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._aborts.append(request_id)

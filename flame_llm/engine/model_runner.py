@@ -40,8 +40,11 @@ def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
 
 
 class ModelRunner:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, extra_block_bytes: int = 0) -> None:
+        """extra_block_bytes: bytes per block another KV pool indexed by the same block ids needs (the
+        speculative draft's); the memory budget is split so that both fit."""
         self.config = config
+        self.extra_block_bytes = extra_block_bytes
         hf = config.hf_config
         self.device = resolve_device(config.device)
         dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
@@ -89,7 +92,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             num_blocks = self.profile_num_blocks()
         else:
-            num_blocks = int(cfg.cpu_kvcache_gib * (1 << 30)) // self.block_bytes()
+            num_blocks = int(cfg.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization, or set num_kvcache_blocks")
@@ -124,7 +127,7 @@ class ModelRunner:
         used = total - free
         peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         budget = total * cfg.gpu_memory_utilization - used - (peak - current)
-        return int(budget) // self.block_bytes()
+        return int(budget) // (self.block_bytes() + self.extra_block_bytes)
 
     # ---- step inputs ----------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]):
@@ -165,9 +168,12 @@ class ModelRunner:
         """One step; returns the sampled token per sequence (None where a prefill chunk stops short)."""
         (input_ids, positions, slots, cu_q, seq_lens, block_tables, logits_rows, sample_idx,
          fresh_only) = self.prepare(seqs, num_tokens)
+        out: list[int | None] = [None] * len(seqs)
         is_decode = len(input_ids) == len(seqs)
         if is_decode and self.use_graphs and len(seqs) <= self.max_graph_bs:
-            hidden = self.replay_graph(input_ids, positions, slots, seq_lens, block_tables)
+            logits = self.replay_graph(input_ids, positions, slots, seq_lens, block_tables)  # every row's
+            if len(sample_idx) < len(seqs):
+                logits = logits[self._tensor(sample_idx, torch.int64)]
         else:
             meta = AttentionMetadata(self._tensor(cu_q, torch.int32), self._tensor(seq_lens, torch.int32),
                                      self._tensor(block_tables, torch.int32), self._tensor(slots, torch.int64),
@@ -176,10 +182,11 @@ class ModelRunner:
             set_context(meta)
             hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64))
             set_context(None)
-        out: list[int | None] = [None] * len(seqs)
+            if not sample_idx:
+                return out
+            logits = self.model.compute_logits(hidden[self._tensor(logits_rows, torch.int64)])
         if not sample_idx:
             return out
-        logits = self.model.compute_logits(hidden[self._tensor(logits_rows, torch.int64)])
         params = [seqs[i].sampling_params for i in sample_idx]
         batch = make_sampling_batch(params, [seqs[i].num_completion_tokens for i in sample_idx],
                                     self.vocab_size, self.device)
@@ -190,28 +197,34 @@ class ModelRunner:
     # ---- CUDA graphs for decode -----------------------------------------------------------------
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
+        """One graph per bucketed batch size, LM head included. The step inputs live in two packed
+        buffers (int64: ids, positions, slots; int32: seq lens, block tables) filled from pinned
+        host mirrors with two copies per step."""
         cfg = self.config
         max_bs = min(cfg.max_num_seqs, 512)
         self.graph_bs = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         self.max_graph_bs = max_bs
+        mb = self.max_blocks_per_seq
         dev = self.device
-        self.g_input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
-        self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        self.g_block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.g_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.g_i64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)
+        self.g_i32 = torch.zeros(max_bs * (1 + mb), dtype=torch.int32, device=dev)
+        self.h_i64 = torch.zeros(3 * max_bs, dtype=torch.int64, pin_memory=True)
+        self.h_i32 = torch.zeros(max_bs * (1 + mb), dtype=torch.int32, pin_memory=True)
+        g_ids, g_pos, g_slots = self.g_i64.view(3, max_bs)
+        g_seq_lens = self.g_i32[:max_bs]
+        g_tables = self.g_i32[max_bs:].view(max_bs, mb)
+        g_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.graph_out: dict[int, torch.Tensor] = {}
         pool = None
         for b in reversed(self.graph_bs):
-            meta = AttentionMetadata(self.g_cu_q[: b + 1], self.g_seq_lens[:b], self.g_block_tables[:b],
-                                     self.g_slots[:b], 1, cfg.max_model_len, is_decode=True)
+            meta = AttentionMetadata(g_cu_q[: b + 1], g_seq_lens[:b], g_tables[:b], g_slots[:b], 1,
+                                     cfg.max_model_len, is_decode=True)
             set_context(meta)
-            self.model(self.g_input_ids[:b], self.g_positions[:b])  # warm up (Triton autotune/compile)
+            self.g_i64.view(3, max_bs)[2].fill_(-1)
+            self.model.compute_logits(self.model(g_ids[:b], g_pos[:b]))  # warm up (Triton compile)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                hidden = self.model(self.g_input_ids[:b], self.g_positions[:b])
-            self.graph_out[b] = hidden
+                self.graph_out[b] = self.model.compute_logits(self.model(g_ids[:b], g_pos[:b]))
             pool = graph.pool()
             self.graphs[b] = graph
             set_context(None)
@@ -220,13 +233,18 @@ class ModelRunner:
     def replay_graph(self, input_ids, positions, slots, seq_lens, block_tables) -> torch.Tensor:
         n = len(input_ids)
         b = next(x for x in self.graph_bs if x >= n)
-        self.g_slots[n:b].fill_(-1)
-        self.g_seq_lens[n:b].zero_()
-        self.g_input_ids[:n].copy_(self._tensor(input_ids, torch.int64))
-        self.g_positions[:n].copy_(self._tensor(positions, torch.int64))
-        self.g_slots[:n].copy_(self._tensor(slots, torch.int64))
-        self.g_seq_lens[:n].copy_(self._tensor(seq_lens, torch.int32))
+        max_bs, mb = self.max_graph_bs, self.max_blocks_per_seq
+        h64 = self.h_i64.numpy().reshape(3, max_bs)
+        h64[0, :n] = input_ids
+        h64[1, :n] = positions
+        h64[2, :n] = slots
+        h64[2, n:b] = -1  # padded rows store nothing
+        h32 = self.h_i32.numpy()
+        h32[:n] = seq_lens
+        h32[n:b] = 0
         width = len(block_tables[0])
-        self.g_block_tables[:n, :width].copy_(self._tensor(block_tables, torch.int32))
+        h32[max_bs:].reshape(max_bs, mb)[:n, :width] = block_tables
+        self.g_i64.copy_(self.h_i64, non_blocking=True)
+        self.g_i32[: max_bs + b * mb].copy_(self.h_i32[: max_bs + b * mb], non_blocking=True)
         self.graphs[b].replay()
         return self.graph_out[b][:n]
