@@ -41,7 +41,9 @@ class StickyHttpClient:
 
     async def open(self) -> list[dict]:
         """Create the session and call /health on every replica (not timed); their answers, in order."""
-        connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=600)
+        # idle connections close on our side first (uvicorn, under vLLM, drops them after 5 s): a request never
+        # goes out on a connection the server is closing
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
         self.session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps,
                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return [await self._health(r) for r in self.replicas]

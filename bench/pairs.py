@@ -30,6 +30,8 @@ ARGUMENTS = [
                       "each optionally -rr; the first is the subject of the report's ratios"}),
     (("--traces",), {"default": ",".join(TRACE_NAMES), "help": "comma-separated: no-reuse, reuse"}),
     (("--pairs",), {"type": int, "default": 5}),
+    (("--pair-start",), {"type": int, "default": 0, "help": "index of the first pair (to split the pairs of one "
+                         "report over several commands writing to the same --out)"}),
     *RUN_ARGUMENTS,
 ]
 
@@ -50,14 +52,15 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"--traces must be a comma-separated subset of {TRACE_NAMES}; got {a.traces!r}")
     if len(set(systems)) != len(systems) or len(systems) < 1:
         raise SystemExit(f"--systems must list distinct systems; got {a.systems!r}")
-    if a.pairs < 1:
-        raise SystemExit(f"--pairs must be >= 1; got {a.pairs}")
+    if a.pairs < 1 or a.pair_start < 0:
+        raise SystemExit(f"--pairs must be >= 1 and --pair-start >= 0; got {a.pairs}, {a.pair_start}")
     os.makedirs(o.out, exist_ok=True)
     with open(os.path.join(o.out, "bench.json"), "w") as f:
-        json.dump({"systems": systems, "traces": traces, "pairs": a.pairs, "argv": sys.argv,
+        json.dump({"systems": systems, "traces": traces, "pairs": a.pairs, "pair_start": a.pair_start, "argv": sys.argv,
                    "started_at": dt.datetime.now(dt.timezone.utc).isoformat(), "options": asdict(o)}, f, indent=1)
-    plan = [(t, p, pos, systems[(p + pos) % len(systems)])
-            for t in traces for p in range(a.pairs) for pos in range(len(systems))]
+    pairs = range(a.pair_start, a.pair_start + a.pairs)
+    n = len(systems)
+    plan = [(t, p, pos, systems[(p + pos) % n]) for t in traces for p in pairs for pos in range(n)]
     failed = []
     with local_ray_scope(), tqdm(plan, desc="runs", unit="run") as bar:
         for t, p, pos, label in bar:

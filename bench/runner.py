@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import sys
 import time
 from collections import Counter
@@ -94,7 +95,7 @@ def options_from_args(a: argparse.Namespace) -> RunOptions:
     if not isinstance(extra, dict):
         raise SystemExit("--engine-json must be a JSON object of flame_llm Config fields")
     names = [f for f in RunOptions.__dataclass_fields__ if f not in ("gpu_uuids", "engine_json", "vllm_args")]
-    return RunOptions(**{n: getattr(a, n) for n in names}, engine_json=extra, vllm_args=a.vllm_args.split(),
+    return RunOptions(**{n: getattr(a, n) for n in names}, engine_json=extra, vllm_args=shlex.split(a.vllm_args),
                       gpu_uuids=[u.strip() for u in a.gpu_uuids.split(",") if u.strip()])
 
 

@@ -100,9 +100,10 @@ class FlameSystem:
         if placed != s.devices:
             raise RuntimeError(f"flame placed shards on {placed}; the bench's shard -> device map is {s.devices}")
         self.client = make_client(cfg, self.service.router, self.service.actors)
-        return {"placement": placed, "health": self.service.health, "namespace": cfg.namespace,
-                "verified_by": "each actor checks torch's cuda:0 UUID against its planned UUID at start"
-                if s.on_gpu else "CPU shards"}
+        health = self.service.health
+        check = verify_processes(s.devices, [h["pid"] for h in health], False) if s.on_gpu else {}
+        return {"placement": placed, "health": health, "namespace": cfg.namespace, **check,
+                "actor_check": "each actor compares torch's cuda:0 UUID with its planned UUID at start"}
 
     def run_burst(self, requests: list[TraceRequest], max_tokens: int) -> tuple[float, list[dict]]:
         from flame_llm.sampling_params import SamplingParams
@@ -152,8 +153,9 @@ class HttpSystem:
     def command(self, device: str, port: int) -> tuple[list[str], dict]:
         s = self.setup
         env = dict(os.environ)
-        if s.on_gpu:
-            env["CUDA_VISIBLE_DEVICES"] = device
+        if s.on_gpu:  # our server takes the UUID (and verifies it); vLLM parses indices only: PCI order index
+            env["CUDA_VISIBLE_DEVICES"] = device if self.spec.kind == "engine" else str(gpu_index(device))
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if self.spec.kind == "engine":
             engine = {**s.engine, "device": "cuda" if s.on_gpu else "cpu"}
             cmd = [sys.executable, "-m", "flame_llm.http_server", "--model", s.model, "--port", str(port),
@@ -199,7 +201,7 @@ class HttpSystem:
                                        return_token_ids=s.vllm_return_token_ids and self.spec.kind == "vllm",
                                        timeout_s=s.burst_timeout_s)
         health = self._loop.run_until_complete(self.client.open())
-        check = verify_replicas(s.devices, [p.pid for p in self.procs]) if s.on_gpu else {"verified_by": "CPU"}
+        check = verify_processes(s.devices, [p.pid for p in self.procs], True) if s.on_gpu else {}
         for k, h in enumerate(health):  # our server reports the device it verified through torch
             if "gpu_uuid" in h and h["gpu_uuid"] != s.devices[k]:
                 raise RuntimeError(f"replica {k} reports device {h['gpu_uuid']}; planned {s.devices[k]}")
@@ -270,44 +272,59 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     proc.wait(timeout=10)
 
 
-def gpu_apps() -> list[tuple[int, str]]:
-    """(pid, GPU UUID) of every compute process nvidia-smi lists; [] without nvidia-smi."""
+def _smi(query: str) -> list[list[str]]:
+    """Rows of `nvidia-smi --query-X --format=csv,noheader,nounits`; [] without nvidia-smi."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    rows = [line.split(",") for line in out.stdout.strip().splitlines() if "," in line]
-    return [(int(p), u.strip()) for p, u in rows if p.strip().isdigit()]
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.strip().splitlines() if "," in line]
 
 
-def wait_gpus_idle(devices: list[str], timeout_s: float = 180.0) -> None:
-    """Wait until no process computes on these GPUs (the previous system has released them)."""
+def gpu_apps() -> list[tuple[int, str]]:
+    """(pid, GPU UUID) of every compute process nvidia-smi lists."""
+    return [(int(p), u) for p, u in _smi("--query-compute-apps=pid,gpu_uuid") if p.isdigit()]
+
+
+def gpu_index(uuid: str) -> int:
+    """nvidia-smi's index (PCI bus order) of a GPU UUID."""
+    for idx, u in _smi("--query-gpu=index,uuid"):
+        if u == uuid:
+            return int(idx)
+    raise RuntimeError(f"GPU {uuid} is not on this machine (nvidia-smi -L lists the UUIDs)")
+
+
+def wait_gpus_idle(devices: list[str], timeout_s: float = 180.0, max_used_mib: int = 4096) -> None:
+    """Wait until no process computes on these GPUs and their used memory is back under max_used_mib (the
+    previous system has released them)."""
     deadline = time.monotonic() + timeout_s
     while True:
         busy = sorted({u for _, u in gpu_apps() if u in devices})
-        if not busy:
+        full = sorted(u for u, used in _smi("--query-gpu=uuid,memory.used")
+                      if u in devices and used.isdigit() and int(used) > max_used_mib)
+        if not busy and not full:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"GPUs still in use after {timeout_s}s: {busy} ({gpu_apps()})")
+            raise RuntimeError(f"GPUs still in use after {timeout_s}s: processes on {busy}, memory on {full}")
         time.sleep(1.0)
 
 
-def verify_replicas(devices: list[str], leaders: list[int]) -> dict:
-    """Map each GPU compute process to the replica whose session it belongs to; raise when one computes
-    on another replica's GPU. Processes that cannot be mapped (another PID namespace) are reported."""
-    sessions = {pid: k for k, pid in enumerate(leaders)}
-    seen, unmapped = {}, []
+def verify_processes(devices: list[str], pids: list[int], by_session: bool) -> dict:
+    """Map each GPU compute process to shard k (its pid is pids[k], or, by_session, its session leader is);
+    raise when one computes on another shard's GPU. Unmappable processes (another PID namespace) are listed."""
+    owner = {pid: k for k, pid in enumerate(pids)}
+    seen, unmapped = set(), []
     for pid, gpu in gpu_apps():
         try:
-            k = sessions.get(os.getsid(pid))
+            k = owner.get(os.getsid(pid) if by_session else pid)
         except OSError:
             k = None
         if k is None:
             unmapped.append([pid, gpu])
         elif gpu != devices[k]:
-            raise RuntimeError(f"replica {k} (session {leaders[k]}) computes on {gpu}; planned {devices[k]}")
+            raise RuntimeError(f"shard {k} (pid {pids[k]}) computes on {gpu}; planned {devices[k]}")
         else:
-            seen.setdefault(k, []).append(pid)
-    return {"verified_by": "nvidia-smi compute processes mapped to replica sessions",
-            "verified_replicas": sorted(seen), "unmapped_gpu_processes": unmapped}
+            seen.add(k)
+    return {"verified_by": "nvidia-smi compute processes", "verified_shards": sorted(seen),
+            "unmapped_gpu_processes": unmapped}

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import pairs, report
+from bench import pairs, report, systems
 from bench.runner import check_run
 from bench.systems import parse_system
 from bench.traces import TraceSpec, input_hash, make_trace, warmup_traces
@@ -146,3 +146,35 @@ def test_input_hash_is_the_servers_digest():
     ids = np.arange(10, dtype=np.uint32)
     from flame_llm.http_server import prompt_digest
     assert input_hash(ids) == prompt_digest(ids.tolist()) != input_hash(ids[:-1])
+
+
+def _gpu_setup():
+    return systems.Setup(model="/m", model_revision="m@1", devices=["GPU-a", "GPU-b"], engine={
+        "max_model_len": 32768, "max_num_seqs": 64, "max_num_batched_tokens": 8192, "enable_prefix_caching": True})
+
+
+def test_vllm_replicas_get_the_protocol_flags_and_a_pci_index_for_their_uuid(monkeypatch):
+    monkeypatch.setattr(systems, "gpu_index", {"GPU-a": 0, "GPU-b": 1}.get)
+    seed = systems.HttpSystem(parse_system("vllm-seed"), _gpu_setup(), "t")
+    cmd, env = seed.command("GPU-b", 8123)
+    flags = " ".join(cmd)
+    for want in ("serve /m", "--load-format dummy", "--max-model-len 32768", "--max-num-seqs 64",
+                 "--max-num-batched-tokens 8192", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                 "--skip-tokenizer-init", "--port 8123", "--enforce-eager --attention-backend TRITON_ATTN"):
+        assert want in flags
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    cmd, _ = systems.HttpSystem(parse_system("vllm"), _gpu_setup(), "t").command("GPU-a", 8124)
+    assert "--enforce-eager" not in cmd and "TRITON_ATTN" not in cmd
+    cmd, env = systems.HttpSystem(parse_system("engine"), _gpu_setup(), "t").command("GPU-a", 8125)
+    assert cmd[cmd.index("--gpu-uuid") + 1] == "GPU-a" and env["CUDA_VISIBLE_DEVICES"] == "GPU-a"
+    assert json.loads(cmd[cmd.index("--engine-json") + 1])["device"] == "cuda"
+
+
+def test_gpu_process_placement_is_verified_by_pid_or_session(monkeypatch):
+    me, leader = os.getpid(), os.getsid(0)
+    monkeypatch.setattr(systems, "gpu_apps", lambda: [(me, "GPU-a"), (1, "GPU-z")])
+    got = systems.verify_processes(["GPU-a"], [me], by_session=False)
+    assert got["verified_shards"] == [0] and [1, "GPU-z"] in got["unmapped_gpu_processes"]
+    assert systems.verify_processes(["GPU-a"], [leader], by_session=True)["verified_shards"] == [0]
+    with pytest.raises(RuntimeError, match="shard 1 .* computes on GPU-a; planned GPU-b"):
+        systems.verify_processes(["GPU-b", "GPU-b"], [0, me], by_session=False)
