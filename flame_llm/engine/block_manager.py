@@ -2,7 +2,15 @@
 
 A block's hash is published only after its K/V are written (publish() runs after the step), a hit
 compares token ids as well as the hash, and a prompt never hits its last token: hits cover only
-full blocks that end before it, so the last token is always computed and yields logits."""
+full blocks that end before it, so the last token is always computed and yields logits.
+
+Free blocks live in one ordered map, front reused first. Default (FIFO): a freed block joins the back,
+so the oldest-freed block is reused first whether or not it holds a cached prefix. With enable_lru the
+map is an LRU over cached blocks bounded by the pool: a freed block that holds a published hash joins
+the back (most recent), one that holds none goes to the front, so an allocation evicts a cached block
+only when no uncached free block is left, and then the least recently released one. A request's
+blocks are released last-first, so its shared head blocks outlive its tail. A hit revives a free
+block in O(1) wherever it sits."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -22,13 +30,15 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 enable_lru: bool = False) -> None:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_lru = enable_lru
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        # free blocks, oldest-freed first: new blocks come from the front, a hit revives in O(1)
+        # free blocks; new blocks come from the front (see the module doc for the order)
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_hit_tokens = 0
         self.num_query_tokens = 0
@@ -50,12 +60,25 @@ class BlockManager:
         h = -1
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block(i)
-            h = hash_block(tokens, h)
+            h = self.block_hash(seq, i, h)
             block_id = self.hash_to_block_id.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
         return hits
+
+    def block_hash(self, seq: Sequence, i: int, prev: int) -> int:
+        """Chained hash of seq's full block i given block i-1's hash; prompt blocks are hashed once."""
+        memo = seq.prompt_block_hashes
+        if i < len(memo):
+            return memo[i]
+        h = hash_block(seq.block(i), prev)
+        if i == len(memo) and (i + 1) * self.block_size <= seq.num_prompt_tokens:
+            memo.append(h)
+        return h
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        return len(self.match_prefix(seq)) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> int:
         """Cached tokens seq would start with if its prompt can be allocated now, else -1."""
@@ -63,6 +86,12 @@ class BlockManager:
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = seq.num_blocks - len(hits) + revived
         return len(hits) * self.block_size if needed <= len(self.free_block_ids) else -1
+
+    def allocation_room(self, seq: Sequence) -> tuple[int, int]:
+        """(cached tokens seq would start with, tokens past them the free pool could then hold)."""
+        hits = self.match_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return len(hits) * self.block_size, (len(self.free_block_ids) - revived) * self.block_size
 
     def allocate(self, seq: Sequence) -> None:
         """Attach the cached prefix blocks; the blocks for tokens to compute come from append_slots."""
@@ -99,6 +128,10 @@ class BlockManager:
         total = (seq.num_computed_tokens + num_new_tokens + self.block_size - 1) // self.block_size
         return max(0, total - len(seq.block_table))
 
+    def num_appendable_tokens(self, seq: Sequence) -> int:
+        """How many of seq's next tokens its blocks plus the whole free pool could hold."""
+        return (len(seq.block_table) + len(self.free_block_ids)) * self.block_size - seq.num_computed_tokens
+
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
 
@@ -115,7 +148,7 @@ class BlockManager:
         h = seq.last_block_hash
         for i in range(seq.num_published_blocks, full):
             tokens = seq.block(i)
-            h = hash_block(tokens, h)
+            h = self.block_hash(seq, i, h)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tokens
             self.hash_to_block_id[h] = block.block_id
@@ -129,10 +162,26 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
+                if self.enable_lru and not self.is_cached(block):
+                    self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
         seq.last_block_hash = -1
+
+    def is_cached(self, block: Block) -> bool:
+        return block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and restore the initial free order; all blocks must be free."""
+        assert self.num_free_blocks == self.num_blocks, "reset_prefix_cache needs every block free"
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, []
+        self.hash_to_block_id.clear()
+        self.free_block_ids = OrderedDict.fromkeys(range(self.num_blocks))
+
+    def reset_stats(self) -> None:
+        self.num_hit_tokens = self.num_query_tokens = self.num_evictions = 0
 
     def stats(self) -> dict:
         return {"num_blocks": self.num_blocks, "num_free_blocks": self.num_free_blocks,

@@ -1,8 +1,25 @@
-"""Continuous batching. The original policy is nano-vllm's two-phase one: a step is either all
-prefill (waiting prompts, FIFO, under the token and sequence budgets) or all decode (one token per
-running sequence); when KV runs out the newest running sequence is preempted and recomputed later."""
+"""Continuous batching.
+
+The original policy (every flag off) is nano-vllm's two-phase one: a step is either all prefill
+(waiting prompts, FIFO, under the token and sequence budgets) or all decode (one token per running
+sequence); when KV runs out the newest running sequence is preempted and recomputed later.
+
+enable_chunked_prefill (mixed steps): running sequences go first, decodes before partially prefilled
+ones, each taking as many tokens as the token budget and the KV pool allow; then waiting requests are
+admitted, each with a chunk of what budget is left (none in a step that preempted). Blocks are
+allocated per chunk; a chunk that stops short of its sequence's end yields no token. When KV runs out
+the newest running sequence is preempted, as before; partially prefilled ones are the newest.
+
+enable_cache_aware_schedule (LPM): admission picks, among the first cache_aware_window waiting
+requests, the one with the longest cached prefix (ties: queue order). Each admission adds one to the
+schedule_skips of every window request ahead of the one picked, and a request with
+cache_aware_max_skips skips is picked first (the earliest such). Bound: while in the window a request
+is passed over at most cache_aware_max_skips times, and outside it nobody behind it can pass it, so it
+is admitted at most cache_aware_max_skips admissions later than FIFO order would admit it.
+"""
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
@@ -17,12 +34,31 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.cache_aware = config.enable_cache_aware_schedule
+        self.cache_aware_window = config.cache_aware_window
+        self.cache_aware_max_skips = config.cache_aware_max_skips
+        # the engine builds the BlockManager from the pool size alone; the cache policy is ours to set
+        block_manager.enable_lru = config.enable_lru
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self._window: list[Sequence] = []  # LPM: a prefix of waiting, ranked by _window_cached
+        self._window_cached: list[int] = []
+        self._step_start = 0.0
+        self._step_has_prefill = False
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
         self.num_preemptions = 0
-        self.num_prefill_steps = 0
-        self.num_decode_steps = 0
+        self.num_prefill_steps = 0  # steps with any prefill tokens (mixed steps included)
+        self.num_decode_steps = 0  # steps of decodes only
+        self.num_mixed_steps = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.prefill_time_s = 0.0  # schedule-to-postprocess time of prefill steps
+        self.decode_time_s = 0.0
+        self.block_manager.reset_stats()
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -32,12 +68,17 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], list[int]]:
         """Sequences to run this step and how many new tokens each computes."""
+        self._step_start = time.perf_counter()
+        if self.enable_chunked_prefill:
+            return self._schedule_mixed()
         bm = self.block_manager
         scheduled: list[Sequence] = []
         num_tokens: list[int] = []
         num_batched = 0
+        self._open_window()
         while self.waiting and len(scheduled) < self.max_num_seqs:
-            seq = self.waiting[0]
+            i = self._pick_waiting()
+            seq = self.waiting[i]
             cached = bm.can_allocate(seq)
             if cached < 0 or num_batched + seq.num_tokens - cached > self.max_num_batched_tokens:
                 break
@@ -45,13 +86,11 @@ class Scheduler:
             n = seq.num_tokens - seq.num_computed_tokens
             bm.append_slots(seq, n)
             num_batched += n
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
+            self._admit(i)
             scheduled.append(seq)
             num_tokens.append(n)
         if scheduled:
-            self.num_prefill_steps += 1
+            self._count_step(num_batched, 0)
             return scheduled, num_tokens
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
@@ -66,8 +105,99 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         if scheduled:
-            self.num_decode_steps += 1
+            self._count_step(0, len(scheduled))
         return scheduled, [1] * len(scheduled)
+
+    def _schedule_mixed(self) -> tuple[list[Sequence], list[int]]:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        num_tokens: list[int] = []
+        num_prefill = 0
+        preemptions = self.num_preemptions
+        # running order is decode-first: a chunk stops short of its sequence's end only by using up the
+        # budget or the free pool, so nothing is admitted after it and the one partially prefilled
+        # sequence is always the newest (tests assert this)
+        while self.running and len(scheduled) < self.max_num_seqs and budget > 0:
+            seq = self.running.popleft()
+            while (room := bm.num_appendable_tokens(seq)) < 1:
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                remaining = seq.num_tokens - seq.num_computed_tokens
+                n = min(remaining, budget, room)
+                if remaining > 1 or seq.num_completion_tokens == 0:
+                    num_prefill += n
+                bm.append_slots(seq, n)
+                scheduled.append(seq)
+                num_tokens.append(n)
+                budget -= n
+        self.running.extendleft(reversed(scheduled))
+        if self.num_preemptions == preemptions:
+            self._open_window()
+            while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+                i = self._pick_waiting()
+                seq = self.waiting[i]
+                cached, room = bm.allocation_room(seq)
+                n = min(seq.num_tokens - cached, budget, room)
+                if n < 1:
+                    break
+                bm.allocate(seq)
+                bm.append_slots(seq, n)
+                self._admit(i)
+                scheduled.append(seq)
+                num_tokens.append(n)
+                budget -= n
+                num_prefill += n
+        if scheduled:
+            self._count_step(num_prefill, self.max_num_batched_tokens - budget - num_prefill)
+        return scheduled, num_tokens
+
+    # ---- waiting-queue order (FIFO, or LPM with aging) --------------------------------------------
+    def _open_window(self) -> None:
+        if self.cache_aware:
+            self._window = list(itertools.islice(self.waiting, self.cache_aware_window))
+            self._window_cached = [self.block_manager.num_cached_prefix_tokens(s) for s in self._window]
+
+    def _pick_waiting(self) -> int:
+        """Index in waiting of the next request to admit: the head, or the LPM pick (module doc).
+
+        Cached lengths are measured once per step; admission re-checks the exact hit."""
+        if not self.cache_aware:
+            return 0
+        if not self._window:
+            self._open_window()
+        best = 0
+        for i, seq in enumerate(self._window):
+            if seq.schedule_skips >= self.cache_aware_max_skips:
+                return i
+            if self._window_cached[i] > self._window_cached[best]:
+                best = i
+        return best
+
+    def _admit(self, i: int) -> None:
+        seq = self.waiting[i]
+        del self.waiting[i]
+        if self.cache_aware:  # the window is a prefix of waiting: index i is the same request
+            for passed in self._window[:i]:
+                passed.schedule_skips += 1
+            del self._window[i], self._window_cached[i]
+        seq.schedule_skips = 0
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _count_step(self, num_prefill: int, num_decode: int) -> None:
+        self._step_has_prefill = num_prefill > 0
+        if num_prefill:
+            self.num_prefill_steps += 1
+            self.num_mixed_steps += num_decode > 0
+        else:
+            self.num_decode_steps += 1
+        self.num_prefill_tokens += num_prefill
+        self.num_decode_tokens += num_decode
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -81,6 +211,10 @@ class Scheduler:
         """Advance computed counts, publish written blocks, append sampled tokens; return finished."""
         finished = []
         now = time.perf_counter()
+        if self._step_has_prefill:
+            self.prefill_time_s += now - self._step_start
+        else:
+            self.decode_time_s += now - self._step_start
         for seq, n, token_id in zip(seqs, num_tokens, token_ids):
             seq.num_computed_tokens += n
             self.block_manager.publish(seq)
@@ -128,4 +262,7 @@ class Scheduler:
     def stats(self) -> dict:
         return {"num_waiting": len(self.waiting), "num_running": len(self.running),
                 "num_preemptions": self.num_preemptions, "num_prefill_steps": self.num_prefill_steps,
-                "num_decode_steps": self.num_decode_steps, **self.block_manager.stats()}
+                "num_decode_steps": self.num_decode_steps, "num_mixed_steps": self.num_mixed_steps,
+                "num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens,
+                "prefill_time_s": self.prefill_time_s, "decode_time_s": self.decode_time_s,
+                **self.block_manager.stats()}

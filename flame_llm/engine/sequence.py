@@ -36,6 +36,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_published_blocks = 0  # leading blocks whose hashes are in the prefix cache
         self.last_block_hash = -1
+        self.prompt_block_hashes: list[int] = []  # chained hashes of full prompt blocks, filled lazily
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
