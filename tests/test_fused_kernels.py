@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from flame_llm.kernels.fused import add_rmsnorm, rope_inplace, silu_mul  # noqa: E402
+from flame_llm.kernels.fused import add_rmsnorm, rope_qk_inplace, silu_mul  # noqa: E402
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,8 +45,7 @@ def test_rope_matches_torch(heads, kv_heads, hd):
     qq = torch.randn(9, heads * hd + 2 * kv_heads * hd, device=DEV)  # a strided view, as split from qkv
     qv = qq[:, : heads * hd].view(9, heads, hd)
     qv.copy_(q)
-    rope_inplace(qv, pos, rope.cos_sin_cache)
-    rope_inplace(k, pos, rope.cos_sin_cache)
+    rope_qk_inplace(qv, k, pos, rope.cos_sin_cache)
     assert rel(qv, rq) < 1e-5 and rel(k, rk) < 1e-5
 
 

@@ -45,10 +45,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cache_ptr, stride_t, stride_h, num_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def _rope_rows(x_ptr, t, pos, cache_ptr, stride_t, stride_h, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     d = tl.arange(0, HALF)
     cos = tl.load(cache_ptr + pos * 2 * HALF + d)
     sin = tl.load(cache_ptr + pos * 2 * HALF + HALF + d)
@@ -62,14 +59,27 @@ def _rope_kernel(x_ptr, pos_ptr, cache_ptr, stride_t, stride_h, num_heads,
     tl.store(base + HALF, (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype), mask=hmask[:, None])
 
 
-def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] (last dim contiguous) rotated in place; cache [max_pos, head_dim] fp32."""
-    t, heads, hd = x.shape
-    assert x.stride(2) == 1 and hd % 2 == 0 and triton.next_power_of_2(hd) == hd
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+                    num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rope_rows(q_ptr, t, pos, cache_ptr, q_stride_t, q_stride_h, num_q_heads, HALF, BLOCK_Q)
+    else:
+        _rope_rows(k_ptr, t, pos, cache_ptr, k_stride_t, k_stride_h, num_k_heads, HALF, BLOCK_K)
+
+
+def rope_qk_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place in one launch; cache [max_pos, D] float32."""
+    t, hq, hd = q.shape
+    hk = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and triton.next_power_of_2(hd) == hd
     if t:
-        _rope_kernel[(t,)](x, positions, cos_sin_cache, x.stride(0), x.stride(1), heads,
-                           HALF=hd // 2, BLOCK_H=triton.next_power_of_2(heads))
-    return x
+        _rope_qk_kernel[(t, 2)](q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                hq, hk, HALF=hd // 2, BLOCK_Q=triton.next_power_of_2(hq),
+                                BLOCK_K=triton.next_power_of_2(hk))
+    return q, k
 
 
 @triton.jit

@@ -128,8 +128,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.fused:  # rotates q and k in place
-            from flame_llm.kernels.fused import rope_inplace
-            return rope_inplace(q, positions, self.cos_sin_cache), rope_inplace(k, positions, self.cos_sin_cache)
+            from flame_llm.kernels.fused import rope_qk_inplace
+            return rope_qk_inplace(q, k, positions, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
