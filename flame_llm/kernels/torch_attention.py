@@ -56,17 +56,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """Causal attention of each segment over its own fresh k/v (no cache involved)."""
+    """Causal attention of each segment over its own fresh k/v (no cache involved). On CUDA the math
+    fallback is excluded: it would materialize [heads, L, L] scores (128 GiB at 32K tokens)."""
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return _dense_causal(q, k, v, cu_seqlens_q, scale)
+    return _dense_causal(q, k, v, cu_seqlens_q, scale)
+
+
+def _dense_causal(q, k, v, cu_seqlens_q, scale):
     out = torch.zeros_like(q)
     group = q.shape[1] // k.shape[1]
     cu = cu_seqlens_q.tolist()
     for start, end in zip(cu[:-1], cu[1:]):
         if end == start:
             continue
-        qi = q[start:end].transpose(0, 1)
-        ki = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-        vi = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-        out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
+        # fused SDPA kernels need 4-D [batch, heads, len, head_dim] inputs
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)
+        ki = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        vi = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
