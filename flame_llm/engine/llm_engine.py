@@ -20,10 +20,18 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config)
+        draft = None
+        if config.speculative_model is not None or config.num_speculative_tokens:
+            from flame_llm.spec.draft_runner import DraftRunner
+            draft = DraftRunner(config)  # loaded first: the target's KV budget leaves room for its pool
+        self.model_runner = ModelRunner(config, extra_block_bytes=draft.block_bytes() if draft else 0)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.spec = None
+        if draft is not None:
+            from flame_llm.spec.decoder import SpecDecoder
+            self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler)
         self._tokenizer = None
         self.vocab_size = config.hf_config.vocab_size
 
@@ -77,6 +85,8 @@ class LLMEngine:
         return seq
 
     def step(self) -> tuple[list[Sequence], int]:
+        if self.spec is not None:
+            return self.spec.step()
         seqs, num_tokens = self.scheduler.schedule()
         if not seqs:
             return [], 0
@@ -92,7 +102,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "attention_backend": self.model_runner.backend,
-                "cuda_graphs": self.model_runner.use_graphs}
+                "cuda_graphs": self.model_runner.use_graphs, **(self.spec.stats() if self.spec else {})}
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None

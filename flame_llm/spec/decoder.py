@@ -1,0 +1,188 @@
+"""The engine step when speculative decoding is configured (LLMEngine delegates step() here).
+
+A step is speculative when the scheduler returns decodes only, at most speculative_max_batch_size of
+them, each with room for K more slots (taken here without preempting anyone). Otherwise it is a plain
+target step; prefill chunks then also run through the draft, so their blocks can be published at once.
+
+Commits are transactional: num_computed_tokens advances over verified positions only (the last input
+and the accepted proposals), so rejected positions are recomputed next step, and a block is published
+only when both the target's and the draft's KV cover it: a later prefix hit must be valid for both
+pools. The draft trails by one token after a fully accepted step (its first forward catches up) and
+by more after plain decode steps (caught up eagerly before the next speculative step)."""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+
+from flame_llm.config import Config
+from flame_llm.engine.model_runner import ModelRunner
+from flame_llm.engine.scheduler import Scheduler
+from flame_llm.engine.sequence import Sequence
+from flame_llm.layers.sampler import make_sampling_batch
+from flame_llm.spec.draft_runner import DraftRunner
+from flame_llm.spec.profiler import StepProfiler, profiling_enabled
+from flame_llm.spec.spec_runner import SampledRows, SpecRunner
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecoder:
+    def __init__(self, config: Config, target: ModelRunner, draft: DraftRunner, scheduler: Scheduler) -> None:
+        self.config = config
+        self.target, self.draft, self.scheduler = target, draft, scheduler
+        self.block_manager = scheduler.block_manager
+        self.k = config.num_speculative_tokens
+        self.max_batch_size = min(config.speculative_max_batch_size, config.max_num_seqs)
+        self.max_model_len = config.max_model_len
+        draft.allocate(target.num_blocks)
+        self.runner = SpecRunner(target, draft, self.k, self.max_batch_size, target.use_graphs)
+        # per sequence: (draft KV valid below this position, the sequence's preemption count then)
+        self.draft_state: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self.profiler = StepProfiler(target.device) if profiling_enabled() else None
+        self.reset_stats()
+        logger.info("speculative decoding: K=%d, up to %d sequences, draft %s, CUDA graphs %s", self.k,
+                    self.max_batch_size, config.speculative_model, self.runner.use_graphs)
+
+    def reset_stats(self) -> None:
+        self.num_spec_steps = 0
+        self.num_plain_decode_steps = 0  # decode steps that did not speculate (auto-off and fallbacks)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_emitted_tokens = 0
+        self.accepted_per_position = [0] * self.k
+        if self.profiler is not None:
+            self.profiler = StepProfiler(self.target.device)
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self) -> tuple[list[Sequence], int]:
+        seqs, num_tokens = self.scheduler.schedule()
+        if not seqs:
+            return [], 0
+        drafted = [self._draft_computed(s) for s in seqs]
+        if self._reserve_lookahead(seqs, num_tokens, drafted):
+            finished = self._spec_step(seqs, drafted)
+            return finished, len(seqs) * (self.k + 1)
+        return self._plain_step(seqs, num_tokens, drafted), sum(num_tokens)
+
+    def _draft_computed(self, seq: Sequence) -> int:
+        state = self.draft_state.get(seq)
+        if state is None or state[1] != seq.num_preemptions:
+            return seq.num_computed_tokens  # new or readmitted: prefix-cache hits hold valid draft KV
+        assert state[0] <= seq.num_computed_tokens
+        return state[0]
+
+    def _reserve_lookahead(self, seqs: list[Sequence], num_tokens: list[int], drafted: list[int]) -> bool:
+        """Whether this step speculates; if so every sequence gets slots for K more tokens."""
+        if not 0 < len(seqs) <= self.max_batch_size:
+            return False
+        for seq, n in zip(seqs, num_tokens):
+            if n != 1 or seq.num_tokens < 2 or seq.num_computed_tokens != seq.num_tokens - 1:
+                return False
+            if seq.num_tokens + self.k > self.max_model_len:
+                return False
+        bm = self.block_manager
+        need = sum(bm.blocks_needed(s, 1 + self.k) for s in seqs)
+        if need > bm.num_free_blocks:
+            return False  # no room for the proposals without preempting: decode plainly
+        for seq in seqs:
+            bm.append_slots(seq, 1 + self.k)
+        return True
+
+    def _spec_step(self, seqs: list[Sequence], drafted: list[int]) -> list[Sequence]:
+        prof = self.profiler
+        if prof is not None:
+            prof.start()
+        lagging = [(s, d) for s, d in zip(seqs, drafted) if d < s.num_tokens - 2]
+        if lagging:  # after plain decode steps: write the draft KV up to the first forward's segment
+            self.draft.extend([s for s, _ in lagging], [d for _, d in lagging], [s.num_tokens - 2 for s, _ in lagging])
+            if prof is not None:
+                prof.mark("catch_up")
+        starts = [s.num_tokens for s in seqs]
+        rows = self.runner.step(seqs, self._sampled_rows(seqs), prof)
+        finished = []
+        k = self.k
+        for seq, n, row in zip(seqs, starts, rows):
+            a = row[0]
+            self.num_accepted_tokens += a
+            for i in range(a):
+                self.accepted_per_position[i] += 1
+            # the draft wrote t[n-2], t[n-1] and x1..x(K-1); those up to the accepted ones hold right tokens
+            if self._commit(seq, 1 + a, row[1:1 + a] + [row[k + 1]], n + min(a, k - 1)):
+                finished.append(seq)
+        self.num_spec_steps += 1
+        self.num_draft_tokens += k * len(seqs)
+        self.num_emitted_tokens += sum(r[0] + 1 for r in rows)
+        self.scheduler.postprocess([], [], [])  # the scheduler's step-time accounting, nothing else
+        if prof is not None:
+            prof.mark("commit")
+            prof.stop()
+        return finished
+
+    def _plain_step(self, seqs: list[Sequence], num_tokens: list[int], drafted: list[int]) -> list[Sequence]:
+        prefill = [i for i, (s, n) in enumerate(zip(seqs, num_tokens))
+                   if n > 1 or s.num_completion_tokens == 0]
+        ends = [s.num_computed_tokens + n for s, n in zip(seqs, num_tokens)]
+        if prefill:
+            self.draft.extend([seqs[i] for i in prefill], [drafted[i] for i in prefill], [ends[i] for i in prefill])
+            for i in prefill:
+                drafted[i] = ends[i]
+        else:
+            self.num_plain_decode_steps += 1
+        token_ids = self.target.run(seqs, num_tokens)
+        finished = []
+        for seq, n, tok, d in zip(seqs, num_tokens, token_ids, drafted):
+            if self._commit(seq, n, [] if tok is None else [tok], d):
+                finished.append(seq)
+        self.scheduler.postprocess([], [], [])
+        return finished
+
+    def _commit(self, seq: Sequence, num_verified: int, tokens: list[int], draft_computed: int) -> bool:
+        """Append tokens up to a stop, count num_verified more positions as computed, publish the full
+        blocks both pools hold; True when seq finished."""
+        sched = self.scheduler
+        now = time.perf_counter()
+        reason = None
+        for tok in tokens:
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_times.append(now)
+            reason = sched.stop_reason(seq, tok)
+            if reason is not None:
+                break
+        computed = min(seq.num_computed_tokens + num_verified, seq.num_tokens)
+        seq.num_computed_tokens = min(computed, draft_computed)  # publish() reads the count: bound it
+        self.block_manager.publish(seq)
+        seq.num_computed_tokens = computed
+        if reason is not None:
+            sched.finish(seq, reason)
+            return True
+        self.draft_state[seq] = (min(draft_computed, computed), seq.num_preemptions)
+        return False
+
+    def _sampled_rows(self, seqs: list[Sequence]) -> SampledRows | None:
+        idx = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
+        if not idx:
+            return None
+        params = [seqs[i].sampling_params for i in idx]
+        positions = [seqs[i].num_completion_tokens for i in idx]
+        batch = make_sampling_batch(params, positions, self.target.vocab_size, self.target.device)
+        index = torch.tensor(idx, dtype=torch.int64).to(self.target.device, non_blocking=True)
+        return SampledRows(index, batch.temperatures, batch.top_ks, batch.top_ps, [p.seed for p in params],
+                           positions)
+
+    def stats(self) -> dict:
+        out = {"spec_steps": self.num_spec_steps, "spec_plain_decode_steps": self.num_plain_decode_steps,
+               "spec_draft_tokens": self.num_draft_tokens, "spec_accepted_tokens": self.num_accepted_tokens,
+               "spec_emitted_tokens": self.num_emitted_tokens,
+               "spec_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
+               # tokens a sequence gains per speculative step: accepted proposals plus the target's token
+               "spec_mean_accepted_length": self.num_emitted_tokens / max(1, self.num_draft_tokens // self.k),
+               "spec_accepted_per_position": list(self.accepted_per_position),
+               "spec_cuda_graphs": self.runner.use_graphs}
+        if self.profiler is not None:
+            out["spec_profile_ms"] = self.profiler.summary()
+        return out

@@ -1,0 +1,114 @@
+"""The draft model: its own weights and KV pool, addressed by the target's block tables.
+
+The draft pool has as many blocks as the target's and block i of one mirrors block i of the other,
+so the draft needs no block manager: a sequence's block table (and every prefix-cache hit) is valid
+for both. The engine splits one memory budget between the two pools (ModelRunner's
+extra_block_bytes)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from flame_llm.config import Config
+from flame_llm.engine.context import AttentionMetadata, set_context
+from flame_llm.engine.model_runner import ModelRunner
+from flame_llm.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def check_speculative_config(config: Config) -> None:
+    """Raise ValueError naming the field and its limit."""
+    k = config.num_speculative_tokens
+    if config.speculative_model is None:
+        if k:
+            raise ValueError(f"config field 'num_speculative_tokens' is {k} but 'speculative_model' is not set")
+        return
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"config field 'num_speculative_tokens' must be in [1, {MAX_SPECULATIVE_TOKENS}] "
+                         f"when 'speculative_model' is set; got {k!r}")
+    if config.speculative_max_batch_size < 0:
+        raise ValueError("config field 'speculative_max_batch_size' must be >= 0 (0: never speculate); "
+                         f"got {config.speculative_max_batch_size!r}")
+
+
+def make_draft_config(config: Config) -> Config:
+    """The target's config with the draft's model; its KV pool is sized later (allocate)."""
+    check_speculative_config(config)
+    draft = dataclasses.replace(config, model=config.speculative_model, hf_config=None, num_kvcache_blocks=1,
+                                enforce_eager=True, speculative_model=None, num_speculative_tokens=0)
+    target_vocab, draft_vocab = config.hf_config.vocab_size, draft.hf_config.vocab_size
+    if draft_vocab != target_vocab:
+        raise ValueError(f"speculative_model {config.speculative_model!r} has vocab_size {draft_vocab}; "
+                         f"it must equal the target's vocab_size {target_vocab}")
+    if draft.max_model_len < config.max_model_len:
+        raise ValueError(f"speculative_model {config.speculative_model!r} supports {draft.max_model_len} "
+                         f"positions; max_model_len is {config.max_model_len}")
+    return draft
+
+
+class DraftRunner:
+    def __init__(self, config: Config) -> None:
+        self.config = make_draft_config(config)
+        self.runner = ModelRunner(self.config)  # weights now, a one-block placeholder pool until allocate
+        self.model = self.runner.model
+        self.device = self.runner.device
+        self.block_size = self.config.block_size
+        self.max_num_batched_tokens = self.config.max_num_batched_tokens
+
+    def block_bytes(self) -> int:
+        return self.runner.block_bytes()
+
+    def allocate(self, num_blocks: int) -> None:
+        """A pool of num_blocks blocks (the target's count), replacing the placeholder."""
+        self.config.num_kvcache_blocks = num_blocks
+        del self.runner.kv_cache
+        self.runner.num_blocks = self.runner.allocate_kv_cache()
+
+    @torch.inference_mode()
+    def extend(self, seqs: list[Sequence], starts: list[int], ends: list[int]) -> None:
+        """Write the draft KV of positions [start, end) of each sequence (no logits), in passes of at most
+        max_num_batched_tokens tokens."""
+        todo = [(s, a, e) for s, a, e in zip(seqs, starts, ends) if e > a]
+        while todo:
+            budget = self.max_num_batched_tokens
+            batch, rest = [], []
+            for seq, start, end in todo:
+                n = min(end - start, budget)
+                if n > 0:
+                    batch.append((seq, start, start + n))
+                    budget -= n
+                if start + n < end:
+                    rest.append((seq, start + n, end))
+            self._forward(batch)
+            todo = rest
+
+    def _forward(self, batch: list[tuple[Sequence, int, int]]) -> None:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q = [0]
+        seq_lens: list[int] = []
+        for seq, start, end in batch:
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            assert len(table) * bs >= end, "the block table covers every position the draft writes"
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_q.append(len(ids))
+            seq_lens.append(end)
+        width = max(len(s.block_table) for s, _, _ in batch)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _, _ in batch]
+        t = self.runner._tensor
+        meta = AttentionMetadata(t(cu_q, torch.int32), t(seq_lens, torch.int32), t(tables, torch.int32),
+                                 t(slots, torch.int64), max(e - a for _, a, e in batch), max(seq_lens),
+                                 is_decode=len(ids) == len(batch), fresh_only=all(a == 0 for _, a, _ in batch))
+        set_context(meta)
+        try:
+            self.model(t(ids, torch.int64), t(positions, torch.int64))
+        finally:
+            set_context(None)
