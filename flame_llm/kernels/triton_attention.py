@@ -108,7 +108,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs = meta.seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    q_tiles = triton.cdiv(meta.max_seqlen_q, cfg.block_m // group_pad)
+    q_tiles = 1 if meta.is_decode else triton.cdiv(meta.max_seqlen_q, cfg.block_m // group_pad)
     if num_splits is None:
         num_splits = pick_num_splits(q_tiles * num_seqs * num_kv_heads, meta.max_seqlen_k,
                                      _sm_count(q.device))
@@ -125,6 +125,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), num_tokens * num_heads,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact (tests)
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         combine_splits_kernel[(num_tokens, num_heads)](
