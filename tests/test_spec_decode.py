@@ -332,3 +332,24 @@ def test_gpu_speculative_matches_target(models, eager):
     b = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
     assert llm.engine.stats()["spec_steps"] > 0
+
+
+def test_bench_draft_pair_sets_the_acceptance(models):
+    """bench/draft_model.py: the measured acceptance follows the set agreement a (K=2: (a + a^2) / 2)."""
+    from bench.draft_model import scale_layers, set_agreement, set_head, shape_pair
+
+    llm = spec_llm(models, "llama", "far_llama", 2)
+    eng = llm.engine
+    pi = shape_pair(eng.model_runner.model, eng.spec.draft.model, agreement=1.0)
+    plain_llm = LLM(models["llama"], block_size=BS)
+    scale_layers(plain_llm.engine.model_runner.model)
+    set_head(plain_llm.engine.model_runner.model, pi)
+    prompts = [[3 + i, 40 + i] for i in range(8)]
+    ref = [o.output_token_ids for o in plain_llm.generate(prompts, greedy(40), use_tqdm=False)]
+    assert all(r[1:] == pi[r[:-1]].tolist() for r in ref)  # the target walks pi
+    for agreement, lo, hi in ((1.0, 1.0, 1.0), (0.7, 0.45, 0.75), (0.0, 0.0, 0.0)):
+        set_agreement(eng.spec.draft.model, pi, agreement)
+        eng.spec.reset_stats()
+        outs = llm.generate(prompts, greedy(40), use_tqdm=False)
+        assert [o.output_token_ids for o in outs] == ref
+        assert lo <= eng.stats()["spec_acceptance_rate"] <= hi, agreement

@@ -22,7 +22,7 @@ from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.layers.sampler import make_sampling_batch
-from flame_llm.spec.draft_runner import DraftRunner
+from flame_llm.spec.draft_runner import MAX_SPECULATIVE_TOKENS, DraftRunner
 from flame_llm.spec.profiler import StepProfiler, profiling_enabled
 from flame_llm.spec.spec_runner import SampledRows, SpecRunner
 
@@ -39,6 +39,7 @@ class SpecDecoder:
         self.max_model_len = config.max_model_len
         draft.allocate(target.num_blocks)
         self.runner = SpecRunner(target, draft, self.k, self.max_batch_size, target.use_graphs)
+        self.runners = {self.k: self.runner}
         # per sequence: (draft KV valid below this position, the sequence's preemption count then)
         self.draft_state: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = weakref.WeakKeyDictionary()
         self.profiler = StepProfiler(target.device) if profiling_enabled() else None
@@ -55,6 +56,15 @@ class SpecDecoder:
         self.accepted_per_position = [0] * self.k
         if self.profiler is not None:
             self.profiler = StepProfiler(self.target.device)
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Switch K between requests (benchmarks); each K keeps its runner and CUDA graphs."""
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]; got {k!r}")
+        if k not in self.runners:
+            self.runners[k] = SpecRunner(self.target, self.draft, k, self.max_batch_size, self.runner.use_graphs)
+        self.k, self.runner = k, self.runners[k]
+        self.reset_stats()
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
