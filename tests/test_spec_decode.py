@@ -115,6 +115,18 @@ def test_preemption(models, plain):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_chunked_prefill_mixed_steps(models, plain, cache):
+    # 32-token budget: prompts arrive in chunks next to running decodes; the draft follows each chunk
+    llm = spec_llm(models, "llama", "near_llama", 3, enable_chunked_prefill=True, max_num_batched_tokens=32,
+                   max_num_seqs=8, max_model_len=256, enable_prefix_caching=cache)
+    for _ in range(2):
+        outs = llm.generate(make_prompts(), greedy(), use_tqdm=False)
+        assert [o.output_token_ids for o in outs] == plain["llama"]
+    stats = llm.engine.stats()
+    assert stats["num_mixed_steps"] > 0 and stats["spec_steps"] > 0 and stats["spec_acceptance_rate"] > 0.2
+
+
 def test_stop_token_and_max_tokens_inside_an_accepted_run(models, plain):
     llm = spec_llm(models, "llama", "self", 4)  # every proposal accepted: each step adds 5 tokens
     prompt, ref = make_prompts()[1], plain["llama"][1]
