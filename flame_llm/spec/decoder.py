@@ -72,7 +72,7 @@ class SpecDecoder:
         if not seqs:
             return [], 0
         drafted = [self._draft_computed(s) for s in seqs]
-        if self._reserve_lookahead(seqs, num_tokens, drafted):
+        if self._reserve_lookahead(seqs, num_tokens):
             finished = self._spec_step(seqs, drafted)
             return finished, len(seqs) * (self.k + 1)
         return self._plain_step(seqs, num_tokens, drafted), sum(num_tokens)
@@ -84,7 +84,7 @@ class SpecDecoder:
         assert state[0] <= seq.num_computed_tokens
         return state[0]
 
-    def _reserve_lookahead(self, seqs: list[Sequence], num_tokens: list[int], drafted: list[int]) -> bool:
+    def _reserve_lookahead(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Whether this step speculates; if so every sequence gets slots for K more tokens."""
         if not 0 < len(seqs) <= self.max_batch_size:
             return False
