@@ -78,7 +78,17 @@ class BlockManager:
         return h
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        return len(self.match_prefix(seq)) * self.block_size
+        """match_prefix's length by hashes alone: cheap enough to rank a queue every step (an
+        allocation still compares token ids)."""
+        if not self.enable_prefix_caching:
+            return 0
+        h, n = -1, 0
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            h = self.block_hash(seq, i, h)
+            if h not in self.hash_to_block_id:
+                break
+            n += 1
+        return n * self.block_size
 
     def can_allocate(self, seq: Sequence) -> int:
         """Cached tokens seq would start with if its prompt can be allocated now, else -1."""
