@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from flame_llm.config import Config
@@ -198,7 +199,7 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
         """One graph per bucketed batch size, LM head included. The step inputs live in two packed
-        buffers (int64: ids, positions, slots; int32: seq lens, block tables) filled from pinned
+        buffers (int64: ids, positions, slots; int32: seq lens, block tables) filled from numpy
         host mirrors with two copies per step."""
         cfg = self.config
         max_bs = min(cfg.max_num_seqs, 512)
@@ -208,8 +209,8 @@ class ModelRunner:
         dev = self.device
         self.g_i64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)
         self.g_i32 = torch.zeros(max_bs * (1 + mb), dtype=torch.int32, device=dev)
-        self.h_i64 = torch.zeros(3 * max_bs, dtype=torch.int64, pin_memory=True)
-        self.h_i32 = torch.zeros(max_bs * (1 + mb), dtype=torch.int32, pin_memory=True)
+        self.h_i64 = np.zeros((3, max_bs), dtype=np.int64)  # host mirrors, copied with two H2D copies
+        self.h_i32 = np.zeros(max_bs * (1 + mb), dtype=np.int32)
         g_ids, g_pos, g_slots = self.g_i64.view(3, max_bs)
         g_seq_lens = self.g_i32[:max_bs]
         g_tables = self.g_i32[max_bs:].view(max_bs, mb)
@@ -234,17 +235,17 @@ class ModelRunner:
         n = len(input_ids)
         b = next(x for x in self.graph_bs if x >= n)
         max_bs, mb = self.max_graph_bs, self.max_blocks_per_seq
-        h64 = self.h_i64.numpy().reshape(3, max_bs)
+        h64 = self.h_i64
         h64[0, :n] = input_ids
         h64[1, :n] = positions
         h64[2, :n] = slots
         h64[2, n:b] = -1  # padded rows store nothing
-        h32 = self.h_i32.numpy()
+        h32 = self.h_i32
         h32[:n] = seq_lens
         h32[n:b] = 0
         width = len(block_tables[0])
         h32[max_bs:].reshape(max_bs, mb)[:n, :width] = block_tables
-        self.g_i64.copy_(self.h_i64, non_blocking=True)
-        self.g_i32[: max_bs + b * mb].copy_(self.h_i32[: max_bs + b * mb], non_blocking=True)
+        self.g_i64.copy_(torch.from_numpy(h64).view(-1))
+        self.g_i32[: max_bs + b * mb].copy_(torch.from_numpy(h32[: max_bs + b * mb]))
         self.graphs[b].replay()
         return self.graph_out[b][:n]
