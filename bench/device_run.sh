@@ -19,6 +19,9 @@ case $stage in
   smoke-engine)
     python3 -m pytest tests/test_gpu_engine.py tests/test_fused_kernels.py -q -x 2>&1 | tail -15 | tee "$OUT/smoke.log"
     timeout 480 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -40 ;;
+  debug-kernels)
+    python3 -m pytest tests/test_gpu_engine.py tests/test_triton_attention.py -q -m gpu 2>&1 | tail -25 | tee "$OUT/smoke.log"
+    timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -45 ;;
   kernels)
     timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -60 ;;
   engine)
