@@ -22,6 +22,16 @@ case $stage in
   debug-kernels)
     python3 -m pytest tests/test_gpu_engine.py tests/test_triton_attention.py -q -m gpu 2>&1 | tail -25 | tee "$OUT/smoke.log"
     timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -45 ;;
+  final)
+    python3 -m pytest tests/test_gpu_engine.py -q 2>&1 | tail -6 | tee "$OUT/smoke.log"
+    timeout 235 python3 -m bench.gpu_engine --out "$OUT/engine.json" --parts ceilings,prefill,decode,traces,graphs \
+      --max-batched 8192 --chunked 1 > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log"
+    timeout 130 python3 -m bench.spec_bench --out "$OUT/spec.json" --batches 1,4,16 --ks 2,3 --agreements 0.76 \
+      --max-tokens 96 > "$OUT/spec.log" 2>&1; tail -25 "$OUT/spec.log"
+    for s in prefix starvation; do
+      timeout 70 python3 -m bench.scenarios --scenario $s --out "$OUT/scen_$s.json" > "$OUT/scen_$s.log" 2>&1
+      tail -8 "$OUT/scen_$s.log"
+    done ;;
   kernels)
     timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -60 ;;
   engine)

@@ -214,7 +214,8 @@ class ModelRunner:
         g_ids, g_pos, g_slots = self.g_i64.view(3, max_bs)
         g_seq_lens = self.g_i32[:max_bs]
         g_tables = self.g_i32[max_bs:].view(max_bs, mb)
-        g_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        # kept on self: a graph holds raw pointers, so every tensor it reads must outlive the capture
+        self.g_cu_q = g_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.graph_out: dict[int, torch.Tensor] = {}
         pool = None
         for b in reversed(self.graph_bs):
