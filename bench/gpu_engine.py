@@ -60,22 +60,24 @@ def timed_generate(llm: LLM, ps, sp) -> tuple[float, list]:
 
 
 def decode_step_ms(llm: LLM, batch: int, ctx: int, steps: int, seed: int) -> float:
-    """Median time of pure decode steps for `batch` sequences at about `ctx` tokens of context."""
+    """Median time of pure decode steps with all `batch` sequences decoding at about `ctx` tokens of
+    context: every prompt is prefilled first, nobody finishes while steps are timed, then all abort."""
     eng = llm.engine
-    vocab = eng.vocab_size
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for p in prompts(batch, ctx, vocab, seed):
-        eng.add_request(p, sp)
-    while eng.scheduler.waiting:  # prefill everything first
+    sp = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    seqs = [eng.add_request(p, sp) for p in prompts(batch, ctx, eng.vocab_size, seed)]
+    while any(s.num_completion_tokens == 0 for s in seqs):
         eng.step()
     times = []
-    while not eng.is_finished():
+    for _ in range(steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        eng.step()
+        _, n = eng.step()
         torch.cuda.synchronize()
+        assert n == batch, "a timed step must be pure decode of the whole batch"
         times.append(time.perf_counter() - t)
-    times = sorted(times[2:])
+    for s in seqs:
+        eng.abort(s.request_id)
+    times.sort()
     return 1e3 * times[len(times) // 2]
 
 
