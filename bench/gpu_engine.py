@@ -92,9 +92,11 @@ def main() -> None:
     ap.add_argument("--parts", default="ceilings,prefill,decode,graphs,traces")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--max-batched", type=int, default=8192)
+    ap.add_argument("--fresh-backend", default="sdpa", help="Config.fresh_prefill_backend (final figures: sdpa)")
     ap.add_argument("--chunked", type=int, default=1, help="enable_chunked_prefill (needed when max-batched < 32768)")
     args = ap.parse_args()
-    SEED_LIMITS.update(max_num_batched_tokens=args.max_batched, enable_chunked_prefill=bool(args.chunked))
+    SEED_LIMITS.update(max_num_batched_tokens=args.max_batched, enable_chunked_prefill=bool(args.chunked),
+                       fresh_prefill_backend=args.fresh_backend)
     logging.basicConfig(level=logging.INFO)
     parts = set(args.parts.split(","))
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,

@@ -28,7 +28,7 @@ class Replica:
 
 
 class StickyHttpClient:
-    def __init__(self, replicas: list[Replica], model_revision: str, policy: str = "load_guarded",
+    def __init__(self, replicas: list[Replica], model_revision: str, policy: str = "cumulative",
                  spill_factor: float = 1.25, model_name: str = "bench", return_token_ids: bool = False,
                  timeout_s: float = 3600.0):
         if [r.shard for r in replicas] != list(range(len(replicas))):

@@ -35,7 +35,7 @@ class RunOptions:
     out: str = "bench/results/run"
     num_shards: int = 0  # 0: every visible GPU (or 2 CPU shards without GPUs)
     gpu_uuids: list[str] = field(default_factory=list)
-    policy: str = "load_guarded"  # the sticky placement; a "-rr" system label uses round_robin
+    policy: str = "cumulative"  # the seed's sticky placement; a "-rr" system label uses round_robin
     docs: int = 64
     questions: int = 4
     doc_tokens: int = 8192

@@ -38,7 +38,7 @@ class SystemSpec:
     policy: str  # the router policy placing requests
 
 
-def parse_system(label: str, sticky_policy: str = "load_guarded") -> SystemSpec:
+def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemSpec:
     base, rr = (label[:-3], True) if label.endswith("-rr") else (label, False)
     if base not in KINDS:
         raise ValueError(f"system must be one of {', '.join(KINDS)}, optionally with '-rr' (round-robin "

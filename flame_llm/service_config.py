@@ -19,7 +19,7 @@ class ServiceConfig:
     cpu_per_shard: float = 0.5  # Ray CPUs reserved by each CPU shard (two fit on a 2-CPU machine)
     torch_threads: int = 1  # intra-op threads of a CPU shard
     gpu_uuids: list[str] = field(default_factory=list)  # restrict to these GPUs (empty: all)
-    router_policy: str = "load_guarded"
+    router_policy: str = "cumulative"  # the seed's; load_guarded spills long bursts on one prefix (router/policy.py)
     spill_factor: float = 1.25
     max_batch_prompts: int = 128
     batch_window_ms: float = 10.0

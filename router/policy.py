@@ -8,8 +8,10 @@ Policies:
 - cumulative (the seed's): the longest known block-chain match goes to its shard; an unseen prefix
   goes to the shard with the least cumulative estimated prefill work, which keeps it.
 - load_guarded: the longest known match goes to its shard unless that shard's outstanding estimated
-  work (prefill + decode, not yet completed) exceeds spill_factor x the mean outstanding; then it
-  spills to the least-loaded shard. An unseen prefix goes to the least-loaded shard.
+  work (prefill + decode, not yet completed) exceeds spill_factor x the mean outstanding and its gap
+  to the least-loaded shard exceeds spill_factor x the request's own prefill work (what a spill
+  would recompute);
+  then it spills to the least-loaded shard. An unseen prefix goes to the least-loaded shard.
 - round_robin: plain alternation, ignoring prefixes (the baseline of the affinity A/B).
 
 Assignments are registered while routing, so a burst sharing a new prefix stays together even inside
@@ -83,7 +85,7 @@ class RouterPolicy:
                 if known is None:
                     s = self._least(cum if self.policy == "cumulative" else out)
                     counters["new"] += 1
-                elif self.policy == "load_guarded" and out[known] > self.spill_factor * self._total_outstanding / n:
+                elif self.policy == "load_guarded" and self._should_spill(known, work):
                     s = self._least(out)
                     counters["spill"] += 1
                 else:
@@ -104,6 +106,18 @@ class RouterPolicy:
             self._routed[s] += 1
             shards.append(s)
         return shards
+
+    def _should_spill(self, owner: int, work: float) -> bool:
+        """The owner is over spill_factor x the mean outstanding work, and its gap to the least-loaded
+        shard exceeds spill_factor x the prefill work the request would redo there (that shard has
+        none of the prefix). The second condition keeps the first requests of a burst on a new prefix
+        together. Known limit: a hit is charged its full estimated work (the router does not know how
+        much of the prompt the owner has cached beyond the first 1,024 tokens), so a long burst on one
+        prefix still spills after a couple of requests; `cumulative` never spills."""
+        out = self._outstanding
+        if out[owner] <= self.spill_factor * self._total_outstanding / self.num_shards:
+            return False
+        return out[owner] - min(out) > self.spill_factor * work
 
     def _longest_match(self, chain: Sequence[int]) -> int | None:
         owner = self._owner

@@ -158,11 +158,23 @@ def test_load_guarded_spills_a_hot_prefix_and_returns_when_load_drops():
 
 def test_load_guarded_longest_match_beats_a_shorter_one():
     p = RouterPolicy(2, "load_guarded")
-    assert p.route_batch([(_chain(1, 2), 100.0, 0)]) == [0]
-    assert p.route_batch([(_chain(1, 3), 100.0, 0)]) == [1]  # owner 0 overloaded: spill, 3 -> shard 1
+    assert p.route_batch([(_chain(1, 2), 1000.0, 0)]) == [0]
+    assert p.route_batch([(_chain(1, 3), 100.0, 0)]) == [1]  # owner 0 overloaded by more than 100: spill
     assert p.counters["spill"] == 1
     assert p.route_batch([(_chain(1, 3), 100.0, 0)]) == [1]  # longest match (3) is on shard 1
+    p.complete(0, 1000.0, 0, 1000, 0)
     assert p.route_batch([(_chain(1, 4), 10.0, 0)]) == [0]  # only block 1 known: its owner, 0
+
+
+def test_load_guarded_keeps_the_start_of_a_burst_on_a_new_prefix_together():
+    """Two shards, questions on one new document: moving the second question would recompute the
+    whole document elsewhere, which costs more than the imbalance it would fix. (Hits are charged
+    full work, so a longer burst does spill: the documented limit.)"""
+    p = RouterPolicy(2, "load_guarded")
+    doc_work = estimate_prefill_work(8256)
+    assert len(set(p.route_batch([(_chain(7, 8), doc_work, 16)] * 2))) == 1
+    assert p.counters["spill"] == 0
+    assert p.route_batch([(_chain(7, 8), doc_work, 16)] * 2).count(1) >= 1 and p.counters["spill"] >= 1
 
 
 def test_load_guarded_counts_decode_work():

@@ -231,3 +231,20 @@ def test_flash_backend_imports_without_flash_attn():
         assert not flash_backend.FLASH_ATTN_AVAILABLE
         with pytest.raises(RuntimeError, match="flash_attn"):
             flash_backend.flash_attention_forward(*[None] * 5, None, 1.0)
+
+
+def test_engine_fresh_prefill_backend_flag_keeps_outputs(tiny_llama):
+    """Config.fresh_prefill_backend reaches the kernel: the torch dense path for fresh-only steps and
+    our kernel give the same greedy tokens (float32)."""
+    from flame_llm import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for fresh in ("triton", "sdpa"):
+        llm = LLM(tiny_llama, attention_backend="triton", fresh_prefill_backend=fresh, block_size=16,
+                  num_kvcache_blocks=64, max_model_len=256, max_num_batched_tokens=256)
+        outs[fresh] = [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    ref = LLM(tiny_llama, block_size=16, max_model_len=256, max_num_batched_tokens=256).generate(
+        prompts, sp, use_tqdm=False)
+    assert outs["triton"] == outs["sdpa"] == [o.output_token_ids for o in ref]

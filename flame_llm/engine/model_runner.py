@@ -67,7 +67,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = resolve_backend(config.attention_backend, self.device, config.block_size)
         for layer in self.attn_layers:
-            layer.set_backend(self.backend)
+            layer.set_backend(self.backend, config.fresh_prefill_backend)
         if self.device.type == "cuda" and config.fused_ops:
             for m in self.model.modules():
                 if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flame_llm.config import FRESH_PREFILL_BACKENDS
 from flame_llm.engine.context import AttentionMetadata
 from flame_llm.kernels.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
 
@@ -38,8 +39,7 @@ MAX_SPLITS = 64
 # Fresh-only (no cached prefix) prefill steps: "triton" (our kernel, as every other step) or torch's dense
 # attention on the fresh k/v: "sdpa" (torch picks), "cudnn", "flash", "efficient" (SDPA restricted to
 # that backend), "varlen" (torch.nn.attention.varlen.varlen_attn). The GPU benchmark decides the default.
-FRESH_PREFILL_BACKEND = "sdpa"  # cuDNN via SDPA: 513 vs 407 TFLOP/s for ours on the H200
-FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen")
+FRESH_PREFILL_BACKEND = "triton"  # the engine passes Config.fresh_prefill_backend explicitly
 
 
 @functools.cache

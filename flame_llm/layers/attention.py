@@ -7,12 +7,14 @@ from flame_llm.engine.context import get_context
 from flame_llm.kernels.torch_attention import dense_causal_attention, torch_attention_forward
 
 
-def _backend_fn(name: str):
+def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
     if name == "torch":
         return torch_attention_forward
     if name == "triton":
+        import functools
+
         from flame_llm.kernels.triton_attention import triton_attention_forward
-        return triton_attention_forward
+        return functools.partial(triton_attention_forward, fresh_backend=fresh_prefill_backend)
     if name == "flash_attn":
         from flame_llm.kernels.flash_backend import flash_attention_forward
         return flash_attention_forward
@@ -32,9 +34,9 @@ class Attention(nn.Module):
         self.backend = "torch"
         self._fn = torch_attention_forward
 
-    def set_backend(self, name: str) -> None:
+    def set_backend(self, name: str, fresh_prefill_backend: str = "triton") -> None:
         self.backend = name
-        self._fn = _backend_fn(name)
+        self._fn = _backend_fn(name, fresh_prefill_backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_context()
