@@ -101,7 +101,7 @@ class EngineActor:
         return out
 
     async def _serve(self, item, t_start: float) -> dict:
-        from flame_llm.wire import RequestError
+        from flame_llm.wire import RequestError, prompt_digest
 
         if isinstance(item, RequestError):
             self.counters["errors"] += 1
@@ -145,6 +145,7 @@ class EngineActor:
         self.counters["output_tokens"] += len(out.output_token_ids)
         res.update(output_token_ids=out.output_token_ids, finish_reason=out.finish_reason,
                    prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+                   prompt_hash=prompt_digest(item.prompt_token_ids),
                    timings={"queue_s": t_admit - t_start, "engine_s": t_done - t_admit,
                             "total_s": t_done - t_start,
                             **{k: float(v) for k, v in out.metrics.items()

@@ -238,7 +238,7 @@ class Client:
                 self._retry(p, err["retry_after_s"] or 0.0)
                 continue
             r["id"] = p.rid
-            r["timings"].update(encode_s=t1 - t0, roundtrip_s=t2 - t1, attempts=p.attempts + 1)
+            r["timings"].update(encode_s=t1 - t0, roundtrip_s=t2 - t1, attempts=p.attempts + 1, done_at=t2)
             ok = err is None
             completions.append((shard, p.est_work, p.sampling.max_tokens, r["prompt_tokens"] if ok else 0,
                                 r["cached_tokens"] if ok else 0))

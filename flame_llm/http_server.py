@@ -20,6 +20,8 @@ import uuid
 
 from aiohttp import web
 
+from flame_llm.wire import prompt_digest
+
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20
 ENGINE = web.AppKey("engine", object)
@@ -68,12 +70,6 @@ def parse_request(body: object) -> tuple[list, dict]:
     return prompts, sp
 
 
-def prompt_digest(token_ids) -> str:
-    """xxh64 over the prompt's little-endian uint32 ids: what a client compares with what it sent."""
-    import numpy as np
-    import xxhash
-
-    return xxhash.xxh64(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
 
 
 def _ids(p: object) -> bool:

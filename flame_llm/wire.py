@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import xxhash
 import zstandard
 
 from flame_llm.sampling_params import SamplingParams
@@ -35,11 +36,16 @@ BATCH_OVERHEAD = 320
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 RESULT_FIELDS = ("id", "output_token_ids", "finish_reason", "prompt_tokens", "cached_tokens", "shard",
-                 "gpu_uuid", "node", "timings", "error")
+                 "gpu_uuid", "node", "timings", "error", "prompt_hash")
 _RESULT_DEFAULTS: dict[str, Any] = {"id": None, "output_token_ids": (), "finish_reason": None,
                                     "prompt_tokens": 0, "cached_tokens": 0, "shard": -1, "gpu_uuid": "",
-                                    "node": "", "timings": {}, "error": None}
+                                    "node": "", "timings": {}, "error": None, "prompt_hash": ""}
 _ERROR_FIELDS = ("code", "message", "retry_after_s")
+
+
+def prompt_digest(token_ids) -> str:
+    """xxh64 over a prompt's little-endian uint32 ids: what served it, compared with what was sent."""
+    return xxhash.xxh64(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
 
 
 class WireError(ValueError):
@@ -266,7 +272,7 @@ def encode_results(results: list[dict], level: int = 1) -> bytes:
 _RESULT_TYPES: dict[str, tuple[type, ...]] = {
     "id": (str, type(None)), "output_token_ids": (bytes,), "finish_reason": (str, type(None)),
     "prompt_tokens": (int,), "cached_tokens": (int,), "shard": (int,), "gpu_uuid": (str,), "node": (str,),
-    "timings": (dict,), "error": (dict, type(None)),
+    "timings": (dict,), "error": (dict, type(None)), "prompt_hash": (str,),
 }
 
 

@@ -15,7 +15,7 @@ from flame_llm import LLM, SamplingParams
 from flame_llm.routing_key import estimate_prefill_work
 from flame_llm.service import make_client, start_service
 from flame_llm.service_config import ServiceConfig
-from flame_llm.wire import WireRequest, decode_results, encode_requests
+from flame_llm.wire import WireRequest, decode_results, encode_requests, prompt_digest
 
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16, "cpu_kvcache_gib": 0.0625}
 
@@ -123,7 +123,8 @@ def test_outputs_equal_llm_generate(service, tiny_llama):
     assert {r["shard"] for r in got_g} == {0, 1}  # six unseen prefixes: both shards serve
     r = got_g[0]
     assert r["node"] == ray.get_runtime_context().get_node_id()
-    assert set(r["timings"]) >= {"queue_s", "engine_s", "total_s", "client_s", "decode_s", "roundtrip_s"}
+    assert set(r["timings"]) >= {"queue_s", "engine_s", "total_s", "client_s", "decode_s", "roundtrip_s", "done_at"}
+    assert [r["prompt_hash"] for r in got_g] == [prompt_digest(p) for p in prompts]  # what the shard served
 
 
 def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):

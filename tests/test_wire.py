@@ -288,7 +288,7 @@ def test_results_round_trip_with_defaults_and_errors():
           "timings": {"queue_s": 0.5, "steps": 3}, "error": None}
     err = {"id": "b", "shard": 0, "error": RequestError("b", "queue_full", "over 64 requests", 0.25)}
     out = decode_results(encode_results([ok, err, {"id": None, "output_token_ids": [5]}], level=5))
-    assert out[0] == {**ok, "output_token_ids": [1, 2, 3]}
+    assert out[0] == {**ok, "output_token_ids": [1, 2, 3], "prompt_hash": ""}  # a missing field takes its default
     assert out[1]["error"] == {"code": "queue_full", "message": "over 64 requests", "retry_after_s": 0.25}
     assert out[1]["output_token_ids"] == [] and out[1]["finish_reason"] is None and out[1]["shard"] == 0
     assert out[2]["id"] is None and out[2]["output_token_ids"] == [5]
