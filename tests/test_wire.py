@@ -305,7 +305,8 @@ def test_encode_results_rejects_unknown_fields_and_bad_tokens():
 
 def _result(**kw):
     return {"id": "a", "output_token_ids": b"", "finish_reason": "stop", "prompt_tokens": 1,
-            "cached_tokens": 0, "shard": 0, "gpu_uuid": "", "node": "", "timings": {}, "error": None, "prompt_hash": "", **kw}
+            "cached_tokens": 0, "shard": 0, "gpu_uuid": "", "node": "", "timings": {}, "error": None,
+            "prompt_hash": "", **kw}
 
 
 @pytest.mark.parametrize("obj, code, match", [

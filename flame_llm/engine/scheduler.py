@@ -94,13 +94,7 @@ class Scheduler:
             return scheduled, num_tokens
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not bm.can_append(seq, 1):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
+            if self._make_room(seq, lambda s: bm.can_append(s, 1)):
                 bm.append_slots(seq, 1)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
@@ -120,13 +114,8 @@ class Scheduler:
         # sequence is always the newest (tests assert this)
         while self.running and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.running.popleft()
-            while (room := bm.num_appendable_tokens(seq)) < 1:
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
+            if self._make_room(seq, lambda s: bm.num_appendable_tokens(s) >= 1):
+                room = bm.num_appendable_tokens(seq)
                 remaining = seq.num_tokens - seq.num_computed_tokens
                 n = min(remaining, budget, room)
                 if remaining > 1 or seq.num_completion_tokens == 0:
@@ -199,6 +188,15 @@ class Scheduler:
         self.num_prefill_tokens += num_prefill
         self.num_decode_tokens += num_decode
 
+    def _make_room(self, seq: Sequence, fits) -> bool:
+        """Preempt the newest running sequences until fits(seq); False if seq itself had to go."""
+        while not fits(seq):
+            if not self.running:
+                self.preempt(seq)
+                return False
+            self.preempt(self.running.pop())
+        return True
+
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -220,15 +218,19 @@ class Scheduler:
             self.block_manager.publish(seq)
             if token_id is None:  # a prefill chunk that does not reach the end of the sequence
                 continue
-            seq.append_token(token_id)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.token_times.append(now)
-            reason = self.stop_reason(seq, token_id)
+            reason = self.append_token(seq, token_id, now)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def append_token(self, seq: Sequence, token_id: int, now: float) -> str | None:
+        """Append a sampled token with its time; the stop reason it triggers, if any."""
+        seq.append_token(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        return self.stop_reason(seq, token_id)
 
     def stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         if not seq.ignore_eos and token_id in self.eos_token_ids:

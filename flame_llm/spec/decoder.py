@@ -156,11 +156,7 @@ class SpecDecoder:
         now = time.perf_counter()
         reason = None
         for tok in tokens:
-            seq.append_token(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.token_times.append(now)
-            reason = sched.stop_reason(seq, tok)
+            reason = sched.append_token(seq, tok, now)
             if reason is not None:
                 break
         computed = min(seq.num_computed_tokens + num_verified, seq.num_tokens)
