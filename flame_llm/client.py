@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import ray
+import zstandard
 from ray.exceptions import RayActorError
 
 from flame_llm.routing_key import estimate_prefill_work, prefix_chain
@@ -90,7 +91,11 @@ class Client:
         self._tokenizer = None
         self._incarnation: dict[int, str] = {}
         self._recovering: dict[int, asyncio.Future] = {}
-        self.counters = {"batches": 0, "route_calls": 0, "retries": 0, "restarts_seen": 0}
+        self.counters = {"batches": 0, "route_calls": 0, "retries": 0, "restarts_seen": 0,
+                         # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds
+                         # in routing calls, request encoding and result decoding
+                         "payload_raw_bytes": 0, "payload_wire_bytes": 0, "route_s": 0.0, "encode_s": 0.0,
+                         "result_decode_s": 0.0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
         self._thread.start()
@@ -177,6 +182,7 @@ class Client:
 
     async def _route(self, batch: list[Pending]) -> None:
         self.counters["route_calls"] += 1
+        t0 = time.perf_counter()
         try:
             shards = await self.router.route.remote([(p.chain, p.est_work, p.sampling.max_tokens) for p in batch])
         except Exception as e:  # the router is down: every request of the batch gets the error
@@ -184,6 +190,7 @@ class Client:
                 p.future.set_result(_error(p, "router_error", f"{type(e).__name__}: {e}"))
             return
         assert len(shards) == len(batch), "the router answers every request"
+        self.counters["route_s"] += time.perf_counter() - t0
         for p, s in zip(batch, shards, strict=True):
             p.shard = s
             self.batchers[s].add(p)
@@ -203,8 +210,15 @@ class Client:
         payload = encode_requests([WireRequest(p.rid, p.tokens, p.sampling) for p in batch], self.model_revision,
                                   self.zstd_level)
         t1 = time.perf_counter()
+        c = self.counters
+        c["encode_s"] += t1 - t0
+        c["payload_wire_bytes"] += len(payload)
+        c["payload_raw_bytes"] += zstandard.frame_content_size(payload)  # the msgpack size, from the header
         try:
-            results = decode_results(await self.actors[shard].submit.remote(payload))
+            reply = await self.actors[shard].submit.remote(payload)
+            t_dec = time.perf_counter()
+            results = decode_results(reply)
+            c["result_decode_s"] += time.perf_counter() - t_dec
         except RayActorError as e:
             log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
                         shard, len(batch), type(e).__name__)

@@ -125,6 +125,10 @@ def test_outputs_equal_llm_generate(service, tiny_llama):
     assert r["node"] == ray.get_runtime_context().get_node_id()
     assert set(r["timings"]) >= {"queue_s", "engine_s", "total_s", "client_s", "decode_s", "roundtrip_s", "done_at"}
     assert [r["prompt_hash"] for r in got_g] == [prompt_digest(p) for p in prompts]  # what the shard served
+    c = client.counters
+    assert c["batches"] >= 2 and c["route_s"] > 0 and c["encode_s"] > 0 and c["result_decode_s"] > 0
+    # tiny-vocabulary ids compress: the decoded payload (from the zstd header) is larger than what travels
+    assert c["payload_raw_bytes"] > c["payload_wire_bytes"] > 0
 
 
 def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):
