@@ -40,6 +40,13 @@ def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
     return "flash_attn" if FLASH_ATTN_AVAILABLE and block_size % 256 == 0 else "triton"
 
 
+def append_slots(slots: list[int], block_table: list[int], start: int, end: int, block_size: int) -> None:
+    """Cache slots of positions [start, end) of one sequence, a block-sized range at a time."""
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        base = block_table[b] * block_size - b * block_size
+        slots.extend(range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size)))
+
+
 class ModelRunner:
     def __init__(self, config: Config, extra_block_bytes: int = 0) -> None:
         """extra_block_bytes: bytes per block another KV pool indexed by the same block ids needs (the
@@ -147,10 +154,7 @@ class ModelRunner:
             fresh_only &= start == 0
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            for b in range(start // bs, (end - 1) // bs + 1):
-                base = table[b] * bs - b * bs
-                slot_mapping.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
+            append_slots(slot_mapping, seq.block_table, start, end, bs)
             cu_q.append(cu_q[-1] + n)
             seq_lens.append(end)
             if end == seq.num_tokens:

@@ -13,7 +13,7 @@ import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.context import AttentionMetadata, set_context
-from flame_llm.engine.model_runner import ModelRunner
+from flame_llm.engine.model_runner import ModelRunner, append_slots
 from flame_llm.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class DraftRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             assert len(table) * bs >= end, "the block table covers every position the draft writes"
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            append_slots(slots, table, start, end, bs)
             cu_q.append(len(ids))
             seq_lens.append(end)
         width = max(len(s.block_table) for s, _, _ in batch)
