@@ -172,9 +172,12 @@ def test_vllm_replicas_get_the_protocol_flags_and_a_pci_index_for_their_uuid(mon
 
 def test_gpu_process_placement_is_verified_by_pid_or_session(monkeypatch):
     me, leader = os.getpid(), os.getsid(0)
-    monkeypatch.setattr(systems, "gpu_apps", lambda: [(me, "GPU-a"), (1, "GPU-z")])
-    got = systems.verify_processes(["GPU-a"], [me], by_session=False)
+    from bench import gpus
+
+    # nvidia-smi's process list cannot exist here: a fake one, two processes
+    monkeypatch.setattr(gpus, "gpu_apps", lambda: [(me, "GPU-a"), (1, "GPU-z")])
+    got = gpus.verify_processes(["GPU-a"], [me], by_session=False)
     assert got["verified_shards"] == [0] and [1, "GPU-z"] in got["unmapped_gpu_processes"]
-    assert systems.verify_processes(["GPU-a"], [leader], by_session=True)["verified_shards"] == [0]
+    assert gpus.verify_processes(["GPU-a"], [leader], by_session=True)["verified_shards"] == [0]
     with pytest.raises(RuntimeError, match="shard 1 .* computes on GPU-a; planned GPU-b"):
-        systems.verify_processes(["GPU-b", "GPU-b"], [0, me], by_session=False)
+        gpus.verify_processes(["GPU-b", "GPU-b"], [0, me], by_session=False)
