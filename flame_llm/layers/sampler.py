@@ -12,7 +12,7 @@ import torch
 
 @dataclass(slots=True)
 class SamplingBatch:
-    temperatures: torch.Tensor  # float32 [B]; 0 = greedy
+    temperatures: torch.Tensor | None  # float32 [B]; 0 = greedy; None when every row is greedy
     top_ks: torch.Tensor | None  # int64 [B], vocab size where off; None if no row uses top-k
     top_ps: torch.Tensor | None  # float32 [B], 1.0 where off; None if no row uses top-p
     seeds: list[tuple[int, int]]  # (row, key) for seeded rows
@@ -24,10 +24,12 @@ def make_sampling_batch(params: list, positions: list[int], vocab_size: int,
     """params: SamplingParams per row; positions: the output index each row samples."""
     temps = [p.temperature for p in params]
     all_greedy = all(t == 0.0 for t in temps)
+    if all_greedy:  # argmax only: no per-step host-to-device copies for parameters nobody reads
+        return SamplingBatch(None, None, None, [], True)
     top_ks = top_ps = None
-    if not all_greedy and any(p.top_k > 0 for p in params):
+    if any(p.top_k > 0 for p in params):
         top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
-    if not all_greedy and any(p.top_p < 1.0 for p in params):
+    if any(p.top_p < 1.0 for p in params):
         top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     seeds = [(i, (p.seed * 1_000_003 + pos) % (2**63)) for i, (p, pos) in enumerate(zip(params, positions))
              if p.seed is not None and p.temperature > 0]
