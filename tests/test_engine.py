@@ -134,3 +134,29 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(tiny_llama):
     llm = LLM(tiny_llama, block_size=16)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def _add_word_tokenizer(model_dir: str) -> None:
+    """A real (if tiny) fast tokenizer saved beside the checkpoint: word "w<i>" is token i."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(model_dir)
+
+
+def test_text_prompts_with_a_tokenizer(tiny_llama, tmp_path):
+    import shutil
+
+    d = str(tmp_path / "with-tokenizer")
+    shutil.copytree(tiny_llama, d)
+    _add_word_tokenizer(d)
+    llm = LLM(d, block_size=16)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    by_text = llm.generate(["w5 w6 w7 w8 w9"], sp, use_tqdm=False)[0]
+    by_ids = llm.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0]
+    assert by_text.prompt_token_ids == [5, 6, 7, 8, 9]
+    assert by_text.output_token_ids == by_ids.output_token_ids
+    assert by_text.text.split() == [f"w{t}" for t in by_text.output_token_ids]
