@@ -65,7 +65,9 @@ def system_stats(runs: list[dict]) -> dict:
     rates = [s["req_s"] for s in summ if s["ok"]]
     reqs = [q for r in good for q in r["requests"]]
     prompt = sum(q["prompt_tokens"] for q in reqs)
-    timing_keys = sorted({k for q in reqs for k, v in q.get("timings", {}).items() if isinstance(v, (int, float))})
+    # durations only: done_at is a clock reading (it feeds each record's done_s instead)
+    timing_keys = sorted({k for q in reqs for k, v in q.get("timings", {}).items()
+                          if isinstance(v, (int, float)) and k != "done_at"})
     return {
         "runs": len(summ), "runs_ok": len(rates),
         "req_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)} if rates else None,
