@@ -41,8 +41,9 @@ class Pending:
 
 
 class ShardBatcher:
-    """One shard's queue: flushes at max_prompts, after window_s from its first request, or before the
-    decoded payload would pass max_bytes, whichever comes first. `send(shard, batch)` is awaited in
+    """One shard's queue: flushes at max_prompts, after window_s from its first request, before the
+    decoded payload would pass max_bytes, or when the client says a generate() call's batch is formed,
+    whichever comes first. `send(shard, batch)` is awaited in
     its own task, so batches to one shard overlap."""
 
     def __init__(self, shard: int, send, max_prompts: int = 128, window_s: float = 0.010,
@@ -53,7 +54,7 @@ class ShardBatcher:
         self.nbytes = BATCH_OVERHEAD
         self.timer: asyncio.TimerHandle | None = None
         self.tasks: set[asyncio.Task] = set()
-        self.flushes = {"prompts": 0, "window": 0, "bytes": 0}
+        self.flushes = {"prompts": 0, "window": 0, "bytes": 0, "formed": 0}
 
     def add(self, p: Pending) -> None:
         assert p.wire_bytes + BATCH_OVERHEAD <= self.max_bytes, "oversized requests are refused before batching"
@@ -82,11 +83,14 @@ class Client:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str,
                  max_batch_prompts: int = 128, batch_window_ms: float = 10.0, max_batch_bytes: int = 4 << 20,
                  zstd_level: int = 1, max_retries: int = 20, restart_timeout_s: float = 300.0,
-                 model_dir: str | None = None, service=None):
+                 model_dir: str | None = None, service=None, flush_formed: bool = True):
         assert actors, "a service has at least one shard"
         self.router, self.actors, self.model_revision = router, dict(actors), model_revision
         self.max_batch_bytes, self.zstd_level, self.max_retries = max_batch_bytes, zstd_level, max_retries
         self.restart_timeout_s, self.model_dir, self.service = restart_timeout_s, model_dir, service
+        # a generate() call hands over a formed batch: send what it queued without waiting out the
+        # window (False: only the 128-prompt / window / byte-budget rules flush, as in the seed)
+        self.flush_formed = flush_formed
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._tokenizer = None
         self._incarnation: dict[int, str] = {}
@@ -194,6 +198,9 @@ class Client:
         for p, s in zip(batch, shards, strict=True):
             p.shard = s
             self.batchers[s].add(p)
+        if self.flush_formed:
+            for s in set(shards):
+                self.batchers[s].flush("formed")
 
     async def _send(self, shard: int, batch: list[Pending]) -> None:
         try:

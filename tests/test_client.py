@@ -37,7 +37,7 @@ def test_flush_at_max_prompts_without_waiting():
         b.flush("window")
         await asyncio.sleep(0)
         assert [len(ids) for _, ids, _ in rec.batches] == [128, 128, 44]
-        assert b.flushes == {"prompts": 2, "window": 1, "bytes": 0}
+        assert b.flushes == {"prompts": 2, "window": 1, "bytes": 0, "formed": 0}
 
     asyncio.run(main())
 

@@ -313,3 +313,24 @@ def test_drain_then_shutdown(service):
     (rec,) = decode_results(ray.get(actor.submit.remote(payload)))
     assert rec["error"]["code"] == "draining"
     assert ray.get(actor.shutdown.remote(5.0)) is True
+
+
+def test_formed_batch_is_sent_without_waiting_out_the_window(service):
+    """A generate() call hands over a formed batch: by default its per-shard batches leave at once;
+    with flush_formed=False (the seed's rule) they wait for the 10 ms formation window."""
+    from flame_llm.service import connect
+
+    _, default_client = service
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    before = {s: dict(b.flushes) for s, b in default_client.batchers.items()}
+    default_client.generate(_prompts(3, 20, seed=7), sp)
+    formed = sum(b.flushes["formed"] - before[s]["formed"] for s, b in default_client.batchers.items())
+    window = sum(b.flushes["window"] - before[s]["window"] for s, b in default_client.batchers.items())
+    assert formed >= 1 and window == 0
+    seed_rule = connect(namespace="test-service", flush_formed=False)
+    try:
+        seed_rule.generate(_prompts(3, 20, seed=8), sp)
+        assert sum(b.flushes["window"] for b in seed_rule.batchers.values()) >= 1
+        assert sum(b.flushes["formed"] for b in seed_rule.batchers.values()) == 0
+    finally:
+        seed_rule.close()
