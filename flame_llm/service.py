@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -20,6 +21,10 @@ SHARD_PREFIX = "flame-shard-"
 MAX_CONCURRENCY = 1024  # concurrent submit calls (batches) per engine actor
 
 
+if TYPE_CHECKING:
+    from flame_llm.client import Client
+
+
 @dataclass(slots=True)
 class Service:
     cfg: ServiceConfig
@@ -28,7 +33,7 @@ class Service:
     actors: dict[int, ray.actor.ActorHandle]
     health: list[dict] = field(default_factory=list)
 
-    def client(self, **kwargs):
+    def client(self, **kwargs) -> Client:
         return make_client(self.cfg, self.router, self.actors, service=None, **kwargs)
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -126,7 +131,7 @@ def find_service(namespace: str) -> tuple[ray.actor.ActorHandle, dict[int, ray.a
             {k: ray.get_actor(f"{SHARD_PREFIX}{k}", namespace=namespace) for k in shards})
 
 
-def connect(namespace: str = "flame", address: str | None = "auto", **client_kwargs):
+def connect(namespace: str = "flame", address: str | None = "auto", **client_kwargs) -> Client:
     """A Client for the service running in `namespace` of the Ray cluster at `address`."""
     if not ray.is_initialized():
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
@@ -134,7 +139,8 @@ def connect(namespace: str = "flame", address: str | None = "auto", **client_kwa
     return make_client(None, router, actors, **client_kwargs)
 
 
-def make_client(cfg: ServiceConfig | None, router, actors: dict, service=None, **kwargs):
+def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
+                service: Service | None = None, **kwargs) -> Client:
     from flame_llm.client import Client
 
     health = ray.get([a.health.remote() for a in actors.values()])
@@ -152,7 +158,7 @@ def make_client(cfg: ServiceConfig | None, router, actors: dict, service=None, *
     return Client(router, actors, revisions.pop(), model_dir=health[0]["model"], service=service, **opts)
 
 
-def start_local(cfg: ServiceConfig, **client_kwargs):
+def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:
     """Start a service and return a Client that stops it on close()."""
     svc = start_service(cfg)
     return make_client(cfg, svc.router, svc.actors, service=svc, **client_kwargs)

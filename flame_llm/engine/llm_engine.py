@@ -40,7 +40,7 @@ class LLMEngine:
         return cls(Config(model=model, **kwargs))
 
     @property
-    def tokenizer(self):
+    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase (loaded lazily)
         if self._tokenizer is None:
             if not any(os.path.isfile(os.path.join(self.config.model, f))
                        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):

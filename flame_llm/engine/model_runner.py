@@ -138,7 +138,7 @@ class ModelRunner:
         return int(budget) // (self.block_bytes() + self.extra_block_bytes)
 
     # ---- step inputs ----------------------------------------------------------------------------
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]):
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -28,7 +28,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
     tl.store(out_ptr + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) * weight; returns (out, x + residual) with a residual, else out."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -70,7 +71,8 @@ def _rope_qk_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, q_stride_t, q_stride_h, k_
         _rope_rows(k_ptr, t, pos, cache_ptr, k_stride_t, k_stride_h, num_k_heads, HALF, BLOCK_K)
 
 
-def rope_qk_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+def rope_qk_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place in one launch; cache [max_pos, D] float32."""
     t, hq, hd = q.shape
     hk = k.shape[1]

@@ -66,7 +66,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
             from flame_llm.kernels.fused import add_rmsnorm
             return add_rmsnorm(x, self.weight, self.eps, residual)
@@ -126,7 +127,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.fused = False
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:  # rotates q and k in place
             from flame_llm.kernels.fused import rope_qk_inplace
             return rope_qk_inplace(q, k, positions, self.cos_sin_cache)
