@@ -133,6 +133,12 @@ class EngineActor:
             else:
                 code = "engine_error"
                 log.exception("shard %s: request %s failed", self.name, item.id)
+                if self.engine.failed:
+                    # the step loop is dead and every later request would fail: crash so that Ray
+                    # restarts this actor on its device; the client resubmits the unanswered batch
+                    log.critical("shard %s: engine step loop failed (%r); exiting for a restart", self.name,
+                                 self.engine.error)
+                    os._exit(1)
             res["error"] = {"code": code, "message": f"{type(e).__name__}: {e}", "retry_after_s": None}
             res["timings"] = {"queue_s": t_admit - t_start}
             return res
@@ -157,7 +163,16 @@ class EngineActor:
         return {**self._base(), "name": self.name, "incarnation": self.incarnation, "restarted": self.restarted,
                 "pid": os.getpid(), "model": self.model, "model_revision": self.model_revision,
                 "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
-                "max_decoded_bytes": self.max_decoded_bytes, "draining": self.draining}
+                "max_decoded_bytes": self.max_decoded_bytes, "draining": self.draining,
+                "engine_failed": self.engine.failed}
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def debug_break_engine(self) -> None:
+        """Fault injection (tests, drills): the engine's next step raises, as a real step failure would."""
+        def broken(*args, **kwargs):
+            raise RuntimeError(f"injected engine step failure on shard {self.name}")
+
+        self.engine.engine.model_runner.run = broken
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
