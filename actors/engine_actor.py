@@ -125,7 +125,7 @@ class EngineActor:
             return res
         t_admit = time.perf_counter()
         try:
-            out = await self.engine.generate(item.prompt_token_ids.tolist(), sp, request_id=item.id)
+            out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id)
         except Exception as e:  # one request's failure must not fail its batch
             self.counters["errors"] += 1
             if isinstance(e, ValueError):  # the engine's own request checks (KV pool size, length)

@@ -102,3 +102,21 @@ def test_failed_step_loop_is_reported(tiny_llama):
     with pytest.raises(RuntimeError, match="engine loop failed"):
         asyncio.run(main())
     eng.shutdown()
+
+
+def test_numpy_prompt_equals_list_prompt(engine):
+    """The actor hands the wire's uint32 array straight in; it is checked in numpy and served the same."""
+    import numpy as np
+
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def main():
+        a = await engine.generate(np.array([7, 8, 9, 10], dtype=np.uint32), sp)
+        b = await engine.generate([7, 8, 9, 10], sp)
+        with pytest.raises(ValueError, match="vocab_size"):
+            await engine.generate(np.array([7, 600], dtype=np.uint32), sp)
+        return a, b
+
+    a, b = asyncio.run(main())
+    assert a.prompt_token_ids == [7, 8, 9, 10] and a.output_token_ids == b.output_token_ids
+    assert all(type(t) is int for t in a.prompt_token_ids)

@@ -115,6 +115,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama):
     ([], {}, "empty"),
     ([1, 2, 512], {}, "vocab_size=512"),
     ([-1, 2], {}, "vocab_size"),
+    ([1.5, 2], {}, "integers"),
     (list(range(3, 300)), {}, "max_model_len"),
 ])
 def test_bad_requests_raise_and_accept_nothing(tiny_llama, prompt, kwargs, match):
