@@ -48,10 +48,11 @@ def wait_gpus_idle(devices: list[str], timeout_s: float = 180.0, max_used_mib: i
 def verify_processes(devices: list[str], pids: list[int], by_session: bool) -> dict:
     """Map each GPU compute process to shard k (its pid is pids[k], or, by_session, its session leader is);
     raise when one computes on another shard's GPU. Unmappable processes (another PID namespace) are listed."""
-    owner = {pid: k for k, pid in enumerate(pids)}
+    owner = {pid: k for k, pid in enumerate(pids) if pid > 0}
     seen, unmapped = set(), []
     for pid, gpu in gpu_apps():
         try:
+            # getsid answers 0 when the session leader lives in another PID namespace: unmappable
             k = owner.get(os.getsid(pid) if by_session else pid)
         except OSError:
             k = None

@@ -171,13 +171,29 @@ def test_vllm_replicas_get_the_protocol_flags_and_a_pci_index_for_their_uuid(mon
 
 
 def test_gpu_process_placement_is_verified_by_pid_or_session(monkeypatch):
-    me, leader = os.getpid(), os.getsid(0)
+    import subprocess
+
     from bench import gpus
 
-    # nvidia-smi's process list cannot exist here: a fake one, two processes
-    monkeypatch.setattr(gpus, "gpu_apps", lambda: [(me, "GPU-a"), (1, "GPU-z")])
-    got = gpus.verify_processes(["GPU-a"], [me], by_session=False)
-    assert got["verified_shards"] == [0] and [1, "GPU-z"] in got["unmapped_gpu_processes"]
-    assert gpus.verify_processes(["GPU-a"], [leader], by_session=True)["verified_shards"] == [0]
-    with pytest.raises(RuntimeError, match="shard 1 .* computes on GPU-a; planned GPU-b"):
-        gpus.verify_processes(["GPU-b", "GPU-b"], [0, me], by_session=False)
+    me = os.getpid()
+    # a real session leader (the way systems.py starts servers); its pid is its session id
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        # nvidia-smi's process list cannot exist here: a fake one
+        monkeypatch.setattr(gpus, "gpu_apps", lambda: [(me, "GPU-a"), (1, "GPU-z")])
+        got = gpus.verify_processes(["GPU-a"], [me], by_session=False)
+        assert got["verified_shards"] == [0] and [1, "GPU-z"] in got["unmapped_gpu_processes"]
+        monkeypatch.setattr(gpus, "gpu_apps", lambda: [(child.pid, "GPU-a"), (me, "GPU-z")])
+        got = gpus.verify_processes(["GPU-a"], [child.pid], by_session=True)
+        assert got["verified_shards"] == [0] and [me, "GPU-z"] in got["unmapped_gpu_processes"]
+        with pytest.raises(RuntimeError, match="shard 0 .* computes on GPU-a; planned GPU-b"):
+            gpus.verify_processes(["GPU-b"], [child.pid, 0], by_session=False)
+        monkeypatch.setattr(gpus, "gpu_apps", lambda: [(child.pid, "GPU-z")])
+        with pytest.raises(RuntimeError, match="shard 0 .* computes on GPU-z; planned GPU-b"):
+            gpus.verify_processes(["GPU-b"], [child.pid], by_session=True)
+        # pid 0 (a session leader outside our namespace) never claims a process
+        monkeypatch.setattr(gpus, "gpu_apps", lambda: [(me, "GPU-a")])
+        assert gpus.verify_processes(["GPU-a"], [0], by_session=False)["verified_shards"] == []
+    finally:
+        child.kill()
+        child.wait()
