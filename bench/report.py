@@ -19,6 +19,8 @@ import sys
 import numpy as np
 
 from bench.runner import RAW_FORMAT
+from bench.service_path import render as render_service_path
+from bench.service_path import service_path
 
 log = logging.getLogger(__name__)
 PAIR_FLOOR = 0.99  # a pair at or above this ratio counts as "no net overhead" for that pair
@@ -78,6 +80,7 @@ def system_stats(runs: list[dict]) -> dict:
         "timings_median_s": {k: statistics.median([q["timings"][k] for q in reqs if k in q.get("timings", {})])
                              for k in timing_keys},
         "per_run": summ,
+        "service_path": service_path(runs),
     }
 
 
@@ -161,6 +164,7 @@ def render_markdown(rep: dict, source: str) -> str:
         lines += ["", "Median per-request timings (s): " + "; ".join(
             f"{lab}: " + ", ".join(f"{k} {v:.4f}" for k, v in t["stats"][lab]["timings_median_s"].items())
             for lab in t["systems"])]
+        lines += render_service_path({lab: t["stats"][lab].get("service_path") for lab in t["systems"]})
         bad = [s for lab in t["systems"] for s in t["stats"][lab]["per_run"] if not s["ok"]]
         for s in bad:
             lines.append(f"- FAILED run `{s['path']}`: {s['error'] or ''} {s['failures']}")

@@ -82,6 +82,7 @@ class FlameSystem:
     def __init__(self, spec: SystemSpec, setup: Setup, tag: str):
         self.spec, self.setup, self.tag = spec, setup, tag
         self.service = self.client = None
+        self._before: dict = {}
         self._loop = asyncio.new_event_loop()
 
     def start(self) -> dict:
@@ -111,6 +112,7 @@ class FlameSystem:
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         prompts = [r.token_ids for r in requests]
+        self._before = self._counters()  # outside the timed span: the last burst's counters are its own
         call = asyncio.wait_for(self.client.agenerate(prompts, sp), self.setup.burst_timeout_s)
         t_release = time.perf_counter()
         results = self._loop.run_until_complete(call)
@@ -127,9 +129,22 @@ class FlameSystem:
                             "done_source": "request" if done_at is not None else "burst"})
         return t_release, records
 
-    def stats(self) -> dict:
+    def _counters(self) -> dict:
         import ray
-        return {"router": ray.get(self.service.router.stats.remote()), "client": dict(self.client.counters)}
+        actors = ray.get([a.stats.remote() for a in self.service.actors.values()])
+        keep = ("batches", "requests", "bad_batches", "decode_s", "encode_s")
+        return {"client": dict(self.client.counters), "actors": [{k: a[k] for k in keep} for a in actors]}
+
+    def stats(self) -> dict:
+        """Router and client state, and the last burst's service-path counters (client: routing, payload
+        bytes raw vs compressed, request encode and result decode; each actor: batch decode and result
+        encode), taken as after-minus-before so warmup rounds are not in them."""
+        import ray
+        after = self._counters()
+        burst = {"client": {k: v - self._before["client"][k] for k, v in after["client"].items()},
+                 "actors": [{k: v - b[k] for k, v in a.items()}
+                            for a, b in zip(after["actors"], self._before["actors"], strict=True)]}
+        return {"router": ray.get(self.service.router.stats.remote()), "client": after["client"], "burst": burst}
 
     def stop(self) -> None:
         if self.client is not None:

@@ -108,10 +108,22 @@ def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smok
             assert s["cached_pct"] == pytest.approx(cached)
             assert s["latency_s"]["p50"] == pytest.approx(float(np.percentile([r["done_s"] for r in reqs], 50)))
             assert f"{rates[label]:.3f}" in md
+        # the service path of the measured burst alone (warmup rounds are excluded by the before/after diff)
+        burst = json.load(open(os.path.join(out, "raw", trace, "flame", "pair00.json")))["stats"]["burst"]
+        c, actors = burst["client"], burst["actors"]
+        assert c["batches"] >= 1 and c["retries"] == 0 and sum(a["batches"] for a in actors) == c["batches"]
+        assert sum(a["requests"] for a in actors) == n and c["route_calls"] >= 1
+        assert c["payload_raw_bytes"] >= n * t["trace"]["prompt_tokens"] and 0 < c["payload_wire_bytes"]
+        sp = t["stats"]["flame"]["service_path"]
+        assert t["stats"]["engine"]["service_path"] is None
+        assert sp["batches"] == c["batches"] and sp["prompts_per_batch"] == pytest.approx(n / c["batches"])
+        assert sp["compression"] == pytest.approx(c["payload_raw_bytes"] / c["payload_wire_bytes"])
+        assert sp["per_batch_ms"]["route"] == pytest.approx(1e3 * c["route_s"] / c["route_calls"])
+        assert 0 < sp["service_share_of_burst"] < 1 and sp["admission_wait_p50_s"] >= 0
         (ratio,) = t["ratios"]
         assert ratio["ratio_of_medians"] == pytest.approx(rates["flame"] / rates["engine"])
         assert ratio["paired"] == {"0": pytest.approx(rates["flame"] / rates["engine"])}
-    assert "## Trace `reuse`" in md and "flame / engine" in md
+    assert "## Trace `reuse`" in md and "flame / engine" in md and "Service path per measured burst" in md
 
 
 def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_path, monkeypatch):
