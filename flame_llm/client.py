@@ -12,71 +12,19 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import ray
 import zstandard
 from ray.exceptions import RayActorError
 
+from flame_llm.batcher import Pending, ShardBatcher
 from flame_llm.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.wire import BATCH_OVERHEAD, WireRequest, decode_results, encode_requests, request_wire_size
 
 log = logging.getLogger(__name__)
 RETRYABLE = ("overloaded",)
-
-
-@dataclass(slots=True)
-class Pending:
-    rid: str
-    tokens: np.ndarray  # uint32
-    sampling: SamplingParams
-    chain: list[int]
-    est_work: float
-    wire_bytes: int
-    future: asyncio.Future
-    shard: int = -1
-    attempts: int = 0
-
-
-class ShardBatcher:
-    """One shard's queue: flushes at max_prompts, after window_s from its first request, before the
-    decoded payload would pass max_bytes, or when the client says a generate() call's batch is formed,
-    whichever comes first. `send(shard, batch)` is awaited in
-    its own task, so batches to one shard overlap."""
-
-    def __init__(self, shard: int, send, max_prompts: int = 128, window_s: float = 0.010,
-                 max_bytes: int = 4 << 20):
-        self.shard, self.send = shard, send
-        self.max_prompts, self.window_s, self.max_bytes = max_prompts, window_s, max_bytes
-        self.items: list[Pending] = []
-        self.nbytes = BATCH_OVERHEAD
-        self.timer: asyncio.TimerHandle | None = None
-        self.tasks: set[asyncio.Task] = set()
-        self.flushes = {"prompts": 0, "window": 0, "bytes": 0, "formed": 0}
-
-    def add(self, p: Pending) -> None:
-        assert p.wire_bytes + BATCH_OVERHEAD <= self.max_bytes, "oversized requests are refused before batching"
-        if self.nbytes + p.wire_bytes > self.max_bytes:
-            self.flush("bytes")
-        self.items.append(p)
-        self.nbytes += p.wire_bytes
-        if len(self.items) >= self.max_prompts:
-            self.flush("prompts")
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.window_s, self.flush, "window")
-
-    def flush(self, why: str) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        batch, self.items, self.nbytes = self.items, [], BATCH_OVERHEAD
-        if batch:
-            self.flushes[why] += 1
-            task = asyncio.get_running_loop().create_task(self.send(self.shard, batch))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
 
 
 class Client:

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from flame_llm.client import Pending, ShardBatcher
+from flame_llm.batcher import Pending, ShardBatcher
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.wire import BATCH_OVERHEAD, request_wire_size
 
