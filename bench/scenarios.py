@@ -36,7 +36,8 @@ SEED = {
 COLUMNS = {
     "starvation": ["victim_tpot_p50_ms", "victim_tpot_p99_ms", "victim_tpot_p99_steps", "victim_ttft_p50_ms",
                    "wall_s", "prefill_steps", "mixed_steps", "decode_steps"],
-    "prefix": ["prefix_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "wall_s", "prefill_tokens_per_s", "prefill_steps"],
+    "prefix": ["prefix_hit_rate", "prefill_tokens", "deferred_admissions", "ttft_p50_ms", "ttft_p99_ms", "wall_s",
+               "prefill_tokens_per_s", "prefill_steps"],
     "lru_pressure": ["prefix_hit_rate", "evictions", "saved_tokens", "ttft_p50_ms", "wall_s", "preemptions"],
     "cache_aware": ["prefix_hit_rate", "evictions", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "wall_s",
                     "steps"],

@@ -56,6 +56,8 @@ class Config:
     enable_cache_aware_schedule: bool = False
     cache_aware_window: int = 64  # waiting requests reordered by cached-prefix length
     cache_aware_max_skips: int = 16  # aging: a request passed over this many times goes first
+    # a waiting request whose next uncached block a running sequence is computing waits for it
+    enable_prefix_dedup: bool = False
     # speculative decoding
     speculative_model: str | None = None
     num_speculative_tokens: int = 0

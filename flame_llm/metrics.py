@@ -82,4 +82,5 @@ def summarize(outputs: list[RequestOutput], engine_stats: dict, wall_s: float) -
         "mixed_steps": s.get("num_mixed_steps"), "preemptions": s.get("num_preemptions"),
         "prefix_hit_rate": _rate(s.get("prefix_hit_tokens", 0), s.get("prefix_query_tokens", 0)),
         "saved_tokens": s.get("prefix_hit_tokens"), "evictions": s.get("evictions"),
+        "prefill_tokens": s.get("num_prefill_tokens"), "deferred_admissions": s.get("num_deferred_admissions"),
     }

@@ -35,6 +35,12 @@ def test_shared_prefix_raises_hit_rate_and_saves_prefill(report):
     assert v["unique"]["prefix_hit_rate"] == 0 and v["unique"]["saved_tokens"] == 0
     assert v["shared"]["prefix_hit_rate"] > 0.7
     assert v["shared"]["prefill_steps"] < v["unique"]["prefill_steps"]
+    # prefix dedup: the burst's followers wait for the first request's prefix instead of computing it
+    dd, sh = v["shared-dedup"], v["shared"]
+    assert sh["deferred_admissions"] == 0 < dd["deferred_admissions"]
+    assert dd["prefix_hit_rate"] > sh["prefix_hit_rate"] and dd["prefill_tokens"] < sh["prefill_tokens"]
+    if dd["preemptions"] == 0:  # every prompt token is either a hit or computed once
+        assert dd["prefill_tokens"] == dd["prompt_tokens"] - dd["cached_prompt_tokens"]
 
 
 def test_lru_evicts_less_than_fifo_under_power_law_reuse(report):
@@ -133,6 +139,7 @@ def test_summarize_reads_outputs_and_engine_counters():
     assert s["prefix_hit_rate"] == 0.25 and s["saved_tokens"] == 250 and s["evictions"] == 7
     assert (s["prefill_steps"], s["decode_steps"], s["mixed_steps"], s["preemptions"]) == (4, 10, 2, 1)
     assert s["output_tokens"] == 4 and s["cached_prompt_tokens"] == 8 and s["requests_per_s"] == 1.0
+    assert s["prefill_tokens"] == 1000 and s["deferred_admissions"] is None  # not in these stats
     assert s["peak_memory_bytes"] > 0
     empty = summarize([], {}, wall_s=1.0)
     assert empty["ttft_p50_ms"] is None and empty["prefix_hit_rate"] is None

@@ -192,8 +192,8 @@ def test_flags_off_matches_frozen_original_step_by_step(tiny_llama, seed, num_bl
     assert len(new_trace) == len(old_trace) and new_out == old_out
 
 
-FLAG_SETS = [dict(enable_chunked_prefill=c, enable_lru=lru, enable_cache_aware_schedule=lpm)
-             for c in (False, True) for lru in (False, True) for lpm in (False, True)]
+FLAG_SETS = [dict(enable_chunked_prefill=c, enable_lru=lru, enable_cache_aware_schedule=lpm, enable_prefix_dedup=dd)
+             for c in (False, True) for lru in (False, True) for lpm in (False, True) for dd in (False, True)]
 
 
 @pytest.mark.parametrize("flags", FLAG_SETS, ids=lambda f: "-".join(k[7:11] for k, v in f.items() if v) or "off")
@@ -410,6 +410,9 @@ FEATURE_CASES = {
     "cache-aware": ("llama", dict(enable_cache_aware_schedule=True, cache_aware_window=3, cache_aware_max_skips=2)),
     "all-preempt": ("qwen3", dict(enable_chunked_prefill=True, enable_lru=True, enable_cache_aware_schedule=True,
                                   max_num_batched_tokens=24, max_num_seqs=8, num_kvcache_blocks=10)),
+    "prefix-dedup": ("llama", dict(enable_prefix_dedup=True)),
+    "dedup-chunked": ("qwen3", dict(enable_prefix_dedup=True, enable_chunked_prefill=True,
+                                    max_num_batched_tokens=48, max_num_seqs=8)),
 }
 
 
@@ -430,3 +433,59 @@ def test_greedy_matches_transformers_with_features_on(name, reference, tiny_llam
         assert stats["num_mixed_steps"] > 0
     if case.get("enable_lru"):
         assert stats["evictions"] > 0
+
+
+def shared_prefix_burst() -> list[tuple[int, list[int], SamplingParams]]:
+    """Five requests on one new 64-token prefix (4 blocks) and one unrelated request behind them, all
+    arriving together."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 500) for _ in range(64)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    work = [(0, prefix + [rng.randrange(3, 500) for _ in range(5)], sp) for _ in range(5)]
+    return work + [(0, [rng.randrange(3, 500) for _ in range(40)], sp)]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prefix_dedup_waits_for_an_inflight_prefix_instead_of_recomputing_it(tiny_llama, chunked):
+    work = shared_prefix_burst()
+    kw = dict(max_num_batched_tokens=100 if chunked else 512, enable_chunked_prefill=chunked, max_num_seqs=8)
+    runs = {}
+    for dedup in (False, True):
+        sched = make_scheduler(tiny_llama, 64, enable_prefix_dedup=dedup, **kw)
+        trace, outputs = replay(sched, work)
+        assert [outputs[f"r{i}"][0] for i in range(len(work))] == expected_outputs(work, 128)
+        runs[dedup] = trace, outputs, sched.stats()
+    (_, off_out, off), (on_trace, on_out, on) = runs[False], runs[True]
+    assert off["num_deferred_admissions"] == 0 and on["num_deferred_admissions"] >= 4
+    # with the flag each follower finds the 64 prefix tokens cached; without it some compute them again
+    assert all(on_out[f"r{i}"][2] == 64 for i in range(1, 5))
+    assert sum(off_out[f"r{i}"][2] for i in range(1, 5)) < 4 * 64
+    assert on["num_prefill_tokens"] == 69 + 4 * 5 + 40 < off["num_prefill_tokens"]
+    # the unrelated request behind the followers is not held up by them
+    assert "r5" in [rid for rid, _ in on_trace[0]]
+    if not chunked:
+        assert on_trace[0] == [("r0", 69), ("r5", 40)] and on_trace[1] == [(f"r{i}", 5) for i in range(1, 5)]
+
+
+def test_prefix_dedup_defers_only_while_the_prefix_is_being_written(tiny_llama):
+    """A follower whose next block the lead is writing this step waits one step, then hits the whole
+    prefix; a request that shares only published blocks is admitted at once."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 500) for _ in range(96)]
+    sched = make_scheduler(tiny_llama, 64, enable_prefix_dedup=True, enable_chunked_prefill=True,
+                           max_num_batched_tokens=64, max_num_seqs=8)
+    runner = FakeRunner(BS)
+    lead = seq_of(prefix + [5], rid="lead")
+    sched.add(lead)
+    assert step(sched, runner) == [("lead", 64)]  # blocks 0-3 written and published
+    follower = seq_of(prefix + [6, 7], rid="follower")
+    early = seq_of(prefix[:32] + [9] * 20, rid="early")  # shares blocks 0-1, diverges in block 2
+    sched.add(follower)
+    sched.add(early)
+    # lead writes blocks 4-5 this step: the follower (64 cached, block 4 next) waits, early goes ahead
+    assert step(sched, runner) == [("lead", 33), ("early", 20)]
+    assert sched.num_deferred_admissions == 1 and [s.request_id for s in sched.waiting] == ["follower"]
+    assert ("follower", 2) in step(sched, runner)
+    while not sched.is_finished():
+        step(sched, runner)
+    assert follower.num_cached_tokens == 96 and early.num_cached_tokens == 32 and sched.num_deferred_admissions == 1

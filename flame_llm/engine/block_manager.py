@@ -77,6 +77,26 @@ class BlockManager:
             memo.append(h)
         return h
 
+    def next_block_hash(self, seq: Sequence, cached: int) -> int | None:
+        """Hash of seq's first block past `cached` tokens, if seq could still hit it (a full block
+        ending before its last token); else None."""
+        k = cached // self.block_size
+        if not self.enable_prefix_caching or k >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        h = -1
+        for i in range(k + 1):  # memoized for prompt blocks after the first call
+            h = self.block_hash(seq, i, h)
+        return h
+
+    def add_unpublished_prompt_hashes(self, seq: Sequence, out: set[int]) -> None:
+        """Add the hashes of seq's full prompt blocks that are not published yet (it will write them)."""
+        if not self.enable_prefix_caching:
+            return
+        h = seq.last_block_hash
+        for i in range(seq.num_published_blocks, seq.num_prompt_tokens // self.block_size):
+            h = self.block_hash(seq, i, h)
+            out.add(h)
+
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """match_prefix's length by hashes alone: cheap enough to rank a queue every step (an
         allocation still compares token ids)."""

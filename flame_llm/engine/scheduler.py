@@ -16,6 +16,14 @@ schedule_skips of every window request ahead of the one picked, and a request wi
 cache_aware_max_skips skips is picked first (the earliest such). Bound: while in the window a request
 is passed over at most cache_aware_max_skips times, and outside it nobody behind it can pass it, so it
 is admitted at most cache_aware_max_skips admissions later than FIFO order would admit it.
+
+enable_prefix_dedup: a block's hash is published only after its K/V are written, so two requests
+sharing a new prefix admitted while it is still being computed would each compute it. With the flag,
+a waiting request whose next uncached full block is one that a running sequence will write (a
+partially prefilled one, or one admitted earlier in this step) is passed over for this step; requests
+behind it may go instead. It waits at most until that sequence's prompt is written (or it is
+preempted), then hits the published blocks. Only the first cache_aware_window waiting requests are
+considered when some are passed over.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ class Scheduler:
         self.cache_aware = config.enable_cache_aware_schedule
         self.cache_aware_window = config.cache_aware_window
         self.cache_aware_max_skips = config.cache_aware_max_skips
+        self.prefix_dedup = config.enable_prefix_dedup
         # the engine builds the BlockManager from the pool size alone; the cache policy is ours to set
         block_manager.enable_lru = config.enable_lru
         self.block_manager = block_manager
@@ -51,6 +60,7 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self.num_preemptions = 0
+        self.num_deferred_admissions = 0  # prefix dedup: a request passed over for a step
         self.num_prefill_steps = 0  # steps with any prefill tokens (mixed steps included)
         self.num_decode_steps = 0  # steps of decodes only
         self.num_mixed_steps = 0
@@ -76,10 +86,17 @@ class Scheduler:
         num_tokens: list[int] = []
         num_batched = 0
         self._open_window()
+        inflight = self._inflight_blocks() if self.prefix_dedup else None
+        passed: set[int] = set()
         while self.waiting and len(scheduled) < self.max_num_seqs:
-            i = self._pick_waiting()
+            i = self._pick_waiting(passed)
+            if i is None:
+                break
             seq = self.waiting[i]
             cached = bm.can_allocate(seq)
+            if inflight is not None and cached >= 0 and self._waits_for(seq, cached, inflight):
+                passed.add(id(seq))
+                continue
             if cached < 0 or num_batched + seq.num_tokens - cached > self.max_num_batched_tokens:
                 break
             bm.allocate(seq)
@@ -87,6 +104,8 @@ class Scheduler:
             bm.append_slots(seq, n)
             num_batched += n
             self._admit(i)
+            if inflight is not None:
+                bm.add_unpublished_prompt_hashes(seq, inflight)
             scheduled.append(seq)
             num_tokens.append(n)
         if scheduled:
@@ -127,16 +146,25 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         if self.num_preemptions == preemptions:
             self._open_window()
+            inflight = self._inflight_blocks() if self.prefix_dedup else None
+            passed: set[int] = set()
             while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-                i = self._pick_waiting()
+                i = self._pick_waiting(passed)
+                if i is None:
+                    break
                 seq = self.waiting[i]
                 cached, room = bm.allocation_room(seq)
+                if inflight is not None and self._waits_for(seq, cached, inflight):
+                    passed.add(id(seq))
+                    continue
                 n = min(seq.num_tokens - cached, budget, room)
                 if n < 1:
                     break
                 bm.allocate(seq)
                 bm.append_slots(seq, n)
                 self._admit(i)
+                if inflight is not None:
+                    bm.add_unpublished_prompt_hashes(seq, inflight)
                 scheduled.append(seq)
                 num_tokens.append(n)
                 budget -= n
@@ -151,21 +179,43 @@ class Scheduler:
             self._window = list(itertools.islice(self.waiting, self.cache_aware_window))
             self._window_cached = [self.block_manager.num_cached_prefix_tokens(s) for s in self._window]
 
-    def _pick_waiting(self) -> int:
-        """Index in waiting of the next request to admit: the head, or the LPM pick (module doc).
+    def _pick_waiting(self, passed: set[int] | None = None) -> int | None:
+        """Index in waiting of the next request to admit: the head, or the LPM pick (module doc),
+        leaving out the requests in `passed` (ids; prefix dedup). None when every candidate is passed.
 
         Cached lengths are measured once per step; admission re-checks the exact hit."""
         if not self.cache_aware:
-            return 0
+            if not passed:
+                return 0
+            window = itertools.islice(self.waiting, self.cache_aware_window)
+            return next((i for i, seq in enumerate(window) if id(seq) not in passed), None)
         if not self._window:
             self._open_window()
-        best = 0
+        best = None
         for i, seq in enumerate(self._window):
+            if passed and id(seq) in passed:
+                continue
             if seq.schedule_skips >= self.cache_aware_max_skips:
                 return i
-            if self._window_cached[i] > self._window_cached[best]:
+            if best is None or self._window_cached[i] > self._window_cached[best]:
                 best = i
         return best
+
+    # ---- prefix dedup ------------------------------------------------------------------------------
+    def _inflight_blocks(self) -> set[int]:
+        """Hashes of the prompt blocks running sequences will write but have not published yet."""
+        inflight: set[int] = set()
+        if self.waiting:
+            for seq in self.running:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self.block_manager.add_unpublished_prompt_hashes(seq, inflight)
+        return inflight
+
+    def _waits_for(self, seq: Sequence, cached: int, inflight: set[int]) -> bool:
+        if inflight and self.block_manager.next_block_hash(seq, cached) in inflight:
+            self.num_deferred_admissions += 1
+            return True
+        return False
 
     def _admit(self, i: int) -> None:
         seq = self.waiting[i]
@@ -263,7 +313,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"num_waiting": len(self.waiting), "num_running": len(self.running),
-                "num_preemptions": self.num_preemptions, "num_prefill_steps": self.num_prefill_steps,
+                "num_preemptions": self.num_preemptions, "num_deferred_admissions": self.num_deferred_admissions,
+                "num_prefill_steps": self.num_prefill_steps,
                 "num_decode_steps": self.num_decode_steps, "num_mixed_steps": self.num_mixed_steps,
                 "num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens,
                 "prefill_time_s": self.prefill_time_s, "decode_time_s": self.decode_time_s,
