@@ -209,3 +209,15 @@ def test_gpu_process_placement_is_verified_by_pid_or_session(monkeypatch):
     finally:
         child.kill()
         child.wait()
+
+
+def test_host_step_times_only_full_decode_steps(tiny_llama, tmp_path):
+    from bench import host_step
+
+    rows = host_step.main(["--model", tiny_llama, "--batches", "1,3", "--context", "40", "--block-size", "16",
+                           "--steps", "4", "--out", str(tmp_path / "h.json")])
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert set(r["median_us"]) == {"schedule", "prepare", "postprocess"}
+        assert all(v > 0 for v in r["median_us"].values()) and r["total_us"] == sum(r["median_us"].values())
+    assert json.load(open(tmp_path / "h.json"))["rows"] == rows
