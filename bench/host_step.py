@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{m['prepare']:.0f} us, postprocess {m['postprocess']:.0f} us, total {r['total_us']:.0f} us")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"argv": argv, "rows": rows}, f, indent=2)
+            json.dump({"argv": sys.argv[1:] if argv is None else argv, "rows": rows}, f, indent=2)
     return rows
 
 
