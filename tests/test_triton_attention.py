@@ -248,3 +248,55 @@ def test_engine_fresh_prefill_backend_flag_keeps_outputs(tiny_llama):
     ref = LLM(tiny_llama, block_size=16, max_model_len=256, max_num_batched_tokens=256).generate(
         prompts, sp, use_tqdm=False)
     assert outs["triton"] == outs["sdpa"] == [o.output_token_ids for o in ref]
+
+
+@pytest.mark.parametrize("gather_bytes", [64 << 20, 100 * 2 * 32 * 4])  # small: the batch splits into groups
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+def test_batched_torch_decode_equals_per_sequence_reference(monkeypatch, gather_bytes, num_heads, num_kv_heads):
+    """The torch path's padded decode (one masked SDPA per group) equals the per-sequence loop; padding
+    rows and unused table entries point at NaN-poisoned blocks."""
+    from flame_llm.kernels import torch_attention as tat
+
+    monkeypatch.setattr(tat, "DECODE_GATHER_BYTES", gather_bytes)
+    seq_lens = [1, 17, 40, 5, 33, 64, 2]
+    (q, k, v, k_cache, v_cache), meta = make_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, 32, 16,
+                                                  decode=True, device="cpu")
+    meta.block_tables[meta.block_tables < 0] = 0  # as the engine pads tables: a real, poisoned-or-not block
+    store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    ref = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, 0.17)
+    got = tat.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.17)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    again = tat.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.17)
+    assert torch.equal(again, got)  # the reused gather buffers carry nothing over
+
+
+def test_batched_torch_decode_buffers_are_per_thread():
+    """Two engines stepping on two threads (the service, tests) must not share the gather buffers."""
+    import threading
+
+    from flame_llm.kernels import torch_attention as tat
+
+    cases = []
+    for seed in (1, 2):
+        lens = [30 + 7 * seed, 50, 9 * seed]
+        (q, k, v, kc, vc), meta = make_case(lens, [1] * 3, 4, 2, 32, 16, decode=True, device="cpu", seed=seed)
+        meta.block_tables[meta.block_tables < 0] = 0
+        store_kvcache(k, v, kc, vc, meta.slot_mapping)
+        ref = paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, 0.2)
+        cases.append((q, kc, vc, meta, ref))
+    bad = []
+
+    def work(case):
+        q, kc, vc, meta, ref = case
+        for _ in range(200):
+            got = tat.paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, 0.2)
+            if not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
+                bad.append(1)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad

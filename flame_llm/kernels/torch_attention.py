@@ -5,6 +5,8 @@ segment (prefill chunk, prefix hit, decode or speculative verify alike): its q_l
 the end of its seq_len keys, causal by position."""
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,57 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     bs = cache.shape[1]
     nblocks = (seq_len + bs - 1) // bs
     return cache[block_table[:nblocks].long()].flatten(0, 1)[:seq_len]
+
+
+# padded decode batches gather at most this many bytes of keys at once (B x longest context x heads x
+# head_dim); past it the batch is split, so the transient K/V copy stays bounded
+DECODE_GATHER_BYTES = 64 << 20
+_local = threading.local()  # per thread: two engines stepping on two threads never share a buffer
+
+
+def _gather_buffer(key: tuple, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reused flat buffer: fresh multi-MB allocations every layer cost more than the gather itself."""
+    scratch = _local.__dict__.setdefault("scratch", {})
+    buf = scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = scratch[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence (q [B, H, D]) over its seq_len cached keys, the batch padded to its
+    longest context and masked: one SDPA call per group of sequences instead of one per sequence."""
+    out = torch.empty_like(q)
+    _, bs, num_kv_heads, head_dim = k_cache.shape
+    max_rows = max(1, DECODE_GATHER_BYTES // (num_kv_heads * head_dim * k_cache.element_size()))
+    lens = seq_lens.tolist()
+    start = 0
+    while start < len(lens):
+        end, longest = start, 0
+        while end < len(lens) and (end - start + 1) * max(longest, lens[end]) <= max(max_rows, lens[end]):
+            longest = max(longest, lens[end])
+            end += 1
+        nb = (longest + bs - 1) // bs
+        table = block_tables[start:end, :nb].reshape(-1).long()
+        shape = (end - start, nb * bs, num_kv_heads, head_dim)
+        kv = []
+        for name, cache in (("k", k_cache), ("v", v_cache)):
+            buf = _gather_buffer((name, cache.dtype, cache.device), table.numel() * bs * num_kv_heads * head_dim,
+                                 cache)
+            x = torch.index_select(cache, 0, table, out=buf.view(-1, bs, num_kv_heads, head_dim)).view(shape)
+            kv.append(x[:, :longest])
+        mask = torch.arange(longest, device=q.device)[None, :] < seq_lens[start:end, None]
+        # rows past a sequence's length are whatever the pool holds (NaN included): a masked score
+        # still multiplies its value row, so they must be finite
+        for x in kv:
+            x.masked_fill_(~mask[:, :, None, None], 0)
+        k, v = (x.to(q.dtype).transpose(1, 2) for x in kv)  # [b, Hkv, L, D]
+        o = F.scaled_dot_product_attention(q[start:end, :, None], k, v, attn_mask=mask[:, None, None, :],
+                                           scale=scale, enable_gqa=True)
+        out[start:end] = o[:, :, 0]
+        start = end
+    return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -51,7 +104,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
-
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -88,4 +140,6 @@ def torch_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.fresh_only:
         return dense_causal_attention(q, k, v, meta.cu_seqlens_q, scale)
+    if meta.is_decode and q.shape[0] == meta.seq_lens.shape[0]:
+        return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
     return paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale)
