@@ -25,7 +25,8 @@ class ServiceConfig:
     batch_window_ms: float = 10.0
     max_batch_bytes: int = 4 << 20  # decoded payload budget of one batch
     zstd_level: int = 1
-    max_inflight_tokens: int = 1 << 20  # per shard: prompt + max output tokens of admitted requests
+    # per shard: prompt + max output tokens of admitted requests; above the seed reuse trace's 1.06M per shard
+    max_inflight_tokens: int = 1 << 22
     max_inflight_requests: int = 1024
     max_queued_requests: int = 4096  # waiting for admission; past this a request is rejected
     max_restarts: int = 3  # per engine actor (-1: unlimited)
