@@ -264,7 +264,10 @@ def test_batched_torch_decode_equals_per_sequence_reference(monkeypatch, gather_
     meta.block_tables[meta.block_tables < 0] = 0  # as the engine pads tables: a real, poisoned-or-not block
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     ref = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, 0.17)
+    with torch.inference_mode():  # as the engine runs it; the buffers it leaves must not break plain calls
+        in_mode = tat.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.17)
     got = tat.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.17)
+    assert torch.equal(in_mode, got)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     again = tat.paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, 0.17)

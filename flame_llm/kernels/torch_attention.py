@@ -62,8 +62,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         shape = (end - start, nb * bs, num_kv_heads, head_dim)
         kv = []
         for name, cache in (("k", k_cache), ("v", v_cache)):
-            buf = _gather_buffer((name, cache.dtype, cache.device), table.numel() * bs * num_kv_heads * head_dim,
-                                 cache)
+            # an inference-mode tensor cannot be written outside inference mode: one buffer per mode
+            key = (name, cache.dtype, cache.device, torch.is_inference_mode_enabled())
+            buf = _gather_buffer(key, table.numel() * bs * num_kv_heads * head_dim, cache)
             x = torch.index_select(cache, 0, table, out=buf.view(-1, bs, num_kv_heads, head_dim)).view(shape)
             kv.append(x[:, :longest])
         mask = torch.arange(longest, device=q.device)[None, :] < seq_lens[start:end, None]
