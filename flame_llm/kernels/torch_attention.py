@@ -45,20 +45,23 @@ def _gather_buffer(key: tuple, numel: int, like: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence (q [B, H, D]) over its seq_len cached keys, the batch padded to its
-    longest context and masked: one SDPA call per group of sequences instead of one per sequence."""
+    """One query per sequence (q [B, H, D]) over its seq_len cached keys: sequences sorted by length,
+    grouped, each group padded to its longest context and masked, one SDPA call per group."""
     out = torch.empty_like(q)
     _, bs, num_kv_heads, head_dim = k_cache.shape
     max_rows = max(1, DECODE_GATHER_BYTES // (num_kv_heads * head_dim * k_cache.element_size()))
-    lens = seq_lens.tolist()
+    all_lens = seq_lens.tolist()
+    order = sorted(range(len(all_lens)), key=all_lens.__getitem__)  # similar lengths pad little
+    lens = [all_lens[i] for i in order]
     start = 0
     while start < len(lens):
-        end, longest = start, 0
-        while end < len(lens) and (end - start + 1) * max(longest, lens[end]) <= max(max_rows, lens[end]):
-            longest = max(longest, lens[end])
+        end = start + 1
+        while end < len(lens) and (end - start + 1) * lens[end] <= max_rows:
             end += 1
+        longest = lens[end - 1]
+        rows = torch.tensor(order[start:end], device=q.device)
         nb = (longest + bs - 1) // bs
-        table = block_tables[start:end, :nb].reshape(-1).long()
+        table = block_tables[rows, :nb].reshape(-1).long()
         shape = (end - start, nb * bs, num_kv_heads, head_dim)
         kv = []
         for name, cache in (("k", k_cache), ("v", v_cache)):
@@ -67,15 +70,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             buf = _gather_buffer(key, table.numel() * bs * num_kv_heads * head_dim, cache)
             x = torch.index_select(cache, 0, table, out=buf.view(-1, bs, num_kv_heads, head_dim)).view(shape)
             kv.append(x[:, :longest])
-        mask = torch.arange(longest, device=q.device)[None, :] < seq_lens[start:end, None]
+        mask = torch.arange(longest, device=q.device)[None, :] < seq_lens[rows, None]
         # rows past a sequence's length are whatever the pool holds (NaN included): a masked score
         # still multiplies its value row, so they must be finite
         for x in kv:
             x.masked_fill_(~mask[:, :, None, None], 0)
         k, v = (x.to(q.dtype).transpose(1, 2) for x in kv)  # [b, Hkv, L, D]
-        o = F.scaled_dot_product_attention(q[start:end, :, None], k, v, attn_mask=mask[:, None, None, :],
+        o = F.scaled_dot_product_attention(q[rows, :, None], k, v, attn_mask=mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)
-        out[start:end] = o[:, :, 0]
+        out[rows] = o[:, :, 0]
         start = end
     return out
 
