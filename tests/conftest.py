@@ -1,6 +1,9 @@
 import os
 
 import pytest
+import torch
+from helpers import MAX_TOKENS, make_prompts
+from transformers import AutoModelForCausalLM
 
 from flame_llm.tiny import make_tiny_model
 
@@ -22,3 +25,19 @@ def tiny_model(request, tiny_llama, tiny_qwen3) -> str:
 
 def pytest_report_header(config):
     return f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama, tiny_qwen3):
+    """transformers' greedy continuation of each prompt, per architecture."""
+    refs = {}
+    for name, path in (("llama", tiny_llama), ("qwen3", tiny_qwen3)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        outs = []
+        for p in make_prompts():
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+        refs[name] = outs
+    return refs

@@ -1,39 +1,9 @@
 """Greedy outputs are token-identical to transformers' generate, across cache settings."""
-import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from helpers import MAX_TOKENS, make_prompts
 
 from flame_llm import LLM, SamplingParams
-
-MAX_TOKENS = 24
-
-
-def make_prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 512) for _ in range(40)]  # a 40-token prefix shared by two prompts
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 17, 33, 70)]
-    prompts.append(shared + [rng.randrange(3, 512) for _ in range(9)])
-    prompts.append(shared + [rng.randrange(3, 512) for _ in range(25)])
-    return prompts
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama, tiny_qwen3):
-    """transformers' greedy continuation of each prompt, per architecture."""
-    refs = {}
-    for name, path in (("llama", tiny_llama), ("qwen3", tiny_qwen3)):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        outs = []
-        for p in make_prompts():
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-        refs[name] = outs
-    return refs
-
 
 CASES = [
     dict(block_size=16, enable_prefix_caching=True),

@@ -45,9 +45,8 @@ def test_cuda_path_tracks_torch_path_bf16(tiny_model):
 def test_decode_graph_equals_eager_forward(tiny_llama):
     """One decode step: the replayed graph's logits equal an eager forward on the same inputs, and the
     static buffers hold exactly the step's inputs."""
-    from flame_llm.engine.context import AttentionMetadata, set_context
-
-    llm = LLM(tiny_llama, dtype="float32", attention_backend="triton", block_size=16, num_kvcache_blocks=1024)
+    llm = LLM(tiny_llama, dtype="float32", attention_backend="triton", block_size=16, num_kvcache_blocks=1024,
+              async_scheduling=False)
     eng, runner = llm.engine, llm.engine.model_runner
     assert runner.use_graphs
     for p in prompts():
@@ -56,21 +55,32 @@ def test_decode_graph_equals_eager_forward(tiny_llama):
         eng.step()
     seqs, nums = eng.scheduler.schedule()
     assert nums == [1] * len(seqs)
-    ids, pos, slots, cu_q, seq_lens, tables, _, _, _ = runner.prepare(seqs, nums)
+    x = runner.prepare(seqs, nums)
+    graphs = runner.graphs
     with torch.inference_mode():
-        graph_logits = runner.replay_graph(ids, pos, slots, seq_lens, tables).clone()
-    n, mb = len(ids), runner.max_blocks_per_seq
-    g64 = runner.g_i64.view(3, -1)[:, :n].cpu().tolist()
-    assert g64 == [ids, pos, slots]
-    g32 = runner.g_i32.cpu()
-    assert g32[:n].tolist() == seq_lens
-    assert g32[runner.max_graph_bs:].view(-1, mb)[:n, : len(tables[0])].tolist() == tables
-    dev = runner.device
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=dev)
+        graph_logits = graphs.replay(x, runner.staging, None).clone()
+    n, mb = len(seqs), runner.max_blocks_per_seq
+    g64 = graphs.g_i64.view(3, -1)[:, :n].cpu()
+    assert g64.tolist() == [x.input_ids.tolist(), x.positions.tolist(), x.slot_mapping.tolist()]
+    g32 = graphs.g_i32.cpu()
+    assert g32[:n].tolist() == x.seq_lens.tolist()
+    width = x.block_tables.shape[1]
+    assert g32[graphs.max_bs:].view(-1, mb)[:n, :width].tolist() == x.block_tables.tolist()
     # the graph already stored this step's K/V; storing it again in the eager pass writes the same values
-    set_context(AttentionMetadata(t(cu_q, torch.int32), t(seq_lens, torch.int32), t(tables, torch.int32),
-                                  t(slots, torch.int64), 1, max(seq_lens), is_decode=True))
     with torch.inference_mode():
-        eager = runner.model.compute_logits(runner.model(t(ids, torch.int64), t(pos, torch.int64)))
-    set_context(None)
+        eager = runner.model.compute_logits(runner.forward(runner.upload(x)))
     assert torch.allclose(graph_logits, eager, rtol=1e-4, atol=1e-4), (graph_logits - eager).abs().max()
+
+
+@pytest.mark.parametrize("backend,dtype", [("triton", "float32"), ("auto", "bfloat16")])
+def test_async_scheduling_is_token_identical_to_sync_on_gpu(tiny_llama, backend, dtype):
+    """Same schedule (length stops), same kernels: asynchronous scheduling changes no token, with CUDA
+    graphs for decodes whose input is the previous step's token still on the device."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    runs = []
+    for mode in (False, True):
+        llm = LLM(tiny_llama, dtype=dtype, attention_backend=backend, block_size=16, num_kvcache_blocks=1024,
+                  async_scheduling=mode, enable_chunked_prefill=True, max_num_batched_tokens=256)
+        assert llm.engine.async_scheduling is mode and llm.engine.model_runner.use_graphs
+        runs.append([o.output_token_ids for o in llm.generate(prompts() * 3, sp, use_tqdm=False)])
+    assert runs[0] == runs[1]

@@ -1,124 +1,25 @@
 """Scheduler features (chunked prefill, LRU free list, cache-aware order): every flag off replays the
 original two-phase schedule exactly; every flag on keeps outputs and KV contents correct."""
-import hashlib
-import json
 import random
 
 import pytest
-from test_engine import MAX_TOKENS, make_prompts, reference  # noqa: F401 - reference: transformers' outputs
+from helpers import (
+    BS,
+    MAX_TOKENS,
+    FakeRunner,
+    expected_outputs,
+    make_prompts,
+    make_scheduler,
+    make_workload,
+    replay,
+    trace_digest,
+)
 
 from flame_llm import LLM
-from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence, SequenceStatus
 from flame_llm.sampling_params import SamplingParams
-
-BS = 16
-EOS = 2
-
-
-def next_token(ids: list[int]) -> int:
-    """A deterministic stand-in for the model: a function of the whole token history."""
-    v = (sum(ids[-4:]) * 2654435761 + len(ids) * 40503) % 1_000_003
-    return EOS if v % 41 == 0 else 3 + v % 500
-
-
-class FakeRunner:
-    """Writes (token, position) into a simulated paged KV and checks every read, like attention would."""
-
-    def __init__(self, block_size: int) -> None:
-        self.bs = block_size
-        self.kv: dict[int, tuple[int, int]] = {}
-
-    def slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.bs] * self.bs + pos % self.bs
-
-    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int | None]:
-        assert len({s.seq_id for s in seqs}) == len(seqs)
-        out: list[int | None] = []
-        for seq, n in zip(seqs, num_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            assert n >= 1 and end <= seq.num_tokens and len(seq.block_table) * self.bs >= end
-            for pos in range(start, end):
-                self.kv[self.slot(seq, pos)] = (seq.token_ids[pos], pos)
-        for seq, n in zip(seqs, num_tokens):  # read after every write of the step, as the kernel does
-            end = seq.num_computed_tokens + n
-            assert [self.kv.get(self.slot(seq, p)) for p in range(end)] == [
-                (t, p) for p, t in enumerate(seq.token_ids[:end])], f"KV of {seq.request_id} is corrupt"
-            out.append(next_token(seq.token_ids[:end]) if end == seq.num_tokens else None)
-        return out
-
-
-def make_workload(seed: int = 0, n: int = 40) -> list[tuple[int, list[int], SamplingParams]]:
-    """(arrival step, prompt, params): shared prefixes, block-aligned prompts, late arrivals, eos."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 500) for _ in range(k)] for k in (16, 32, 48, 20)]
-    work = []
-    for i in range(n):
-        if rng.random() < 0.5:
-            prompt = list(rng.choice(prefixes)) + [rng.randrange(3, 500) for _ in range(rng.choice([0, 1, 7, 16]))]
-        else:
-            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 90))]
-        sp = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.7)
-        work.append((0 if i < n // 2 else rng.randint(1, 60), prompt, sp))
-    return work
-
-
-def replay(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max_steps: int = 5000):
-    """Drive sched like LLMEngine does; return the per-step schedule and each request's output."""
-    runner = FakeRunner(sched.block_manager.block_size)
-    pending = sorted(((a, i, p, sp) for i, (a, p, sp) in enumerate(workload)), key=lambda x: (x[0], x[1]))
-    seqs: dict[str, Sequence] = {}
-    trace = []
-    step = 0
-    while pending or not sched.is_finished():
-        assert step < max_steps, "the schedule does not make progress"
-        while pending and pending[0][0] <= step:
-            _, i, prompt, sp = pending.pop(0)
-            seq = Sequence(prompt, sp, sched.block_manager.block_size, request_id=f"r{i}")
-            seqs[seq.request_id] = seq
-            sched.add(seq)
-        if aborts and step in aborts:
-            sched.abort(aborts[step])
-        batch, num_tokens = sched.schedule()
-        assert sum(num_tokens) <= sched.max_num_batched_tokens and len(batch) <= sched.max_num_seqs
-        trace.append([(s.request_id, n) for s, n in zip(batch, num_tokens)])
-        if batch:
-            sched.postprocess(batch, num_tokens, runner.run(batch, num_tokens))
-        partial = [s for s in sched.running if s.num_tokens - s.num_computed_tokens > 1]
-        assert not partial or partial == [sched.running[-1]], "decode-first: only the newest may be mid-prefill"
-        step += 1
-    bm = sched.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-    outputs = {rid: (s.completion_token_ids, s.finish_reason, s.num_cached_tokens) for rid, s in seqs.items()}
-    return trace, outputs
-
-
-def expected_outputs(workload, max_model_len: int) -> list[list[int]]:
-    """What any correct schedule must produce for each request (the fake model is history-only)."""
-    outs = []
-    for _, prompt, sp in workload:
-        ids = list(prompt)
-        while True:
-            tok = next_token(ids)
-            ids.append(tok)
-            if ((not sp.ignore_eos and tok == EOS) or len(ids) - len(prompt) >= sp.max_tokens
-                    or len(ids) >= max_model_len):
-                break
-        outs.append(ids[len(prompt):])
-    return outs
-
-
-def make_scheduler(model: str, num_blocks: int = 24, cls: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
-    kwargs = dict(block_size=BS, max_num_seqs=6, max_num_batched_tokens=128, max_model_len=128,
-                  num_kvcache_blocks=num_blocks, eos_token_ids=(EOS,)) | kwargs
-    cfg = Config(model=model, **kwargs)
-    return cls(cfg, BlockManager(num_blocks, BS, cfg.enable_prefix_caching))
-
-
-def trace_digest(trace, outputs) -> str:
-    return hashlib.sha256(json.dumps([trace, sorted(outputs.items())]).encode()).hexdigest()
 
 
 class OriginalScheduler(Scheduler):

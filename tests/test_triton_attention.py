@@ -7,69 +7,12 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
 import pytest  # noqa: E402
+from helpers import CASES_ATTENTION, POISON, make_case, reference  # noqa: E402
 
-from flame_llm.engine.context import AttentionMetadata  # noqa: E402
 from flame_llm.kernels import triton_attention as ta  # noqa: E402
 from flame_llm.kernels.torch_attention import paged_attention, store_kvcache  # noqa: E402
 
-POISON = float("nan")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels need CUDA tensors
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 GPU variant needs CUDA")
-
-
-def make_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, *, pad_rows=0,
-              decode=False, max_seqlen_k=None, dtype=torch.float32, device=DEVICE, seed=0):
-    """Random cache holding every sequence's prefix (the rest poisoned) plus this step's q/k/v.
-
-    pad_rows appends padded decode rows (q_len 1, seq_len 0, slot -1) like a CUDA-graph batch."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=g)  # physical blocks in random order
-    max_blocks = max(blocks_per_seq) + 1
-    block_tables = torch.full((len(seq_lens) + pad_rows, max_blocks), -1, dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, POISON, dtype=dtype)
-    v_cache = torch.full(shape, POISON, dtype=dtype)
-    slots, used = [], 0
-    for i, (s, n) in enumerate(zip(seq_lens, q_lens)):
-        assert 0 < n <= s
-        blocks = perm[used:used + blocks_per_seq[i]]
-        used += blocks_per_seq[i]
-        block_tables[i, :len(blocks)] = blocks.to(torch.int32)
-        rows = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:s]
-        k_cache.view(-1, num_kv_heads, head_dim)[rows[:s - n]] = torch.randn(
-            s - n, num_kv_heads, head_dim, generator=g).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[rows[:s - n]] = torch.randn(
-            s - n, num_kv_heads, head_dim, generator=g).to(dtype)
-        slots.append(rows[s - n:])
-    slots.append(torch.full((pad_rows,), -1, dtype=torch.int64))
-    q_lens_all = list(q_lens) + [1] * pad_rows
-    num_tokens = sum(q_lens_all)
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
-    cu = torch.tensor([0] + q_lens_all).cumsum(0).to(torch.int32)
-    lens = torch.tensor(list(seq_lens) + [0] * pad_rows, dtype=torch.int32)
-    meta = AttentionMetadata(
-        cu_seqlens_q=cu, seq_lens=lens, block_tables=block_tables, slot_mapping=torch.cat(slots),
-        max_seqlen_q=max(q_lens_all), max_seqlen_k=max_seqlen_k or max(seq_lens), is_decode=decode,
-        fresh_only=list(seq_lens) == list(q_lens) and pad_rows == 0,
-        cu_seqlens_k=torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32))
-    tensors = [q, k, v, k_cache, v_cache]
-    for name in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping", "cu_seqlens_k"):
-        setattr(meta, name, getattr(meta, name).to(device))
-    return [t.to(device) for t in tensors], meta
-
-
-def reference(q, k, v, k_cache, v_cache, meta, num_real, scale):
-    """Cache after the torch store, and the fp32 torch attention of the first num_real sequences."""
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kvcache(k, v, k_ref, v_ref, meta.slot_mapping)
-    n = int(meta.cu_seqlens_q[num_real])
-    out = paged_attention(q[:n].float(), k_ref.float(), v_ref.float(), meta.cu_seqlens_q[:num_real + 1],
-                          meta.seq_lens[:num_real], meta.block_tables[:num_real], scale)
-    return k_ref, v_ref, out
 
 
 def run_and_check(case_kwargs, *, config=None, num_splits=None, fresh_backend=None, tol=2e-4):
@@ -94,25 +37,7 @@ def run_and_check(case_kwargs, *, config=None, num_splits=None, fresh_backend=No
     return out
 
 
-CASES = {
-    "fresh_ragged_gqa4_d64_bs16": dict(seq_lens=[37, 1, 70, 13], q_lens=[37, 1, 70, 13], num_heads=8,
-                                       num_kv_heads=2, head_dim=64, block_size=16),
-    "prefix_chunks_gqa1_d128_bs32": dict(seq_lens=[80, 50, 33, 64], q_lens=[17, 50, 1, 32], num_heads=2,
-                                         num_kv_heads=2, head_dim=128, block_size=32),
-    "prefix_gqa8_d64_bs64": dict(seq_lens=[150, 9], q_lens=[40, 3], num_heads=8, num_kv_heads=1,
-                                 head_dim=64, block_size=64),
-    "gqa3_d48_bs256": dict(seq_lens=[300, 20], q_lens=[45, 20], num_heads=6, num_kv_heads=2, head_dim=48,
-                           block_size=256),
-    "tiny_d16_bs128": dict(seq_lens=[129, 5], q_lens=[129, 2], num_heads=4, num_kv_heads=2, head_dim=16,
-                           block_size=128),
-    "decode_pad_split_gqa4_d128_bs16": dict(seq_lens=[200, 1, 77, 130], q_lens=[1, 1, 1, 1], num_heads=8,
-                                           num_kv_heads=2, head_dim=128, block_size=16, pad_rows=2,
-                                           decode=True, max_seqlen_k=1024),
-    "decode_gqa8_d64_bs32": dict(seq_lens=[33, 96, 5], q_lens=[1, 1, 1], num_heads=8, num_kv_heads=1,
-                                 head_dim=64, block_size=32, decode=True),
-    "verify_k4_gqa4_d64_bs16": dict(seq_lens=[90, 41, 5], q_lens=[5, 5, 5], num_heads=4, num_kv_heads=1,
-                                    head_dim=64, block_size=16, max_seqlen_k=2048),
-}
+CASES = CASES_ATTENTION
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,15 +1,24 @@
 """Runs the model for one scheduled step: builds inputs and attention metadata, owns the KV cache,
-samples, and replays CUDA graphs for decode steps."""
+samples, and replays CUDA graphs for decode steps.
+
+`launch` enqueues a step on the device and returns a StepHandle at once; `StepHandle.tokens()` waits for
+its sampled tokens. Under asynchronous scheduling the engine launches step N+1 before it reads step N's
+tokens: a sequence whose next input is the token step N is still sampling gets it on the device
+(`prev`), so the host prepares step N+1 while the GPU runs step N."""
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.context import AttentionMetadata, set_context
+from flame_llm.engine.cuda_graphs import DecodeGraphs
 from flame_llm.engine.sequence import Sequence
+from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import make_sampling_batch, sample
@@ -29,22 +38,26 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
+def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
+    """The attention backend to use: `name`, or for "auto" the fastest one this machine has."""
+    if name == "flash_attn" and block_size % 256:
+        raise ValueError(f"attention_backend 'flash_attn' needs block_size % 256 == 0; got {block_size}")
+    if name == "fa4":
+        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
+        reason = fa4_unavailable_reason(device, dtype, head_dim)
+        if reason is not None:
+            raise ValueError(f"attention_backend 'fa4' cannot run here: {reason}")
     if name != "auto":
-        if name == "flash_attn" and block_size % 256:
-            raise ValueError(f"attention_backend 'flash_attn' needs block_size % 256 == 0; got {block_size}")
         return name
     if device.type != "cuda":
         return "torch"
+    from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
+    reason = fa4_unavailable_reason(device, dtype, head_dim)
+    if reason is None:
+        return "fa4"
+    logger.info("attention: flash-attn-4 not used (%s)", reason)
     from flame_llm.kernels.flash_backend import FLASH_ATTN_AVAILABLE
     return "flash_attn" if FLASH_ATTN_AVAILABLE and block_size % 256 == 0 else "triton"
-
-
-def append_slots(slots: list[int], block_table: list[int], start: int, end: int, block_size: int) -> None:
-    """Cache slots of positions [start, end) of one sequence, a block-sized range at a time."""
-    for b in range(start // block_size, (end - 1) // block_size + 1):
-        base = block_table[b] * block_size - b * block_size
-        slots.extend(range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size)))
 
 
 class ModelRunner:
@@ -72,7 +85,8 @@ class ModelRunner:
             load_model(self.model, config.model)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = resolve_backend(config.attention_backend, self.device, config.block_size)
+        self.backend = resolve_backend(config.attention_backend, self.device, config.block_size, self.dtype,
+                                       self.attn_layers[0].head_dim)
         for layer in self.attn_layers:
             layer.set_backend(self.backend, config.fresh_prefill_backend)
         if self.device.type == "cuda" and config.fused_ops:
@@ -82,10 +96,18 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.num_blocks = self.allocate_kv_cache()
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.staging = Staging(self.device)
+        self.fa4_warmup_compiles = 0
+        if self.backend == "fa4":
+            self.warmup_fa4()
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.backend != "torch")
+        self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
-            self.capture_cudagraphs()
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_blocks_per_seq,
+                                       config.max_model_len, self.device)
+            self.graphs.capture()
+        logger.info("attention: %s; decode-only steps: %s", _BACKEND_STEPS[self.backend],
+                    "CUDA graphs" if self.use_graphs else "eager")
 
     # ---- KV cache -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -105,7 +127,9 @@ class ModelRunner:
             raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization, or set num_kvcache_blocks")
         layer = self.attn_layers[0]
-        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads,
+        # zeros, not empty: kernels that load whole pages (FA4's TMA path) read rows past a sequence's end,
+        # and a masked score times a NaN value row would still be NaN
+        self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads,
                                     layer.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -137,120 +161,112 @@ class ModelRunner:
         budget = total * cfg.gpu_memory_utilization - used - (peak - current)
         return int(budget) // (self.block_bytes() + self.extra_block_bytes)
 
-    # ---- step inputs ----------------------------------------------------------------------------
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_q = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        sample_idx: list[int] = []
-        fresh_only = True
-        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
-            start = seq.num_computed_tokens
-            end = start + n
-            fresh_only &= start == 0
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            append_slots(slot_mapping, seq.block_table, start, end, bs)
-            cu_q.append(cu_q[-1] + n)
-            seq_lens.append(end)
-            if end == seq.num_tokens:
-                logits_rows.append(cu_q[-1] - 1)
-                sample_idx.append(i)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-        return input_ids, positions, slot_mapping, cu_q, seq_lens, block_tables, logits_rows, sample_idx, fresh_only
+    def warmup_fa4(self) -> None:
+        """Compile every flash-attn-4 variant the engine's limits can reach, so none compiles mid-burst."""
+        from flame_llm.kernels import fa4_backend
 
-    def _tensor(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return t.to(self.device, non_blocking=True)
+        cfg, layer = self.config, self.attn_layers[0]
+        t0 = time.perf_counter()
+        self.fa4_warmup_compiles = fa4_backend.warmup(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale,
+                                                      cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                                      cfg.max_model_len)
+        logger.info("flash-attn-4: %d kernel variants compiled in %.1fs", self.fa4_warmup_compiles,
+                    time.perf_counter() - t0)
+
+    def attention_jit_compiles(self) -> int:
+        """Attention kernels compiled since startup (FA4's JIT; 0 for backends compiled at startup)."""
+        if self.backend != "fa4":
+            return 0
+        from flame_llm.kernels.fa4_backend import jit_compiles
+        return jit_compiles()
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int], starts: list[int] | None = None) -> StepInputs:
+        return build_step_inputs(seqs, num_tokens, self.block_size, starts)
+
+    def upload(self, x: StepInputs) -> DeviceInputs:
+        return upload(self.staging, x)
+
+    def forward(self, dev: DeviceInputs) -> torch.Tensor:
+        """Hidden states [T, hidden] of an uploaded step (stores its K/V)."""
+        set_context(dev.meta)
+        try:
+            return self.model(dev.input_ids, dev.positions)
+        finally:
+            set_context(None)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int | None]:
-        """One step; returns the sampled token per sequence (None where a prefill chunk stops short)."""
-        (input_ids, positions, slots, cu_q, seq_lens, block_tables, logits_rows, sample_idx,
-         fresh_only) = self.prepare(seqs, num_tokens)
-        out: list[int | None] = [None] * len(seqs)
-        is_decode = len(input_ids) == len(seqs)
-        if is_decode and self.use_graphs and len(seqs) <= self.max_graph_bs:
-            logits = self.replay_graph(input_ids, positions, slots, seq_lens, block_tables)  # every row's
-            if len(sample_idx) < len(seqs):
-                logits = logits[self._tensor(sample_idx, torch.int64)]
+    def launch(self, seqs: list[Sequence], num_tokens: list[int], prev: StepHandle | None = None) -> StepHandle:
+        """Enqueue one step; sequences whose next input the running step `prev` samples take it from there."""
+        x = self.prepare(seqs, num_tokens)
+        prev_sampled = None
+        if x.pending_seqs:
+            assert prev is not None and prev.sampled is not None, "a pending token needs the step that samples it"
+            x.pending_src = np.asarray([prev.rows[seqs[i].seq_id] for i in x.pending_seqs], dtype=np.int64)
+            prev_sampled = prev.sampled
+        handle = StepHandle(seqs, num_tokens, x.sample_idx)
+        if self.use_graphs and self.graphs is not None and self.graphs.fits(x):
+            logits = self.graphs.replay(x, self.staging, prev_sampled)  # every row's
+            if len(x.sample_idx) < len(seqs):
+                logits = logits[self.staging.put({"idx": np.asarray(x.sample_idx, dtype=np.int64)})["idx"]]
         else:
-            meta = AttentionMetadata(self._tensor(cu_q, torch.int32), self._tensor(seq_lens, torch.int32),
-                                     self._tensor(block_tables, torch.int32), self._tensor(slots, torch.int64),
-                                     max(n for n in num_tokens), max(seq_lens), is_decode=is_decode,
-                                     fresh_only=fresh_only)
-            set_context(meta)
-            hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64))
-            set_context(None)
-            if not sample_idx:
-                return out
-            logits = self.model.compute_logits(hidden[self._tensor(logits_rows, torch.int64)])
-        if not sample_idx:
+            dev = self.upload(x)
+            if prev_sampled is not None:
+                dev.input_ids[dev.pending_rows] = prev_sampled[dev.pending_src]
+            hidden = self.forward(dev)
+            if not x.sample_idx:
+                return handle
+            logits = self.model.compute_logits(hidden[dev.logits_rows])
+        if not x.sample_idx:
+            return handle
+        params = [seqs[i].sampling_params for i in x.sample_idx]
+        # the output index each row samples: its sequence's length after this step, minus the prompt
+        positions = [int(x.seq_lens[i]) - seqs[i].num_prompt_tokens for i in x.sample_idx]
+        batch = make_sampling_batch(params, positions, self.vocab_size, self.device)
+        handle.set_sampled(sample(logits, batch), {seqs[i].seq_id: r for r, i in enumerate(x.sample_idx)})
+        return handle
+
+    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int | None]:
+        """One step, waited for: the sampled token per sequence (None where a prefill chunk stops short)."""
+        return self.launch(seqs, num_tokens).tokens()
+
+
+_BACKEND_STEPS = {
+    "fa4": "prefill and mixed steps on flash-attn-4 (paged varlen), decode-only steps on our Triton kernel",
+    "triton": "every step on our Triton paged-attention kernel",
+    "flash_attn": "every step on flash-attn (FA2, paged)",
+    "torch": "every step on the torch reference path",
+}
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step. `sampled` stays on the device (the next step may read it); `tokens()` waits."""
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    sample_idx: list[int]
+    sampled: torch.Tensor | None = None  # int64 [S] on the device
+    rows: dict[int, int] | None = None  # seq_id -> row of sampled
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    info: tuple[float, bool] | None = None  # the scheduler's (schedule time, has prefill) of this step
+
+    def set_sampled(self, sampled: torch.Tensor, rows: dict[int, int]) -> None:
+        self.sampled, self.rows = sampled, rows
+        if sampled.device.type == "cuda":
+            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self.host.copy_(sampled, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = sampled
+
+    def tokens(self) -> list[int | None]:
+        out: list[int | None] = [None] * len(self.seqs)
+        if self.host is None:
             return out
-        params = [seqs[i].sampling_params for i in sample_idx]
-        batch = make_sampling_batch(params, [seqs[i].num_completion_tokens for i in sample_idx],
-                                    self.vocab_size, self.device)
-        for i, tok in zip(sample_idx, sample(logits, batch).tolist()):
+        if self.event is not None:
+            self.event.synchronize()
+        for i, tok in zip(self.sample_idx, self.host.tolist()):
             out[i] = tok
         return out
-
-    # ---- CUDA graphs for decode -----------------------------------------------------------------
-    @torch.inference_mode()
-    def capture_cudagraphs(self) -> None:
-        """One graph per bucketed batch size, LM head included. The step inputs live in two packed
-        buffers (int64: ids, positions, slots; int32: seq lens, block tables) filled from numpy
-        host mirrors with two copies per step."""
-        cfg = self.config
-        max_bs = min(cfg.max_num_seqs, 512)
-        self.graph_bs = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
-        self.max_graph_bs = max_bs
-        mb = self.max_blocks_per_seq
-        dev = self.device
-        self.g_i64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)
-        self.g_i32 = torch.zeros(max_bs * (1 + mb), dtype=torch.int32, device=dev)
-        self.h_i64 = np.zeros((3, max_bs), dtype=np.int64)  # host mirrors, copied with two H2D copies
-        self.h_i32 = np.zeros(max_bs * (1 + mb), dtype=np.int32)
-        g_ids, g_pos, g_slots = self.g_i64.view(3, max_bs)
-        g_seq_lens = self.g_i32[:max_bs]
-        g_tables = self.g_i32[max_bs:].view(max_bs, mb)
-        # kept on self: a graph holds raw pointers, so every tensor it reads must outlive the capture
-        self.g_cu_q = g_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.graph_out: dict[int, torch.Tensor] = {}
-        pool = None
-        for b in reversed(self.graph_bs):
-            meta = AttentionMetadata(g_cu_q[: b + 1], g_seq_lens[:b], g_tables[:b], g_slots[:b], 1,
-                                     cfg.max_model_len, is_decode=True)
-            set_context(meta)
-            self.g_i64.view(3, max_bs)[2].fill_(-1)
-            self.model.compute_logits(self.model(g_ids[:b], g_pos[:b]))  # warm up (Triton compile)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.graph_out[b] = self.model.compute_logits(self.model(g_ids[:b], g_pos[:b]))
-            pool = graph.pool()
-            self.graphs[b] = graph
-            set_context(None)
-        torch.cuda.synchronize()
-
-    def replay_graph(self, input_ids, positions, slots, seq_lens, block_tables) -> torch.Tensor:
-        n = len(input_ids)
-        b = next(x for x in self.graph_bs if x >= n)
-        max_bs, mb = self.max_graph_bs, self.max_blocks_per_seq
-        h64 = self.h_i64
-        h64[0, :n] = input_ids
-        h64[1, :n] = positions
-        h64[2, :n] = slots
-        h64[2, n:b] = -1  # padded rows store nothing
-        h32 = self.h_i32
-        h32[:n] = seq_lens
-        h32[n:b] = 0
-        width = len(block_tables[0])
-        h32[max_bs:].reshape(max_bs, mb)[:n, :width] = block_tables
-        self.g_i64.copy_(torch.from_numpy(h64).view(-1))
-        self.g_i32[: max_bs + b * mb].copy_(torch.from_numpy(h32[: max_bs + b * mb]))
-        self.graphs[b].replay()
-        return self.graph_out[b][:n]

@@ -28,13 +28,19 @@ def make_sampling_batch(params: list, positions: list[int], vocab_size: int,
         return SamplingBatch(None, None, None, [], True)
     top_ks = top_ps = None
     if any(p.top_k > 0 for p in params):
-        top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+        top_ks = _to_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
     if any(p.top_p < 1.0 for p in params):
-        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        top_ps = _to_device([p.top_p for p in params], torch.float32, device)
     seeds = [(i, (p.seed * 1_000_003 + pos) % (2**63)) for i, (p, pos) in enumerate(zip(params, positions))
              if p.seed is not None and p.temperature > 0]
-    return SamplingBatch(torch.tensor(temps, dtype=torch.float32, device=device), top_ks, top_ps, seeds,
-                         all_greedy)
+    return SamplingBatch(_to_device(temps, torch.float32, device), top_ks, top_ps, seeds, all_greedy)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A copy that does not wait for the device: from pinned memory (a pageable copy syncs the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,

@@ -12,8 +12,7 @@ import logging
 import torch
 
 from flame_llm.config import Config
-from flame_llm.engine.context import AttentionMetadata, set_context
-from flame_llm.engine.model_runner import ModelRunner, append_slots
+from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -87,28 +86,8 @@ class DraftRunner:
             todo = rest
 
     def _forward(self, batch: list[tuple[Sequence, int, int]]) -> None:
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q = [0]
-        seq_lens: list[int] = []
-        for seq, start, end in batch:
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            assert len(table) * bs >= end, "the block table covers every position the draft writes"
-            append_slots(slots, table, start, end, bs)
-            cu_q.append(len(ids))
-            seq_lens.append(end)
-        width = max(len(s.block_table) for s, _, _ in batch)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _, _ in batch]
-        t = self.runner._tensor
-        meta = AttentionMetadata(t(cu_q, torch.int32), t(seq_lens, torch.int32), t(tables, torch.int32),
-                                 t(slots, torch.int64), max(e - a for _, a, e in batch), max(seq_lens),
-                                 is_decode=len(ids) == len(batch), fresh_only=all(a == 0 for _, a, _ in batch))
-        set_context(meta)
-        try:
-            self.model(t(ids, torch.int64), t(positions, torch.int64))
-        finally:
-            set_context(None)
+        seqs = [s for s, _, _ in batch]
+        assert all(len(s.block_table) * self.block_size >= e for s, _, e in batch), \
+            "the block table covers every position the draft writes"
+        x = self.runner.prepare(seqs, [e - a for _, a, e in batch], starts=[a for _, a, _ in batch])
+        self.runner.forward(self.runner.upload(x))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flame_llm.engine.context import AttentionMetadata, set_context
@@ -143,7 +144,7 @@ class SpecRunner:
         host = [[s.num_tokens - 1, s.token_ids[-2], s.token_ids[-1], *s.block_table, *pad[len(s.block_table):]]
                 for s in seqs]
         host += [[k + 1, 0, 0, *pad]] * (b - num)  # padded rows: small valid positions, slots -1 below
-        packed = self.target._tensor(host, torch.int64)
+        packed = self.target.staging.put({"p": np.asarray(host, dtype=np.int64)})["p"]
         base, tokens = packed[:, 0], packed[:, 1:3]
         self.block_tables[:b].copy_(packed[:, 3:])
         pos = base[:, None] + self.offsets  # [b, K+2]
