@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from transformers import AutoConfig, PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+ATTENTION_BACKENDS = ("auto", "fa4", "triton", "flash_attn", "torch")
 FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen")
 
 
@@ -46,10 +47,15 @@ class Config:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     fused_ops: bool = True  # Triton RMSNorm(+residual), RoPE and SiLU-mul on CUDA; torch ops elsewhere
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "flash_attn"
+    # "auto": on CUDA, flash-attn-4 for steps with prefill tokens when it imports on SM90+ (decode-only steps
+    # on our Triton kernel), else ours for every step; torch on CPU. Or "fa4" | "triton" | "flash_attn" | "torch"
+    attention_backend: str = "auto"
     # fresh-only prefill steps on the triton backend: our kernel, or torch SDPA ("sdpa": cuDNN on the H200,
     # 513 vs 407 TFLOP/s for dense 8K causal) on the fresh K/V; SDPA may build a plan per new length
     fresh_prefill_backend: str = "triton"
+    # launch step N+1 before reading step N's tokens, so the host prepares a step while the GPU runs the last
+    # one. None: on with CUDA (off on CPU, where nothing overlaps, and with speculative decoding)
+    async_scheduling: bool | None = None
     # scheduler / cache features: each off reproduces the original two-phase scheduler exactly
     enable_chunked_prefill: bool = False
     enable_lru: bool = False
@@ -72,8 +78,8 @@ class Config:
         _check(self.load_format in ("auto", "dummy"), "load_format", "one of 'auto', 'dummy'", self.load_format)
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                "one of 'auto', 'float32', 'bfloat16', 'float16'", self.dtype)
-        _check(self.attention_backend in ("auto", "torch", "triton", "flash_attn"), "attention_backend",
-               "one of 'auto', 'torch', 'triton', 'flash_attn'", self.attention_backend)
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}",
+               self.attention_backend)
         _check(self.fresh_prefill_backend in FRESH_PREFILL_BACKENDS, "fresh_prefill_backend",
                f"one of {FRESH_PREFILL_BACKENDS}", self.fresh_prefill_backend)
         _check(self.block_size >= 16 and self.block_size % 16 == 0, "block_size",
@@ -83,6 +89,8 @@ class Config:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]",
                self.gpu_memory_utilization)
         _check(self.num_speculative_tokens >= 0, "num_speculative_tokens", ">= 0", self.num_speculative_tokens)
+        _check(not (self.async_scheduling and (self.speculative_model or self.num_speculative_tokens)),
+               "async_scheduling", "off (None or False) with speculative decoding", self.async_scheduling)
         _check(self.cache_aware_window >= 1, "cache_aware_window", ">= 1", self.cache_aware_window)
         max_pos = getattr(self.hf_config, "max_position_embeddings", self.max_model_len)
         self.max_model_len = min(self.max_model_len, max_pos)

@@ -91,7 +91,7 @@ def test_failed_step_loop_is_reported(tiny_llama):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    eng.engine.model_runner.run = broken
+    eng.engine.model_runner.launch = broken
 
     async def main():
         await eng.generate([1, 2], SamplingParams(max_tokens=2))

@@ -171,8 +171,9 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def publish(self, seq: Sequence) -> None:
-        """Register the hashes of seq's full blocks whose K/V are now written."""
-        full = seq.num_computed_tokens // self.block_size
+        """Register the hashes of seq's full blocks whose K/V are written (or enqueued to be, by a step
+        ahead of any that could read them) and whose token ids are all known."""
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_published_blocks:
             return
         h = seq.last_block_hash

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
-from flame_llm.engine.model_runner import ModelRunner
+from flame_llm.engine.model_runner import ModelRunner, StepHandle
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.outputs import RequestOutput
@@ -35,6 +35,12 @@ class LLMEngine:
             self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler)
         self._tokenizer = None
         self.vocab_size = config.hf_config.vocab_size
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.model_runner.device.type == "cuda" and self.spec is None
+        self._inflight: StepHandle | None = None  # the launched step whose tokens are not read yet
+        logger.info("scheduling: %s", "asynchronous (step N+1 launched before step N's tokens are read)"
+                    if self.async_scheduling else "synchronous")
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -91,24 +97,36 @@ class LLMEngine:
         return seq
 
     def step(self) -> tuple[list[Sequence], int]:
+        """Schedule and launch a step, then finish one: this one (synchronous) or the one launched before
+        it (asynchronous). Returns the finished sequences and the tokens launched."""
         if self.spec is not None:
             return self.spec.step()
-        seqs, num_tokens = self.scheduler.schedule()
-        if not seqs:
-            return [], 0
-        token_ids = self.model_runner.run(seqs, num_tokens)
-        finished = self.scheduler.postprocess(seqs, num_tokens, token_ids)
+        sched = self.scheduler
+        seqs, num_tokens = sched.schedule()
+        handle = None
+        if seqs:
+            handle = self.model_runner.launch(seqs, num_tokens, self._inflight)
+            handle.info = sched.step_info()
+            sched.launched(seqs, num_tokens)
+        if self.async_scheduling:
+            done, self._inflight = self._inflight, handle
+        else:
+            done = handle
+        finished = sched.complete(done.seqs, done.tokens(), done.info) if done is not None else []
+        sched.release_retired()
         return finished, sum(num_tokens)
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self._inflight is None and self.scheduler.is_finished()
 
     def stats(self) -> dict:
-        return {**self.scheduler.stats(), "attention_backend": self.model_runner.backend,
-                "cuda_graphs": self.model_runner.use_graphs, **(self.spec.stats() if self.spec else {})}
+        runner = self.model_runner
+        return {**self.scheduler.stats(), "attention_backend": runner.backend, "cuda_graphs": runner.use_graphs,
+                "async_scheduling": self.async_scheduling, "attention_jit_compiles": runner.attention_jit_compiles(),
+                **(self.spec.stats() if self.spec else {})}
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None

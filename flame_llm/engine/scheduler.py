@@ -24,6 +24,16 @@ partially prefilled one, or one admitted earlier in this step) is passed over fo
 behind it may go instead. It waits at most until that sequence's prompt is written (or it is
 preempted), then hits the published blocks. Only the first cache_aware_window waiting requests are
 considered when some are passed over.
+
+Asynchronous scheduling (the engine's async_scheduling): the engine launches step N+1 before it reads
+step N's tokens. `launched` advances num_computed_tokens and publishes blocks when a step is enqueued
+(steps run in order on one stream, so a later step reads what an earlier one wrote), counts the token
+each sampling sequence is waiting for (num_pending_tokens), and retires a sequence whose pending token
+surely ends it (max_tokens, max_model_len) so it takes no seat in the next step; its blocks are freed as
+soon as every token it fed is known (release_retired). `complete` appends the tokens once read. For
+workloads that stop only by length this reproduces the synchronous schedule step for step; a token
+that turns out to be a stop token ends its sequence one step late (that step's token is dropped).
+`postprocess` = launched + complete + release_retired: the synchronous step.
 """
 from __future__ import annotations
 
@@ -52,6 +62,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.retired: list[Sequence] = []  # sure to finish with their pending token; blocks not yet freed
         self._window: list[Sequence] = []  # LPM: a prefix of waiting, ranked by _window_cached
         self._window_cached: list[int] = []
         self._step_start = 0.0
@@ -71,7 +82,7 @@ class Scheduler:
         self.block_manager.reset_stats()
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.retired
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -135,9 +146,9 @@ class Scheduler:
             seq = self.running.popleft()
             if self._make_room(seq, lambda s: bm.num_appendable_tokens(s) >= 1):
                 room = bm.num_appendable_tokens(seq)
-                remaining = seq.num_tokens - seq.num_computed_tokens
+                remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
                 n = min(remaining, budget, room)
-                if remaining > 1 or seq.num_completion_tokens == 0:
+                if remaining > 1 or seq.num_completion_tokens + seq.num_pending_tokens == 0:
                     num_prefill += n
                 bm.append_slots(seq, n)
                 scheduled.append(seq)
@@ -219,6 +230,9 @@ class Scheduler:
 
     def _admit(self, i: int) -> None:
         seq = self.waiting[i]
+        # only a sequence preempted in this very schedule call can still wait for a token, and neither
+        # policy admits in the call that preempted
+        assert seq.num_pending_tokens == 0
         del self.waiting[i]
         if self.cache_aware:  # the window is a prefix of waiting: index i is the same request
             for passed in self._window[:i]:
@@ -227,6 +241,10 @@ class Scheduler:
         seq.schedule_skips = 0
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def step_info(self) -> tuple[float, bool]:
+        """(schedule time, has prefill) of the step schedule() just returned, for complete()'s accounting."""
+        return self._step_start, self._step_has_prefill
 
     def _count_step(self, num_prefill: int, num_decode: int) -> None:
         self._step_has_prefill = num_prefill > 0
@@ -256,23 +274,64 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], num_tokens: list[int],
                     token_ids: list[int | None]) -> list[Sequence]:
-        """Advance computed counts, publish written blocks, append sampled tokens; return finished."""
+        """The synchronous step's bookkeeping: launched, complete, release_retired; returns finished."""
+        info = self.step_info()
+        self.launched(seqs, num_tokens)
+        finished = self.complete(seqs, token_ids, info)
+        self.release_retired()
+        return finished
+
+    def launched(self, seqs: list[Sequence], num_tokens: list[int]) -> None:
+        """A step computing num_tokens positions of each seq is enqueued: advance, publish, count pending."""
+        bm = self.block_manager
+        for seq, n in zip(seqs, num_tokens):
+            seq.num_computed_tokens += n
+            bm.publish(seq)
+            if seq.num_computed_tokens >= seq.num_tokens:  # the segment reaches the end: it samples
+                seq.num_pending_tokens += 1
+                if self._ends_by_length(seq):
+                    self.running.remove(seq)
+                    self.retired.append(seq)
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        n = seq.num_pending_tokens
+        return seq.num_completion_tokens + n >= seq.max_tokens or seq.num_tokens + n >= self.max_model_len
+
+    def complete(self, seqs: list[Sequence], token_ids: list[int | None],
+                 info: tuple[float, bool] | None = None) -> list[Sequence]:
+        """Append the sampled tokens of a launched step; return the sequences that finished."""
         finished = []
         now = time.perf_counter()
-        if self._step_has_prefill:
-            self.prefill_time_s += now - self._step_start
+        start, has_prefill = info if info is not None else self.step_info()
+        if has_prefill:
+            self.prefill_time_s += now - start
         else:
-            self.decode_time_s += now - self._step_start
-        for seq, n, token_id in zip(seqs, num_tokens, token_ids):
-            seq.num_computed_tokens += n
-            self.block_manager.publish(seq)
-            if token_id is None:  # a prefill chunk that does not reach the end of the sequence
-                continue
+            self.decode_time_s += now - start
+        for seq, token_id in zip(seqs, token_ids):
+            if token_id is None or seq.status == SequenceStatus.FINISHED:
+                continue  # a chunk short of the end, or a sequence that stopped (or was aborted) meanwhile
+            seq.num_pending_tokens -= 1
             reason = self.append_token(seq, token_id, now)
+            self.block_manager.publish(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def release_retired(self) -> None:
+        """Free the blocks of retired sequences whose fed tokens are all known (only the last is pending)."""
+        if not self.retired:
+            return
+        keep = []
+        for seq in self.retired:
+            if seq.status == SequenceStatus.FINISHED:
+                continue
+            if seq.num_pending_tokens > 1:
+                keep.append(seq)
+                continue
+            self.block_manager.publish(seq)
+            self.block_manager.deallocate(seq)
+        self.retired = keep
 
     def append_token(self, seq: Sequence, token_id: int, now: float) -> str | None:
         """Append a sampled token with its time; the stop reason it triggers, if any."""
@@ -295,8 +354,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
+        seq.num_pending_tokens = 0  # a token still being sampled for it is dropped when read
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its token was pending (asynchronous scheduling)
+            self.waiting.remove(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.waiting, self.running):

@@ -32,6 +32,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
+        # tokens a launched step is sampling that are not appended yet (asynchronous scheduling: at most 2,
+        # between launching step N+1 and reading step N's tokens)
+        self.num_pending_tokens = 0
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_published_blocks = 0  # leading blocks whose hashes are in the prefix cache
