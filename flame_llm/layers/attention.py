@@ -18,7 +18,10 @@ def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
     if name == "flash_attn":
         from flame_llm.kernels.flash_backend import flash_attention_forward
         return flash_attention_forward
-    raise ValueError(f"attention_backend {name!r} is not one of 'torch', 'triton', 'flash_attn'")
+    if name == "fa4":
+        from flame_llm.kernels.fa4_backend import fa4_attention_forward
+        return fa4_attention_forward
+    raise ValueError(f"attention_backend {name!r} is not one of 'torch', 'triton', 'flash_attn', 'fa4'")
 
 
 class Attention(nn.Module):

@@ -1,0 +1,131 @@
+"""Prefill attention through flash-attn-4 (FlashAttention for Hopper and Blackwell, written in the CuTe
+DSL, `pip install flash-attn-4`) reading the paged cache directly; decode-only steps stay on our Triton
+kernel, which is faster there (4.44 vs 4.07 TB/s at 64 x 8K on the H200) and is captured in CUDA graphs.
+
+Every step with prefill tokens (fresh prompts, chunks, prefix hits, mixed steps with decodes) is one
+`flash_attn_varlen_func` call: q segments by cu_seqlens_q, keys by seqused_k through the block table,
+causal aligned to each segment's end. FA4 compiles a kernel variant the first time it meets a shape
+class (split-KV or not, one query tile per sequence or more, ...), about 3 s each; `warmup` runs every
+class the engine's limits allow at startup, and `jit_compiles()` counts the variants compiled since, so
+a compile inside a measured burst shows in the engine's stats."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from flame_llm.engine.context import AttentionMetadata
+from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv
+
+logger = logging.getLogger(__name__)
+MIN_CAPABILITY = (9, 0)  # Hopper and newer: the kernels FA4 was measured with on this project
+
+
+@functools.cache
+def _varlen_fn():
+    """flash_attn.cute.flash_attn_varlen_func, or the exception importing it raised."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except Exception as e:  # ImportError, or the CUTLASS DSL failing to load its libraries
+        return e
+
+
+def fa4_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA4 cannot serve this engine (None when it can)."""
+    if device.type != "cuda":
+        return f"device is {device.type}, not CUDA"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return f"compute capability {cap[0]}.{cap[1]} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (FA4 takes bfloat16 or float16)"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} (FA4 takes multiples of 8 up to 256)"
+    fn = _varlen_fn()
+    if isinstance(fn, Exception):
+        return f"flash_attn.cute does not import: {type(fn).__name__}: {fn}"
+    return None
+
+
+def _compile_cache_size() -> int:
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+        return len(_flash_attn_fwd.compile_cache)
+    except Exception:  # another FA4 version keeps its cache elsewhere: count nothing rather than fail
+        return 0
+
+
+_compiles_at_warmup: int | None = None
+
+
+def jit_compiles() -> int:
+    """FA4 kernel variants compiled since the last warmup (0 before any warmup)."""
+    return 0 if _compiles_at_warmup is None else _compile_cache_size() - _compiles_at_warmup
+
+
+def fa4_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """Attention of q [T, H, D] (segments by meta.cu_seqlens_q) over the paged cache (no store)."""
+    out = _varlen_fn()(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
+                       max_seqlen_k=meta.max_seqlen_k, seqused_k=meta.seq_lens, page_table=meta.block_tables,
+                       softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Same contract as triton_attention_forward: store k/v at meta.slot_mapping, return [T, H, D]."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode:
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return fa4_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                  block_size: int) -> list[tuple[list[int], list[int]]]:
+    """(query lengths, key lengths) of steps covering the shape classes FA4 specializes on within the
+    engine's limits: one or many sequences, short or long queries, none or many cached keys."""
+    long_k = max_model_len - 1
+    cases = []
+    for b in sorted({1, 2, 4, 8, 16, 32, max_num_seqs}):
+        if b > max_num_seqs:
+            continue
+        for q_len in (1, 8, 16, 32, 64, 128, 512, 2048, max_num_batched_tokens):
+            q_tot = b * q_len
+            if q_tot > max_num_batched_tokens or q_len >= max_model_len:
+                continue
+            for cached in sorted({0, block_size, 4 * block_size, long_k - q_len}):
+                if 0 <= cached and cached + q_len <= max_model_len:
+                    cases.append(([q_len] * b, [cached + q_len] * b))
+        # a mixed step: decodes beside one prefill chunk
+        if b > 1:
+            chunk = min(max_num_batched_tokens - (b - 1), max_model_len - 1)
+            cases.append(([1] * (b - 1) + [chunk], [long_k] * (b - 1) + [chunk]))
+    return cases
+
+
+@torch.inference_mode()
+def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, max_num_seqs: int,
+           max_num_batched_tokens: int, max_model_len: int) -> int:
+    """Compile every FA4 variant the engine's limits can reach (reads the cache, writes nothing to it);
+    returns how many were compiled. jit_compiles() counts from here."""
+    global _compiles_at_warmup
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    dev = k_cache.device
+    before = _compile_cache_size()
+    for q_lens, k_lens in warmup_shapes(max_num_seqs, max_num_batched_tokens, max_model_len, block_size):
+        width = -(-max(k_lens) // block_size)
+        if width > num_blocks:
+            continue
+        q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=k_cache.dtype, device=dev)
+        cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        tables = torch.arange(width, dtype=torch.int32, device=dev).repeat(len(q_lens), 1)
+        meta = AttentionMetadata(cu_q, torch.tensor(k_lens, dtype=torch.int32, device=dev), tables,
+                                 torch.empty(0, dtype=torch.int64, device=dev), max(q_lens), max(k_lens))
+        fa4_paged_attention(q, k_cache, v_cache, meta, scale)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    _compiles_at_warmup = _compile_cache_size()
+    return _compiles_at_warmup - before
