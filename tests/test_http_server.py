@@ -80,6 +80,9 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
 @pytest.mark.parametrize("body,param,words", [
     ({"max_tokens": 4}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
     ({"prompt": [1, -2]}, "prompt", "field 'prompt'"),
+    ({"prompt": [1, True, 3]}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
+    ({"prompt": [1, 2.5]}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
+    ({"prompt": [[1, 2], [3, False]]}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
     ({"prompt": [[1, 2], "x", 3]}, "prompt", "field 'prompt'"),
     ({"prompt": [1, 100000]}, "prompt", "vocab_size=512"),
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer >= 1"),
