@@ -1,16 +1,48 @@
 #!/usr/bin/env bash
 # One device call = one stage (the device tool's command line is short). From the repo root there:
-#   bash bench/device_run.sh STAGE
-# Unpacks .device/site.tar.xz (Ray, zstandard; built by ../shared/tools/device-bundle) and writes
-# logs and JSON under $OUT.
+#   bash bench/device_run.sh take K        (the first calls: move chunk .bundleK aside; see device_bundles.sh)
+#   bash bench/device_run.sh STAGE [ARGS]  (unpacks the chunks once, then runs STAGE)
+# Packages: flash-attn-4 (/tmp/fa4/site), vLLM (/tmp/vsite/site, for vllm replicas only), wheels such as
+# zstandard (/tmp/wheels), and Ray when a call carries .device/site.tar.xz (/tmp/site; flame needs it, HTTP
+# systems do not). Logs and JSON go to $OUT.
 set -uo pipefail
-tar -xJf .device/site.tar.xz -C /tmp || exit 1
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 stage=${1:?stage}
 shift
+if [[ $stage == take ]]; then
+  mkdir -p /tmp/chunks && mv .bundle"$1"/* /tmp/chunks/ && ls -l /tmp/chunks
+  nvidia-smi --query-gpu=index,uuid,name,memory.total,clocks.sm --format=csv,noheader
+  exit 0
+fi
+unbundle() {  # reassemble the chunks into the archives of MANIFEST, check them, unpack in parallel
+  [[ -f /tmp/unbundled ]] && return 0
+  [[ -f /tmp/chunks/MANIFEST ]] || return 0
+  cat $(ls /tmp/chunks/chunk_* | sort) > /tmp/all.bin || return 1
+  local off=0 name size sha
+  while read -r name size sha; do
+    tail -c +$((off + 1)) /tmp/all.bin | head -c "$size" > "/tmp/$name"
+    [[ $(sha256sum < "/tmp/$name" | cut -d' ' -f1) == "$sha" ]] || { echo "checksum mismatch: $name"; return 1; }
+    off=$((off + size))
+  done < /tmp/chunks/MANIFEST
+  rm -f /tmp/all.bin
+  mkdir -p /tmp/fa4 /tmp/vsite
+  [[ -f /tmp/fa4.tar.xz ]] && (xz -d -T0 < /tmp/fa4.tar.xz | tar -xf - -C /tmp/fa4) &
+  [[ -f /tmp/vllm.tar.xz ]] && (xz -d -T0 < /tmp/vllm.tar.xz | tar -xf - -C /tmp/vsite) &
+  for w in /tmp/*.whl; do [[ -f $w ]] && python3 -m zipfile -e "$w" /tmp/wheels; done
+  wait
+  touch /tmp/unbundled
+}
+t0=$(date +%s)
+unbundle || exit 1
+if [[ ! -d /tmp/site && -f .device/site.tar.xz ]]; then tar -xJf .device/site.tar.xz -C /tmp || exit 1; fi
+echo "unpacked in $(( $(date +%s) - t0 )) s"
+export PYTHONPATH=$PWD:/tmp/site:/tmp/wheels:/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_ADDRESS=
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
+VLLM=(--vllm-bin /tmp/vsite/site/bin/vllm --vllm-pythonpath /tmp/vsite/site)
+nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+python3 -c 'from flash_attn.cute import flash_attn_varlen_func; print("flash-attn-4 imports")' 2>&1 | tail -1
 case $stage in
   smoke)
     python3 -m pytest tests/test_gpu_engine.py tests/test_fused_kernels.py tests/test_triton_attention.py -q -x \
@@ -32,14 +64,34 @@ case $stage in
       timeout 70 python3 -m bench.scenarios --scenario $s --out "$OUT/scen_$s.json" > "$OUT/scen_$s.log" 2>&1
       tail -8 "$OUT/scen_$s.log"
     done ;;
-  pairs)  # issue 6/7 on nvidia-h200-x2, e.g. `pairs --systems flame,engine --traces reuse --pairs 2`
+  pairs)  # e.g. `pairs --systems flame,engine --traces reuse --pairs 2` (vLLM flags added)
     export RAY_ADDRESS=
     timeout 120 python3 -m pytest tests/test_gpu_service.py -q -x 2>&1 | tail -8  # pinning + service on the GPUs
-    timeout 440 python3 -m bench.pairs "$@" --out /tmp/r 2>&1 | grep -v -e INFO -e WARNING | tail -40
+    timeout 440 python3 -m bench.pairs "${VLLM[@]}" "$@" --out /tmp/r 2>&1 | grep -v -e INFO -e WARNING | tail -40
     tar czf "$OUT/pairs.tgz" -C /tmp r ;;
   kernels)
     timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -60 ;;
   engine)
     timeout 540 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
+  check)  # issue 11: the new backend and scheduling on the GPU, then the decode figures
+    timeout 300 python3 -m pytest tests/test_gpu_fa4.py tests/test_gpu_engine.py tests/test_fused_kernels.py -q -x \
+      2>&1 | tail -25 | tee "$OUT/check.log"
+    timeout 240 python3 -m bench.gpu_engine --out "$OUT/decode.json" --parts decode > "$OUT/decode.log" 2>&1
+    grep -v INFO "$OUT/decode.log" | tail -12 ;;
+  split)  # e.g. `split --systems engine --traces reuse`: the kernel split and offline req/s
+    timeout 560 python3 -m bench.kernel_split --out "$OUT/split.json" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -40 ;;
+  burst)  # one trace's pairs in one call, e.g. `burst reuse engine,vllm,flame`; SPLIT=1 first runs the
+    # offline engine on the same trace (kernel split + the offline req/s that serve-http is held to)
+    trace=$1 systems=$2
+    shift 2
+    if [[ ${SPLIT:-0} == 1 ]]; then
+      timeout 200 python3 -m bench.kernel_split --systems engine --traces "$trace" --out "$OUT/split-$trace.json" \
+        2>&1 | grep -v -e INFO -e WARNING | tail -12
+    fi
+    timeout ${PAIRS_TIMEOUT:-540} python3 -m bench.pairs --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" \
+      --out /tmp/r "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -30
+    tar czf "$OUT/pairs-$trace.tgz" -C /tmp r ;;
+  sleep)  # hold the warm machine (and its unpacked /tmp) while a fix is made here
+    sleep "${1:-60}" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

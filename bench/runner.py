@@ -244,14 +244,15 @@ def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position:
 
 @contextlib.contextmanager
 def local_ray_scope():
-    """Shut down a Ray that a flame run started locally (never one this process was already attached to)."""
-    import ray
-
-    attached = ray.is_initialized()
+    """Shut down a Ray that a flame run started locally (never one this process was already attached to).
+    Ray is not imported here: runs of HTTP systems alone need no Ray."""
+    ray = sys.modules.get("ray")
+    attached = ray is not None and ray.is_initialized()
     try:
         yield
     finally:
-        if not attached and ray.is_initialized():
+        ray = sys.modules.get("ray")
+        if ray is not None and not attached and ray.is_initialized():
             ray.shutdown()
 
 

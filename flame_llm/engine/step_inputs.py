@@ -104,7 +104,7 @@ class Staging:
     synchronizes the stream, which would stall asynchronous scheduling). A ring of them, each guarded
     by an event, so the host never rewrites one whose copy is still queued."""
 
-    RING = 3
+    RING = 8
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

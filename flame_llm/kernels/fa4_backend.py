@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -25,6 +26,9 @@ MIN_CAPABILITY = (9, 0)  # Hopper and newer: the kernels FA4 was measured with o
 @functools.cache
 def _varlen_fn():
     """flash_attn.cute.flash_attn_varlen_func, or the exception importing it raised."""
+    # compiled kernels also go to FA4's disk cache, so a second engine process on the machine loads them
+    # instead of compiling again (~3 s each); read at import, so set before it (a user's setting wins)
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     try:
         from flash_attn.cute import flash_attn_varlen_func
         return flash_attn_varlen_func
@@ -50,18 +54,19 @@ def fa4_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
 
 
 def _compile_cache_size() -> int:
-    try:
-        from flash_attn.cute.interface import _flash_attn_fwd
-        return len(_flash_attn_fwd.compile_cache)
-    except Exception:  # another FA4 version keeps its cache elsewhere: count nothing rather than fail
-        return 0
+    """Kernel variants FA4 holds in memory (compiled here, or loaded from its disk cache)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    cache = _flash_attn_fwd.compile_cache
+    return len(getattr(cache, "cache", cache))  # a JITCache wraps its dict
 
 
 _compiles_at_warmup: int | None = None
 
 
 def jit_compiles() -> int:
-    """FA4 kernel variants compiled since the last warmup (0 before any warmup)."""
+    """FA4 kernel variants first used since the last warmup (each a JIT compile, or a load from FA4's disk
+    cache); 0 before any warmup."""
     return 0 if _compiles_at_warmup is None else _compile_cache_size() - _compiles_at_warmup
 
 

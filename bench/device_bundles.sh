@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Packs the GPU machine's missing packages (built by ../shared/tools: fa4-bundle -> .fa4/part_*, vllm-bundle
+# -> .vllm/part_*, plus wheels in .whl/, e.g. zstandard) into as few device calls as the 64 MiB limit
+# allows: the archives are concatenated and cut into .bundle0/, .bundle1/, ... (one chunk each), with a
+# MANIFEST (name, bytes, sha256 of each archive) in the last. Ray (device-bundle -> .device/site.tar.xz,
+# 47 MB) travels on its own, with the call that runs flame (carry .device). Each call carries one folder;
+# `bash bench/device_run.sh take K` moves chunk K aside on the machine, and the first other stage
+# reassembles, checks and unpacks them (a warm machine keeps /tmp between calls).
+#
+# usage: bash bench/device_bundles.sh [chunk MB, default 60]   (from the repo root, after the bundles exist)
+set -euo pipefail
+mb=${1:-60}
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+names=()
+if [[ -f .fa4/part_00 ]]; then cat .fa4/part_* > "$work/fa4.tar.xz"; names+=(fa4.tar.xz); fi
+if [[ -f .vllm/part_00 ]]; then cat .vllm/part_* > "$work/vllm.tar.xz"; names+=(vllm.tar.xz); fi
+for w in .whl/*.whl; do [[ -f $w ]] && cp "$w" "$work/" && names+=("$(basename "$w")"); done
+(( ${#names[@]} )) || { echo "no bundles found (.fa4, .vllm, .whl)"; exit 1; }
+: > "$work/MANIFEST"
+for n in "${names[@]}"; do
+  echo "$n $(stat -c %s "$work/$n") $(sha256sum < "$work/$n" | cut -d' ' -f1)" >> "$work/MANIFEST"
+done
+for n in "${names[@]}"; do cat "$work/$n"; done | split -b "${mb}000000" -d -a 1 - "$work/chunk_"
+rm -rf .bundle[0-9]
+k=0
+for c in "$work"/chunk_*; do
+  mkdir -p ".bundle$k" && mv "$c" ".bundle$k/"
+  grep -qxF "/.bundle$k/" .git/info/exclude 2>/dev/null || echo "/.bundle$k/" >> .git/info/exclude
+  k=$((k + 1))
+done
+cp "$work/MANIFEST" ".bundle$((k - 1))/"
+cat ".bundle$((k - 1))/MANIFEST"
+ls -l .bundle*/
