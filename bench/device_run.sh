@@ -74,10 +74,20 @@ case $stage in
   engine)
     timeout 540 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
   check)  # issue 11: the new backend and scheduling on the GPU, then the decode figures
-    timeout 300 python3 -m pytest tests/test_gpu_fa4.py tests/test_gpu_engine.py tests/test_fused_kernels.py -q -x \
-      2>&1 | tail -25 | tee "$OUT/check.log"
+    timeout 300 python3 -m pytest tests/test_gpu_fa4.py tests/test_gpu_engine.py tests/test_fused_kernels.py -q \
+      -p no:warnings > "$OUT/check.log" 2>&1
+    grep -E "passed|failed|Error|assert|^E " "$OUT/check.log" | tail -30
     timeout 240 python3 -m bench.gpu_engine --out "$OUT/decode.json" --parts decode > "$OUT/decode.log" 2>&1
-    grep -v INFO "$OUT/decode.log" | tail -12 ;;
+    grep -v INFO "$OUT/decode.log" | grep -E "decode|tok_per_s|error|Error" | tail -8 ;;
+  ab)  # e.g. `ab reuse '{}' '{"block_size": 128}'`: the offline split of one trace per engine config
+    trace=$1
+    shift
+    k=0
+    for cfg in "$@"; do
+      timeout 200 python3 -m bench.kernel_split --systems engine --traces "$trace" --warmup-rounds 1 \
+        --engine-json "$cfg" --label "$cfg" --out "$OUT/ab$k-$trace.json" 2>&1 | grep -E "^engine|\|" | tail -9
+      k=$((k + 1))
+    done ;;
   split)  # e.g. `split --systems engine --traces reuse`: the kernel split and offline req/s
     timeout 560 python3 -m bench.kernel_split --out "$OUT/split.json" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -40 ;;
   burst)  # one trace's pairs in one call, e.g. `burst reuse engine,vllm,flame`; SPLIT=1 first runs the

@@ -3,7 +3,8 @@ or small scale (the tiny test model on CPU).
 
 Each scenario names its engine limits (capacity set by an explicit KV block count) and its variants:
 one engine flag flipped against the original scheduler, except `prefix`, which flips the workload
-(unique vs shared system prefix) on one engine, then the prefix-dedup flag on the shared workload.
+(unique vs shared system prefix) on one engine, then the prefix-dedup flag and same-step sharing on the
+shared workload.
 Token ids are drawn uniformly from [TOKEN_LOW, vocab).
 """
 from __future__ import annotations
@@ -72,9 +73,13 @@ SIZES = {
 
 VARIANTS = {
     "starvation": [Variant("baseline"), Variant("chunked", dict(enable_chunked_prefill=True))],
-    "prefix": [Variant("unique", workload="unique"), Variant("shared", workload="shared"),
+    "prefix": [Variant("unique", dict(enable_same_step_prefix_sharing=False), workload="unique"),
+               Variant("shared", dict(enable_same_step_prefix_sharing=False), workload="shared"),
                # the shared workload again, followers waiting for the in-flight prefix instead of recomputing it
-               Variant("shared-dedup", dict(enable_prefix_dedup=True), workload="shared")],
+               Variant("shared-dedup", dict(enable_prefix_dedup=True, enable_same_step_prefix_sharing=False),
+                       workload="shared"),
+               # ... or sharing the prefix blocks from the step that computes them (the engine's default)
+               Variant("shared-same-step", dict(enable_same_step_prefix_sharing=True), workload="shared")],
     "lru_pressure": [Variant("fifo"), Variant("lru", dict(enable_lru=True))],
     "cache_aware": [Variant("fifo"), Variant("lpm", dict(enable_cache_aware_schedule=True)),
                     # a wider window and looser aging: more hits, a weaker fairness bound (module doc)

@@ -50,6 +50,9 @@ class Config:
     # "auto": on CUDA, flash-attn-4 for steps with prefill tokens when it imports on SM90+ (decode-only steps
     # on our Triton kernel), else ours for every step; torch on CPU. Or "fa4" | "triton" | "flash_attn" | "torch"
     attention_backend: str = "auto"
+    # fa4 backend: a mixed step's single-token (decode) rows go to our Triton decode kernel ("triton") or stay
+    # in FA4's varlen call with the prefill rows ("fa4")
+    mixed_decode_attention: str = "triton"
     # fresh-only prefill steps on the triton backend: our kernel, or torch SDPA ("sdpa": cuDNN on the H200,
     # 513 vs 407 TFLOP/s for dense 8K causal) on the fresh K/V; SDPA may build a plan per new length
     fresh_prefill_backend: str = "triton"
@@ -64,6 +67,9 @@ class Config:
     cache_aware_max_skips: int = 16  # aging: a request passed over this many times goes first
     # a waiting request whose next uncached block a running sequence is computing waits for it
     enable_prefix_dedup: bool = False
+    # blocks become prefix-cache hits when the step that computes them is scheduled, so a request admitted in
+    # the same step shares them instead of computing them again (off: only after that step ran)
+    enable_same_step_prefix_sharing: bool = True
     # speculative decoding
     speculative_model: str | None = None
     num_speculative_tokens: int = 0
@@ -80,6 +86,8 @@ class Config:
                "one of 'auto', 'float32', 'bfloat16', 'float16'", self.dtype)
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"one of {ATTENTION_BACKENDS}",
                self.attention_backend)
+        _check(self.mixed_decode_attention in ("triton", "fa4"), "mixed_decode_attention", "'triton' or 'fa4'",
+               self.mixed_decode_attention)
         _check(self.fresh_prefill_backend in FRESH_PREFILL_BACKENDS, "fresh_prefill_backend",
                f"one of {FRESH_PREFILL_BACKENDS}", self.fresh_prefill_backend)
         _check(self.block_size >= 16 and self.block_size % 16 == 0, "block_size",

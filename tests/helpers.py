@@ -137,8 +137,9 @@ def expected_outputs(workload, max_model_len: int) -> list[list[int]]:
 
 
 def make_scheduler(model: str, num_blocks: int = 24, cls: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
+    # the recorded schedules predate same-step prefix sharing: tests that want it say so
     kwargs = dict(block_size=BS, max_num_seqs=6, max_num_batched_tokens=128, max_model_len=128,
-                  num_kvcache_blocks=num_blocks, eos_token_ids=(EOS,)) | kwargs
+                  num_kvcache_blocks=num_blocks, eos_token_ids=(EOS,), enable_same_step_prefix_sharing=False) | kwargs
     cfg = Config(model=model, **kwargs)
     return cls(cfg, BlockManager(num_blocks, BS, cfg.enable_prefix_caching))
 

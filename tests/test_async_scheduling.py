@@ -73,8 +73,10 @@ def length_only(workload):
     return [(a, p, dataclasses.replace(sp, ignore_eos=True)) for a, p, sp in workload]
 
 
-FLAG_SETS = [dict(enable_chunked_prefill=c, enable_lru=lru, enable_cache_aware_schedule=lpm, enable_prefix_dedup=dd)
-             for c in (False, True) for lru in (False, True) for lpm in (False, True) for dd in (False, True)]
+FLAG_SETS = [dict(enable_chunked_prefill=c, enable_lru=lru, enable_cache_aware_schedule=lpm, enable_prefix_dedup=dd,
+                  enable_same_step_prefix_sharing=sh)
+             for c in (False, True) for lru in (False, True) for lpm in (False, True) for dd in (False, True)
+             for sh in (False, True)]
 FLAG_IDS = ["-".join(k[7:11] for k, v in f.items() if v) or "off" for f in FLAG_SETS]
 
 

@@ -3,6 +3,7 @@ flash_attn.cute.flash_attn_varlen_func (emulated with the torch reference, named
 one), so these tests check what is passed (segments, seqused_k, page table, causal), the backend
 choice and its errors, the warmup's shape grid and the compile counter. The kernel itself is tested
 on a GPU (test_gpu_fa4.py)."""
+import dataclasses
 import os
 
 import pytest
@@ -60,6 +61,46 @@ def test_fa4_forward_plumbing(fake_fa4, name):
     else:
         assert fake_fa4.calls == [dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                                        batch=len(case["seq_lens"]))]
+
+
+def test_mixed_step_sends_leading_decode_rows_to_triton_and_the_rest_to_fa4(fake_fa4):
+    """decode-first mixed step: 3 single-token rows, then a prefix-hit chunk and a fresh prompt."""
+    case = dict(seq_lens=[200, 77, 130, 90, 40], q_lens=[1, 1, 1, 33, 40], num_heads=8, num_kv_heads=2,
+                head_dim=64, block_size=16, device="cpu")
+    (q, k, v, k_cache, v_cache), meta = make_case(**case)
+    meta.block_tables = meta.block_tables.clamp(min=0)
+    scale = 0.125
+    k_ref, v_ref, ref = reference(q, k, v, k_cache, v_cache, meta, 5, scale)
+    d = 3
+    decode = dataclasses.replace(meta, cu_seqlens_q=meta.cu_seqlens_q[: d + 1], seq_lens=meta.seq_lens[:d],
+                                 block_tables=meta.block_tables[:d], max_seqlen_q=1, max_seqlen_k=200,
+                                 is_decode=True, fresh_only=False)
+    rest = dataclasses.replace(meta, cu_seqlens_q=meta.cu_seqlens_q[d:] - d, seq_lens=meta.seq_lens[d:],
+                               block_tables=meta.block_tables[d:], max_seqlen_q=40, max_seqlen_k=90)
+    meta.decode_split = (d, decode, rest)
+    out = fa4_backend.fa4_attention_forward(q, k, v, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert fake_fa4.calls == [dict(max_seqlen_q=40, max_seqlen_k=90, batch=2)]  # FA4 saw the prefill rows only
+
+
+def test_upload_builds_the_decode_split_of_a_mixed_step():
+    from flame_llm.engine.sequence import Sequence
+    from flame_llm.engine.step_inputs import Staging, build_step_inputs, upload
+    from flame_llm.sampling_params import SamplingParams
+
+    seqs = [Sequence(list(range(3, 3 + n)), SamplingParams(max_tokens=4), 16) for n in (20, 33, 50)]
+    for s, table, done in zip(seqs, ([4, 9], [1, 2, 3], [5, 6, 7, 8]), (19, 0, 16)):
+        s.block_table, s.num_computed_tokens = table, done
+    x = build_step_inputs(seqs, [1, 33, 34], 16)  # a decode, a fresh prompt, a chunk over 16 cached tokens
+    meta = upload(Staging(torch.device("cpu")), x, split_decodes=True).meta
+    d, decode, rest = meta.decode_split
+    assert d == 1 and decode.is_decode and decode.seq_lens.tolist() == [20]
+    assert decode.block_tables.tolist() == [[4, 9, 0, 0]]
+    assert rest.cu_seqlens_q.tolist() == [0, 33, 67] and rest.seq_lens.tolist() == [33, 50]
+    assert (rest.max_seqlen_q, rest.max_seqlen_k) == (34, 50)
+    assert upload(Staging(torch.device("cpu")), x, split_decodes=False).meta.decode_split is None
+    prefill_first = build_step_inputs(seqs[1:], [33, 34], 16)
+    assert upload(Staging(torch.device("cpu")), prefill_first, split_decodes=True).meta.decode_split is None
 
 
 def test_warmup_shape_grid_stays_within_the_engine_limits():

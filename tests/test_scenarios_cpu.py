@@ -41,6 +41,12 @@ def test_shared_prefix_raises_hit_rate_and_saves_prefill(report):
     assert dd["prefix_hit_rate"] > sh["prefix_hit_rate"] and dd["prefill_tokens"] < sh["prefill_tokens"]
     if dd["preemptions"] == 0:  # every prompt token is either a hit or computed once
         assert dd["prefill_tokens"] == dd["prompt_tokens"] - dd["cached_prompt_tokens"]
+    # same-step sharing: followers admitted beside the first request hit its blocks, nobody waits
+    ss = v["shared-same-step"]
+    assert ss["deferred_admissions"] == 0 and ss["prefix_hit_rate"] > sh["prefix_hit_rate"]
+    assert ss["prefill_tokens"] < sh["prefill_tokens"]
+    if ss["preemptions"] == 0:
+        assert ss["prefill_tokens"] == ss["prompt_tokens"] - ss["cached_prompt_tokens"]
 
 
 def test_lru_evicts_less_than_fifo_under_power_law_reuse(report):

@@ -93,8 +93,10 @@ def test_flags_off_matches_frozen_original_step_by_step(tiny_llama, seed, num_bl
     assert len(new_trace) == len(old_trace) and new_out == old_out
 
 
-FLAG_SETS = [dict(enable_chunked_prefill=c, enable_lru=lru, enable_cache_aware_schedule=lpm, enable_prefix_dedup=dd)
-             for c in (False, True) for lru in (False, True) for lpm in (False, True) for dd in (False, True)]
+FLAG_SETS = [dict(enable_chunked_prefill=c, enable_lru=lru, enable_cache_aware_schedule=lpm, enable_prefix_dedup=dd,
+                  enable_same_step_prefix_sharing=sh)
+             for c in (False, True) for lru in (False, True) for lpm in (False, True) for dd in (False, True)
+             for sh in (False, True)]
 
 
 @pytest.mark.parametrize("flags", FLAG_SETS, ids=lambda f: "-".join(k[7:11] for k, v in f.items() if v) or "off")
@@ -390,3 +392,28 @@ def test_prefix_dedup_defers_only_while_the_prefix_is_being_written(tiny_llama):
     while not sched.is_finished():
         step(sched, runner)
     assert follower.num_cached_tokens == 96 and early.num_cached_tokens == 32 and sched.num_deferred_admissions == 1
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_same_step_sharing_lets_a_request_hit_the_prefix_computed_beside_it(tiny_llama, chunked):
+    """Two requests on one new 64-token prefix arrive together: with sharing the second hits the blocks the
+    first computes in the same step (one prefill of the prefix); without it, both compute them."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 500) for _ in range(64)]
+    work = [(0, prefix + [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
+            (0, prefix + [10, 11], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))]
+    runs = {}
+    for share in (False, True):
+        sched = make_scheduler(tiny_llama, 64, enable_chunked_prefill=chunked, enable_same_step_prefix_sharing=share,
+                               max_num_batched_tokens=256)
+        trace, outputs = replay(sched, work)  # the fake runner checks every KV read of the step
+        assert [outputs[f"r{i}"][0] for i in range(2)] == expected_outputs(work, 128)
+        assert trace[0] == [("r0", 67), ("r1", 66 - (64 if share else 0))]  # both in the first step
+        runs[share] = outputs["r1"][2], sched.stats()["num_prefill_tokens"]
+    assert runs[False] == (0, 67 + 66) and runs[True] == (64, 67 + 2)
+
+
+def test_same_step_sharing_is_off_with_speculative_decoding(tiny_llama):
+    sched = make_scheduler(tiny_llama, 64, enable_same_step_prefix_sharing=True, speculative_model=tiny_llama,
+                           num_speculative_tokens=2)
+    assert not sched.same_step_sharing

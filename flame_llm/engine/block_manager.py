@@ -170,10 +170,13 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
 
-    def publish(self, seq: Sequence) -> None:
-        """Register the hashes of seq's full blocks whose K/V are written (or enqueued to be, by a step
-        ahead of any that could read them) and whose token ids are all known."""
-        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+    def publish(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register the hashes of seq's full blocks below `upto` tokens (default: its computed ones) whose
+        token ids are all known. Their K/V must be written by a step that runs before, or is, any step
+        that reads them: each layer stores a step's K/V before it attends, so a request scheduled in the
+        same step as the one computing its prefix may share those blocks."""
+        upto = seq.num_computed_tokens if upto is None else upto
+        full = min(upto, seq.num_tokens) // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_published_blocks:
             return
         h = seq.last_block_hash

@@ -17,6 +17,9 @@ class AttentionMetadata:
     is_decode: bool = False  # every segment has exactly one query (CUDA-graph path, cu_seqlens_q = arange)
     fresh_only: bool = False  # no segment has cached keys (seq_lens == query lengths)
     cu_seqlens_k: torch.Tensor | None = None  # int32 [B+1], cumulative seq_lens (flash-attn varlen)
+    # a mixed step whose first segments are single tokens (decode-first order): (that many, metadata of those
+    # rows as a decode step, metadata of the rest); backends that are better at decode use it
+    decode_split: tuple[int, AttentionMetadata, AttentionMetadata] | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -97,7 +97,9 @@ class ModelRunner:
         self.num_blocks = self.allocate_kv_cache()
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.staging = Staging(self.device)
+        self.split_decodes = self.backend == "fa4" and config.mixed_decode_attention == "triton"
         self.fa4_warmup_compiles = 0
+        self._jit_logged = 0
         if self.backend == "fa4":
             self.warmup_fa4()
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.backend != "torch")
@@ -174,18 +176,24 @@ class ModelRunner:
                     time.perf_counter() - t0)
 
     def attention_jit_compiles(self) -> int:
-        """Attention kernels compiled since startup (FA4's JIT; 0 for backends compiled at startup)."""
+        """Attention kernels compiled since startup (FA4's JIT; 0 for backends compiled at startup). A new
+        one is logged with FA4's key the first time it is seen, so a warmup gap can be found."""
         if self.backend != "fa4":
             return 0
-        from flame_llm.kernels.fa4_backend import jit_compiles
-        return jit_compiles()
+        from flame_llm.kernels.fa4_backend import jit_compiles, new_variants
+        n = jit_compiles()
+        if n > self._jit_logged:
+            logger.warning("flash-attn-4 compiled %d kernel variant(s) after warmup: %s", n - self._jit_logged,
+                           new_variants()[self._jit_logged:])
+            self._jit_logged = n
+        return n
 
     # ---- steps ----------------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], num_tokens: list[int], starts: list[int] | None = None) -> StepInputs:
         return build_step_inputs(seqs, num_tokens, self.block_size, starts)
 
     def upload(self, x: StepInputs) -> DeviceInputs:
-        return upload(self.staging, x)
+        return upload(self.staging, x, self.split_decodes)
 
     def forward(self, dev: DeviceInputs) -> torch.Tensor:
         """Hidden states [T, hidden] of an uploaded step (stores its K/V)."""
@@ -214,6 +222,8 @@ class ModelRunner:
             if prev_sampled is not None:
                 dev.input_ids[dev.pending_rows] = prev_sampled[dev.pending_src]
             hidden = self.forward(dev)
+            if self.backend == "fa4":
+                self.attention_jit_compiles()  # logs a variant the warmup missed
             if not x.sample_idx:
                 return handle
             logits = self.model.compute_logits(hidden[dev.logits_rows])

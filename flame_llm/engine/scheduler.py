@@ -57,6 +57,9 @@ class Scheduler:
         self.cache_aware_window = config.cache_aware_window
         self.cache_aware_max_skips = config.cache_aware_max_skips
         self.prefix_dedup = config.enable_prefix_dedup
+        # speculative decoding publishes only blocks both KV pools hold, after the step
+        self.same_step_sharing = config.enable_same_step_prefix_sharing and not (
+            config.speculative_model or config.num_speculative_tokens)
         # the engine builds the BlockManager from the pool size alone; the cache policy is ours to set
         block_manager.enable_lru = config.enable_lru
         self.block_manager = block_manager
@@ -113,6 +116,7 @@ class Scheduler:
             bm.allocate(seq)
             n = seq.num_tokens - seq.num_computed_tokens
             bm.append_slots(seq, n)
+            self._share(seq, n)
             num_batched += n
             self._admit(i)
             if inflight is not None:
@@ -151,6 +155,7 @@ class Scheduler:
                 if remaining > 1 or seq.num_completion_tokens + seq.num_pending_tokens == 0:
                     num_prefill += n
                 bm.append_slots(seq, n)
+                self._share(seq, n)
                 scheduled.append(seq)
                 num_tokens.append(n)
                 budget -= n
@@ -173,6 +178,7 @@ class Scheduler:
                     break
                 bm.allocate(seq)
                 bm.append_slots(seq, n)
+                self._share(seq, n)
                 self._admit(i)
                 if inflight is not None:
                     bm.add_unpublished_prompt_hashes(seq, inflight)
@@ -227,6 +233,11 @@ class Scheduler:
             self.num_deferred_admissions += 1
             return True
         return False
+
+    def _share(self, seq: Sequence, n: int) -> None:
+        """With same-step sharing, the blocks this step completes for seq are hits for the rest of it."""
+        if self.same_step_sharing:
+            self.block_manager.publish(seq, upto=seq.num_computed_tokens + n)
 
     def _admit(self, i: int) -> None:
         seq = self.waiting[i]

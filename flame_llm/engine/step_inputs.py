@@ -148,10 +148,24 @@ class Staging:
         return out
 
 
-def upload(staging: Staging, x: StepInputs) -> DeviceInputs:
-    t = staging.put({"ids": x.input_ids, "pos": x.positions, "slots": x.slot_mapping, "rows": x.logits_rows,
-                     "pending": x.pending_rows, "src": x.pending_src, "cu": x.cu_seqlens_q, "lens": x.seq_lens,
-                     "tables": x.block_tables})
+def upload(staging: Staging, x: StepInputs, split_decodes: bool = False) -> DeviceInputs:
+    """The step's tensors on the device. split_decodes: a mixed step that starts with single-token
+    segments also gets metadata for those rows as a decode step and for the rest as their own varlen step."""
+    arrays = {"ids": x.input_ids, "pos": x.positions, "slots": x.slot_mapping, "rows": x.logits_rows,
+              "pending": x.pending_rows, "src": x.pending_src, "cu": x.cu_seqlens_q, "lens": x.seq_lens,
+              "tables": x.block_tables}
+    lens = np.diff(x.cu_seqlens_q)
+    d = int(np.argmin(lens == 1)) if split_decodes and not x.is_decode else 0  # leading one-token segments
+    if d:
+        arrays["cu_rest"] = (x.cu_seqlens_q[d:] - d).astype(np.int32)
+    t = staging.put(arrays)
     meta = AttentionMetadata(t["cu"], t["lens"], t["tables"], t["slots"], x.max_seqlen_q, x.max_seqlen_k,
                              is_decode=x.is_decode, fresh_only=x.fresh_only)
+    if d:
+        rest_lens = x.seq_lens[d:]
+        decode = AttentionMetadata(t["cu"][: d + 1], t["lens"][:d], t["tables"][:d], t["slots"][:d], 1,
+                                   int(x.seq_lens[:d].max()), is_decode=True)
+        rest = AttentionMetadata(t["cu_rest"], t["lens"][d:], t["tables"][d:], t["slots"][d:],
+                                 int(lens[d:].max()), int(rest_lens.max()))
+        meta.decode_split = (d, decode, rest)
     return DeviceInputs(t["ids"], t["pos"], t["rows"], t["pending"], t["src"], meta)

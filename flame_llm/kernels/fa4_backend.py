@@ -53,12 +53,16 @@ def fa4_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     return None
 
 
-def _compile_cache_size() -> int:
+def _compile_keys() -> list:
     """Kernel variants FA4 holds in memory (compiled here, or loaded from its disk cache)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     cache = _flash_attn_fwd.compile_cache
-    return len(getattr(cache, "cache", cache))  # a JITCache wraps its dict
+    return list(getattr(cache, "cache", cache))  # a JITCache wraps its dict
+
+
+def _compile_cache_size() -> int:
+    return len(_compile_keys())
 
 
 _compiles_at_warmup: int | None = None
@@ -70,22 +74,60 @@ def jit_compiles() -> int:
     return 0 if _compiles_at_warmup is None else _compile_cache_size() - _compiles_at_warmup
 
 
+def new_variants() -> list:
+    """The compile keys of the variants jit_compiles() counts (FA4's own tuples), for the log."""
+    return [] if _compiles_at_warmup is None else _compile_keys()[_compiles_at_warmup:]
+
+
 def fa4_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
-    """Attention of q [T, H, D] (segments by meta.cu_seqlens_q) over the paged cache (no store)."""
-    out = _varlen_fn()(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
-                       max_seqlen_k=meta.max_seqlen_k, seqused_k=meta.seq_lens, page_table=meta.block_tables,
-                       softmax_scale=scale, causal=True)
-    return out[0] if isinstance(out, tuple) else out
+                        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T, H, D] (segments by meta.cu_seqlens_q) over the paged cache (no store), into `out`
+    when given (FA4's forward takes an output buffer; its public wrapper, an autograd Function, does not)."""
+    kwargs = dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                  seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=scale, causal=True)
+    fwd = _forward_fn()
+    if fwd is not None:
+        return fwd(q, k_cache, v_cache, out=out, **kwargs)[0]
+    res = _varlen_fn()(q, k_cache, v_cache, **kwargs)
+    res = res[0] if isinstance(res, tuple) else res
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+@functools.cache
+def _forward_fn():
+    """FA4's inference forward (skips the autograd wrapper's host time, writes into `out`), if this FA4
+    version has it under the name and signature we use."""
+    try:
+        import inspect
+
+        from flash_attn.cute.interface import _flash_attn_fwd
+        params = inspect.signature(_flash_attn_fwd).parameters
+        need = ("q", "k", "v", "cu_seqlens_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table",
+                "softmax_scale", "causal", "out")
+        return _flash_attn_fwd if all(n in params for n in need) else None
+    except Exception:
+        return None
 
 
 def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as triton_attention_forward: store k/v at meta.slot_mapping, return [T, H, D]."""
+    """Same contract as triton_attention_forward: store k/v at meta.slot_mapping, return [T, H, D].
+
+    A mixed step whose leading segments are single tokens (meta.decode_split) sends those rows to our
+    Triton decode kernel and the rest to FA4, each writing its rows of one output."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode:
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return fa4_paged_attention(q, k_cache, v_cache, meta, scale)
+    if meta.decode_split is None:
+        return fa4_paged_attention(q, k_cache, v_cache, meta, scale)
+    d, decode, rest = meta.decode_split
+    out = torch.empty_like(q)
+    paged_attention_triton(q[:d], k_cache, v_cache, decode, scale, out=out[:d])
+    fa4_paged_attention(q[d:], k_cache, v_cache, rest, scale, out=out[d:])
+    return out
 
 
 def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
