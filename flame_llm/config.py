@@ -40,7 +40,9 @@ class Config:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
     max_model_len: int = 4096
-    block_size: int = 256
+    # 128: FA4 loads whole 128-key pages with TMA (other page sizes gather rows); on the H200 the reuse trace's
+    # attention took 3.28 s at 128 vs 3.56 s at 256 (bench/RESULTS.md, issue 11)
+    block_size: int = 128
     num_kvcache_blocks: int = -1  # -1: size from gpu_memory_utilization (GPU) or cpu_kvcache_gib (CPU)
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_gib: float = 1.0

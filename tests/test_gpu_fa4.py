@@ -71,8 +71,7 @@ def test_fa4_engine_first_tokens_match_our_triton_kernel(tiny_llama):
 def test_fa4_warmup_leaves_nothing_to_compile_while_serving(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", attention_backend="fa4", block_size=16, num_kvcache_blocks=4096,
               max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True)
-    runner = llm.engine.model_runner
-    assert runner.fa4_warmup_compiles >= 1
+    # (the variants may already be in memory from an earlier test: warmup then compiles nothing new)
     prompts = _prompts(48, seed=1)
     prompts += [p[:300] + [7, 8] for p in prompts[:8] if len(p) > 300]  # prefix hits
     for batch in (prompts[:1], prompts[:3], prompts):  # one sequence, a few, then full mixed steps
