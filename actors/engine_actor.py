@@ -2,7 +2,7 @@
 
 `submit` runs in the default concurrency group (its own event loop); health, stats, drain and
 shutdown run in the "control" group, on another loop, so a saturated admission loop never starves
-them. Ray creates the class with `ray.remote(EngineActor).options(...)` in flame_llm.service.
+them. Ray creates the class with `ray.remote(EngineActor).options(...)` in flame_llm.serving.service.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ CONCURRENCY_GROUPS = {CONTROL_GROUP: 4}
 
 def resolve_model(model: str) -> str:
     if model == "tiny":
-        from flame_llm.tiny import ensure_tiny_default
+        from flame_llm.models.tiny import ensure_tiny_default
         return ensure_tiny_default()
     return model
 
@@ -78,7 +78,7 @@ class EngineActor:
 
     async def submit(self, payload: bytes) -> bytes:
         """A request batch payload in, a result payload out (input order). Never raises for bad input."""
-        from flame_llm.wire import WireError, decode_requests, encode_results
+        from flame_llm.protocol.wire import WireError, decode_requests, encode_results
 
         t0 = time.perf_counter()
         self.counters["batches"] += 1
@@ -101,7 +101,7 @@ class EngineActor:
         return out
 
     async def _serve(self, item, t_start: float) -> dict:
-        from flame_llm.wire import RequestError, prompt_digest
+        from flame_llm.protocol.wire import RequestError, prompt_digest
 
         if isinstance(item, RequestError):
             self.counters["errors"] += 1

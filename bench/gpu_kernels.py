@@ -17,8 +17,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from flame_llm.engine.context import AttentionMetadata  # noqa: E402
 from flame_llm.kernels import triton_attention as ta  # noqa: E402
+from flame_llm.kernels.metadata import AttentionMetadata  # noqa: E402
 from flame_llm.kernels.torch_attention import paged_attention  # noqa: E402
 
 H, HKV, D, BS = 32, 8, 128, 256

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from flame_llm import LLM, SamplingParams
-from flame_llm.tiny import make_tiny_model
+from flame_llm.models.tiny import make_tiny_model
 
 
 def measure(model: str, batch: int, context: int, block_size: int, steps: int) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from bench.traces import TraceRequest
-from flame_llm.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.policy import RouterPolicy
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
-from flame_llm.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.actor import Router
 from router.policy import RouterPolicy
 

@@ -122,7 +122,7 @@ def build_setup(o: RunOptions, log_dir: str) -> Setup:
 
     model = o.model
     if model == "tiny":
-        from flame_llm.tiny import ensure_tiny_default
+        from flame_llm.models.tiny import ensure_tiny_default
         model = ensure_tiny_default()
     model = os.path.abspath(model)
     addr = os.environ.get("RAY_ADDRESS") or None  # set by `ray job submit`; empty or unset: a local Ray

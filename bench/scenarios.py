@@ -69,7 +69,7 @@ def drive(engine, requests: list[Request]) -> tuple[list, float, dict, dict]:
 
 
 def group_metrics(name: str, outputs, seqs, first_step: dict, finish_step: dict) -> dict:
-    from flame_llm.metrics import latency_ms, percentile, request_latencies
+    from bench.metrics import latency_ms, percentile, request_latencies
 
     ttft, tpot = request_latencies(outputs)
     tpot_steps = [(finish_step[s.seq_id] - first_step[s.seq_id]) / (s.num_completion_tokens - 1)
@@ -82,8 +82,8 @@ def run_variant(job: dict) -> dict:
     """One variant in this process: build the engine, warm up, measure; the result is JSON-able."""
     import torch
 
+    from bench.metrics import summarize
     from flame_llm import Config, LLMEngine
-    from flame_llm.metrics import summarize
 
     if job["device"] == "cpu":
         torch.set_num_threads(1)  # tiny ops: extra threads only add barrier waits on a shared CPU
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = args.model
     if model is None:
         if args.scale == "small":
-            from flame_llm.tiny import ensure_tiny_default
+            from flame_llm.models.tiny import ensure_tiny_default
             model = ensure_tiny_default()
         else:
             model = QWEN3_06B

@@ -2,7 +2,7 @@
 max_tokens) -> (release perf_counter, records), stats(), stop().
 
 - flame: the service (router + one engine actor per device) through the Python client.
-- engine: one `flame_llm.http_server` process per device, driven by the sticky-prefix HTTP client.
+- engine: one `flame_llm.serving.http_server` process per device, driven by the sticky-prefix HTTP client.
 - vllm: one `vllm serve` process per device, same client; config "default" or "seed" (eager, Triton attention).
 Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label
 ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B).
@@ -86,8 +86,8 @@ class FlameSystem:
         self._loop = asyncio.new_event_loop()
 
     def start(self) -> dict:
-        from flame_llm.service import init_ray, make_client, start_service
-        from flame_llm.service_config import ServiceConfig
+        from flame_llm.serving.service import init_ray, make_client, start_service
+        from flame_llm.serving.service_config import ServiceConfig
 
         s = self.setup
         cfg = ServiceConfig(model=s.model, load_format=s.load_format, engine=dict(s.engine),
@@ -174,7 +174,7 @@ class HttpSystem:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if self.spec.kind == "engine":
             engine = {**s.engine, "device": "cuda" if s.on_gpu else "cpu"}
-            cmd = [sys.executable, "-m", "flame_llm.http_server", "--model", s.model, "--port", str(port),
+            cmd = [sys.executable, "-m", "flame_llm.serving.http_server", "--model", s.model, "--port", str(port),
                    "--served-model-name", "bench", "--load-format", s.load_format,
                    "--engine-json", json.dumps(engine), "--torch-threads", str(s.torch_threads)]
             cmd += ["--gpu-uuid", device] if s.on_gpu else ["--device-name", device]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import xxhash
 
-from flame_llm.wire import prompt_digest as input_hash  # the one digest: client, servers and bench agree
+from flame_llm.protocol.wire import prompt_digest as input_hash  # the one digest: client, servers and bench agree
 
 TRACE_NAMES = ("no-reuse", "reuse")
 

@@ -12,7 +12,7 @@ import time
 
 from bench.pairs import ARGUMENTS as BENCH_ARGS
 from bench.report import ARGUMENTS as REPORT_ARGS
-from flame_llm.http_server import ARGUMENTS as SERVE_HTTP_ARGS
+from flame_llm.serving.http_server import ARGUMENTS as SERVE_HTTP_ARGS
 
 log = logging.getLogger("flame_llm.cli")
 
@@ -30,7 +30,7 @@ ARGS = {
 
 
 def _config(args):
-    from flame_llm.service_config import ServiceConfig, load_service_config
+    from flame_llm.serving.service_config import ServiceConfig, load_service_config
 
     overrides = {"namespace": getattr(args, "namespace", None), "ray_address": getattr(args, "address", None)}
     if args.config:
@@ -56,7 +56,7 @@ def _print_placement(health: list[dict]) -> None:
 
 
 def serve(args) -> int:
-    from flame_llm.service import start_service
+    from flame_llm.serving.service import start_service
 
     cfg = _config(args)
     if args.detach and cfg.ray_address is None:
@@ -87,7 +87,7 @@ def submit(args) -> int:
     import numpy as np
 
     from flame_llm.sampling_params import SamplingParams
-    from flame_llm.service import connect
+    from flame_llm.serving.service import connect
 
     namespace = _attach(args)
     if args.prompts:
@@ -129,7 +129,7 @@ def _print_results(results: list[dict], elapsed: float) -> None:
 
 
 def status(args) -> int:
-    from flame_llm.service import status as service_status
+    from flame_llm.serving.service import status as service_status
 
     st = service_status(_attach(args))
     if args.json:
@@ -153,7 +153,7 @@ def status(args) -> int:
 
 
 def stop(args) -> int:
-    from flame_llm.service import stop as stop_service
+    from flame_llm.serving.service import stop as stop_service
 
     print(f"stopped {stop_service(_attach(args))} engine actors")
     return 0
@@ -165,8 +165,8 @@ def demo(args) -> int:
     import ray
 
     from flame_llm.sampling_params import SamplingParams
-    from flame_llm.service import start_local
-    from flame_llm.service_config import config_from_dict, load_service_config
+    from flame_llm.serving.service import start_local
+    from flame_llm.serving.service_config import config_from_dict, load_service_config
 
     cfg = load_service_config(args.config) if args.config else config_from_dict(dict(DEMO_CONFIG), "demo")
     print(f"starting local Ray with {cfg.num_shards} CPU shards of model {cfg.model!r} ...", flush=True)
@@ -187,7 +187,7 @@ def demo(args) -> int:
 
 
 def serve_http(args) -> int:
-    from flame_llm.http_server import serve as serve_engine_http
+    from flame_llm.serving.http_server import serve as serve_engine_http
     return serve_engine_http(args)
 
 

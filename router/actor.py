@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ray
 
-from flame_llm.routing_key import DECODE_TOKEN_COST
+from flame_llm.protocol.routing_key import DECODE_TOKEN_COST
 from router.policy import RouteItem, RouterPolicy
 
 ROUTER_NAME = "flame-router"

@@ -1,7 +1,7 @@
 """Pure routing policy: which shard serves each request of a formed batch. No Ray here.
 
 Requests arrive as (prefix chain, estimated prefill work, estimated decode tokens); chains come from
-`flame_llm.routing_key.prefix_chain`, work from `estimate_prefill_work`. The policy sees only what it
+`flame_llm.protocol.routing_key.prefix_chain`, work from `estimate_prefill_work`. The policy sees only what it
 is given at routing time and the completions fed back; it never looks at labels or future requests.
 
 Policies:
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from flame_llm.routing_key import DECODE_TOKEN_COST, estimate_prefill_work
+from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, estimate_prefill_work
 
 POLICIES = ("cumulative", "load_guarded", "round_robin")
 RouteItem = tuple[Sequence[int], float, int]  # (prefix chain, est. prefill work, est. decode tokens)

@@ -5,7 +5,7 @@ import torch
 from helpers import MAX_TOKENS, make_prompts
 from transformers import AutoModelForCausalLM
 
-from flame_llm.tiny import make_tiny_model
+from flame_llm.models.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
-from flame_llm.engine.context import AttentionMetadata
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
+from flame_llm.kernels.metadata import AttentionMetadata
 from flame_llm.kernels.torch_attention import paged_attention, store_kvcache
 from flame_llm.sampling_params import SamplingParams
 

@@ -156,7 +156,7 @@ def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_p
 
 def test_input_hash_is_the_servers_digest():
     ids = np.arange(10, dtype=np.uint32)
-    from flame_llm.wire import prompt_digest
+    from flame_llm.protocol.wire import prompt_digest
     assert input_hash(ids) == prompt_digest(ids.tolist()) != input_hash(ids[:-1])
 
 

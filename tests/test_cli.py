@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from flame_llm.cli import COMMANDS, build_parser, main
-from flame_llm.service_config import ServiceConfig, config_from_dict, load_service_config
+from flame_llm.serving.service_config import ServiceConfig, config_from_dict, load_service_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,9 +5,9 @@ import time
 
 import numpy as np
 
-from flame_llm.batcher import Pending, ShardBatcher
+from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.wire import BATCH_OVERHEAD, request_wire_size
+from flame_llm.serving.batcher import Pending, ShardBatcher
 
 
 def _pending(loop, i, num_tokens=4):

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from flame_llm import LLM, AsyncEngine, SamplingParams
-from flame_llm.http_server import build_app
-from flame_llm.wire import prompt_digest
+from flame_llm.protocol.wire import prompt_digest
+from flame_llm.serving.http_server import build_app
 
 
 @pytest.fixture(scope="module")

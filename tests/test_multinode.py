@@ -8,8 +8,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from flame_llm import SamplingParams
-from flame_llm.service import discover_nodes, start_service
-from flame_llm.service_config import ServiceConfig
+from flame_llm.serving.service import discover_nodes, start_service
+from flame_llm.serving.service_config import ServiceConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

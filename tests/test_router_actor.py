@@ -5,7 +5,7 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 
-from flame_llm.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.actor import ROUTER_NAME, Router, start_router
 
 NS = "test-router"

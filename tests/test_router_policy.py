@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from flame_llm.prefix import hash_block, revision_seed
-from flame_llm.routing_key import (
+from flame_llm.protocol.routing_key import (
     ATTN_CROSSOVER_TOKENS,
     estimate_decode_work,
     estimate_prefill_work,

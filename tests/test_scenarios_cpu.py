@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from bench.metrics import percentile, summarize
 from bench.scenario_workloads import SCENARIOS, build_requests, scenario, shifted
 from bench.scenarios import change, compare, main, run, run_isolated, run_variant
-from flame_llm.metrics import percentile, summarize
 from flame_llm.outputs import RequestOutput
 
 COUNTS = ("prefix_hit_rate", "evictions", "saved_tokens", "steps", "prefill_steps", "decode_steps", "preemptions")

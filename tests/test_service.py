@@ -12,10 +12,10 @@ import zstandard
 
 from actors.admission import Admission, Overloaded
 from flame_llm import LLM, SamplingParams
-from flame_llm.routing_key import estimate_prefill_work
-from flame_llm.service import make_client, start_service
-from flame_llm.service_config import ServiceConfig
-from flame_llm.wire import WireRequest, decode_results, encode_requests, prompt_digest
+from flame_llm.protocol.routing_key import estimate_prefill_work
+from flame_llm.protocol.wire import WireRequest, decode_results, encode_requests, prompt_digest
+from flame_llm.serving.service import make_client, start_service
+from flame_llm.serving.service_config import ServiceConfig
 
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16, "cpu_kvcache_gib": 0.0625}
 
@@ -339,7 +339,7 @@ def test_drain_then_shutdown(service):
 def test_formed_batch_is_sent_without_waiting_out_the_window(service):
     """A generate() call hands over a formed batch: by default its per-shard batches leave at once;
     with flush_formed=False (the seed's rule) they wait for the 10 ms formation window."""
-    from flame_llm.service import connect
+    from flame_llm.serving.service import connect
 
     _, default_client = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)

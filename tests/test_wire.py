@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from flame_llm.sampling_params import SamplingParams
-from flame_llm.wire import (
+from flame_llm.protocol.wire import (
     BATCH_OVERHEAD,
     MAX_ID_BYTES,
     MAX_REVISION_BYTES,
@@ -23,6 +22,7 @@ from flame_llm.wire import (
     encode_results,
     request_wire_size,
 )
+from flame_llm.sampling_params import SamplingParams
 
 VOCAB, MAX_LEN = 1000, 64
 GIB = 1 << 30

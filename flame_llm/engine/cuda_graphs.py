@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flame_llm.engine.context import AttentionMetadata, set_context
 from flame_llm.engine.step_inputs import Staging, StepInputs
+from flame_llm.kernels.metadata import AttentionMetadata, set_context
 
 BUCKETS = (1, 2, 4, 8)  # then every multiple of 16 up to max_num_seqs
 

@@ -23,7 +23,7 @@ class LLMEngine:
         self.config = config
         draft = None
         if config.speculative_model is not None or config.num_speculative_tokens:
-            from flame_llm.spec.draft_runner import DraftRunner
+            from flame_llm.speculative.draft_runner import DraftRunner
             draft = DraftRunner(config)  # loaded first: the target's KV budget leaves room for its pool
         self.model_runner = ModelRunner(config, extra_block_bytes=draft.block_bytes() if draft else 0)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
@@ -31,7 +31,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.spec = None
         if draft is not None:
-            from flame_llm.spec.decoder import SpecDecoder
+            from flame_llm.speculative.decoder import SpecDecoder
             self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler)
         self._tokenizer = None
         self.vocab_size = config.hf_config.vocab_size

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from flame_llm.config import Config
-from flame_llm.engine.context import AttentionMetadata, set_context
 from flame_llm.engine.cuda_graphs import DecodeGraphs
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
+from flame_llm.kernels.metadata import AttentionMetadata, set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import make_sampling_batch, sample

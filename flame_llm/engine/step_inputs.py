@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flame_llm.engine.context import AttentionMetadata
 from flame_llm.engine.sequence import Sequence
+from flame_llm.kernels.metadata import AttentionMetadata
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from flame_llm.engine.context import AttentionMetadata
+from flame_llm.kernels.metadata import AttentionMetadata
 from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flame_llm.engine.context import AttentionMetadata
+from flame_llm.kernels.metadata import AttentionMetadata
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

@@ -18,7 +18,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flame_llm.config import FRESH_PREFILL_BACKENDS
-from flame_llm.engine.context import AttentionMetadata
+from flame_llm.kernels.metadata import AttentionMetadata
 from flame_llm.kernels.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flame_llm.engine.context import get_context
+from flame_llm.kernels.metadata import get_context
 from flame_llm.kernels.torch_attention import dense_causal_attention, torch_attention_forward
 
 

@@ -22,9 +22,9 @@ from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.layers.sampler import make_sampling_batch
-from flame_llm.spec.draft_runner import MAX_SPECULATIVE_TOKENS, DraftRunner
-from flame_llm.spec.profiler import StepProfiler, profiling_enabled
-from flame_llm.spec.spec_runner import SampledRows, SpecRunner
+from flame_llm.speculative.draft_runner import MAX_SPECULATIVE_TOKENS, DraftRunner
+from flame_llm.speculative.profiler import StepProfiler, profiling_enabled
+from flame_llm.speculative.spec_runner import SampledRows, SpecRunner
 
 logger = logging.getLogger(__name__)
 

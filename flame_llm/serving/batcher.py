@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flame_llm.protocol.wire import BATCH_OVERHEAD
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.wire import BATCH_OVERHEAD
 
 
 @dataclass(slots=True)

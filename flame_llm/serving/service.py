@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.engine_actor import CONCURRENCY_GROUPS, EngineActor, resolve_model
 from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards
-from flame_llm.service_config import ServiceConfig
+from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
 SHARD_PREFIX = "flame-shard-"
@@ -22,7 +22,7 @@ MAX_CONCURRENCY = 1024  # concurrent submit calls (batches) per engine actor
 
 
 if TYPE_CHECKING:
-    from flame_llm.client import Client
+    from flame_llm.serving.client import Client
 
 
 @dataclass(slots=True)
@@ -47,7 +47,7 @@ def init_ray(cfg: ServiceConfig) -> bool:
     kwargs = {"namespace": cfg.namespace, "logging_level": logging.WARNING, "log_to_driver": False}
     if cfg.ray_address is None:
         # workers of a local Ray inherit this environment: let them import our packages from a checkout
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
         if root not in paths:
             os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
@@ -141,7 +141,7 @@ def connect(namespace: str = "flame", address: str | None = "auto", **client_kwa
 
 def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
                 service: Service | None = None, **kwargs) -> Client:
-    from flame_llm.client import Client
+    from flame_llm.serving.client import Client
 
     health = ray.get([a.health.remote() for a in actors.values()])
     revisions = {h["model_revision"] for h in health}

@@ -18,10 +18,10 @@ import ray
 import zstandard
 from ray.exceptions import RayActorError
 
-from flame_llm.batcher import Pending, ShardBatcher
-from flame_llm.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.protocol.wire import BATCH_OVERHEAD, WireRequest, decode_results, encode_requests, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.wire import BATCH_OVERHEAD, WireRequest, decode_results, encode_requests, request_wire_size
+from flame_llm.serving.batcher import Pending, ShardBatcher
 
 log = logging.getLogger(__name__)
 RETRYABLE = ("overloaded",)
@@ -58,8 +58,8 @@ class Client:
 
     @classmethod
     def connect(cls, namespace: str = "flame", address: str | None = "auto", **kwargs) -> Client:
-        """Attach to a running service (see flame_llm.service)."""
-        from flame_llm.service import connect
+        """Attach to a running service (see flame_llm.serving.service)."""
+        from flame_llm.serving.service import connect
         return connect(namespace=namespace, address=address, **kwargs)
 
     def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flame_llm.engine.context import AttentionMetadata, set_context
 from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.engine.sequence import Sequence
-from flame_llm.spec.draft_runner import DraftRunner
-from flame_llm.spec.profiler import StepProfiler
-from flame_llm.spec.rejection import (
+from flame_llm.kernels.metadata import AttentionMetadata, set_context
+from flame_llm.speculative.draft_runner import DraftRunner
+from flame_llm.speculative.profiler import StepProfiler
+from flame_llm.speculative.rejection import (
     ACCEPT_STREAM,
     DRAFT_STREAM,
     FINAL_STREAM,

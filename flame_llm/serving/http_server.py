@@ -5,7 +5,7 @@ POST /v1/completions takes token-id prompts (a list of ids, or a list of such li
 model dir has a tokenizer, and answers with each choice's `token_ids`, `usage.prompt_tokens_details.
 cached_tokens` and a `flame` block (device, prompt hash, engine timings). GET /health and /v1/models.
 Bad input answers 400 with an OpenAI-style error naming the field. Started by
-`flame-llm serve-http --model DIR --port N [--gpu-uuid GPU-...]` or `python -m flame_llm.http_server`.
+`flame-llm serve-http --model DIR --port N [--gpu-uuid GPU-...]` or `python -m flame_llm.serving.http_server`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from flame_llm.wire import prompt_digest
+from flame_llm.protocol.wire import prompt_digest
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20
@@ -212,7 +212,7 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     model = args.model
     if model == "tiny":
-        from flame_llm.tiny import ensure_tiny_default
+        from flame_llm.models.tiny import ensure_tiny_default
         model = ensure_tiny_default()
     t0 = time.perf_counter()
     engine = AsyncEngine.from_args(model, load_format=args.load_format, **kwargs)
