@@ -86,7 +86,8 @@ class FlameSystem:
         self._loop = asyncio.new_event_loop()
 
     def start(self) -> dict:
-        from flame_llm.serving.service import init_ray, make_client, start_service
+        from flame_llm.serving.client import make_client
+        from flame_llm.serving.service import init_ray, start_service
         from flame_llm.serving.service_config import ServiceConfig
 
         s = self.setup

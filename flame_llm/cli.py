@@ -1,5 +1,7 @@
-"""`flame-llm` command line. A subcommand is one function `name(args) -> int` plus one line in
-COMMANDS naming its help and arguments (from ARGS, or inline)."""
+"""`flame-llm` command line: the service's commands. A subcommand is one function `name(args) -> int`
+plus one line in COMMANDS naming its help and arguments (from ARGS, or inline). The installed
+`flame-llm` is bench.cli, which adds the benchmark commands on top of these (bench depends on this
+app, never the reverse)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +12,6 @@ import signal
 import sys
 import time
 
-from bench.pairs import ARGUMENTS as BENCH_ARGS
-from bench.report import ARGUMENTS as REPORT_ARGS
 from flame_llm.serving.http_server import ARGUMENTS as SERVE_HTTP_ARGS
 
 log = logging.getLogger("flame_llm.cli")
@@ -87,7 +87,7 @@ def submit(args) -> int:
     import numpy as np
 
     from flame_llm.sampling_params import SamplingParams
-    from flame_llm.serving.service import connect
+    from flame_llm.serving.client import Client
 
     namespace = _attach(args)
     if args.prompts:
@@ -98,7 +98,7 @@ def submit(args) -> int:
         prompts = [rng.integers(3, args.vocab, size=args.prompt_len).tolist() for _ in range(args.num_prompts)]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                         ignore_eos=args.ignore_eos)
-    client = connect(namespace)
+    client = Client.connect(namespace)
     t0 = time.perf_counter()
     results = client.generate(prompts, sp, use_tqdm=len(prompts) > 64)
     elapsed = time.perf_counter() - t0
@@ -165,7 +165,7 @@ def demo(args) -> int:
     import ray
 
     from flame_llm.sampling_params import SamplingParams
-    from flame_llm.serving.service import start_local
+    from flame_llm.serving.client import start_local
     from flame_llm.serving.service_config import config_from_dict, load_service_config
 
     cfg = load_service_config(args.config) if args.config else config_from_dict(dict(DEMO_CONFIG), "demo")
@@ -191,16 +191,6 @@ def serve_http(args) -> int:
     return serve_engine_http(args)
 
 
-def bench(args) -> int:
-    from bench.pairs import run
-    return run(args)
-
-
-def report(args) -> int:
-    from bench.report import run
-    return run(args)
-
-
 # name: (function, help, arguments)
 COMMANDS = {
     "serve": (serve, "start or join Ray, create the router and one engine actor per GPU",
@@ -222,16 +212,14 @@ COMMANDS = {
              [(("--config",), {"help": "service YAML instead of the built-in demo config"}),
               (("--max-tokens",), {"type": int, "default": 8})]),
     "serve-http": (serve_http, "our engine alone as an OpenAI-style HTTP server (token-id prompts)", SERVE_HTTP_ARGS),
-    "bench": (bench, "burst benchmark: fresh interleaved pairs of systems, then the paired report", BENCH_ARGS),
-    "report": (report, "paired report (Markdown, JSON, PNG) from a bench run's raw records", REPORT_ARGS),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flame-llm", description="flame-llm: distributed LLM inference on Ray")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (fn, help_text, arguments) in COMMANDS.items():
+    for name, (fn, help_text, arguments) in (commands or COMMANDS).items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         for arg in arguments:
             flags, kwargs = ARGS[arg] if isinstance(arg, str) else arg
@@ -240,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, commands: dict | None = None) -> int:
+    """Run one subcommand of `commands` (default: this module's)."""
+    args = build_parser(commands).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -7,11 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from bench import pairs, report, systems
+from bench import cli, pairs, report, systems
 from bench.runner import check_run
 from bench.systems import parse_system
 from bench.traces import TraceSpec, input_hash, make_trace, warmup_traces
-from flame_llm import cli
 
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
          "--question-tokens", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512",

@@ -62,6 +62,14 @@ def test_yaml_file_errors(tmp_path):
     assert load_service_config(str(bad)) == ServiceConfig()
 
 
+def test_installed_command_adds_the_benchmarks_on_top():
+    from bench import cli as bench_cli
+    parser = build_parser(bench_cli.COMMANDS)
+    assert set(bench_cli.COMMANDS) == set(COMMANDS) | {"bench", "report"}
+    assert parser.parse_args(["report", "some-dir"]).func is bench_cli.report
+    assert "bench" not in COMMANDS  # the app knows nothing of the bench
+
+
 def test_parser_has_every_command_and_checks_arguments(capsys):
     parser = build_parser()
     for name in ("serve", "submit", "status", "stop", "demo"):

@@ -50,7 +50,8 @@ def test_a_wrong_pin_fails_loudly():
 def test_service_shards_on_their_gpus_match_the_engine(tiny_llama):
     ray = pytest.importorskip("ray", reason="the service needs Ray")
     from flame_llm import LLM, SamplingParams
-    from flame_llm.serving.service import make_client, start_service
+    from flame_llm.serving.client import make_client
+    from flame_llm.serving.service import start_service
     from flame_llm.serving.service_config import ServiceConfig
 
     engine = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16, "dtype": "float32",

@@ -8,6 +8,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from flame_llm import SamplingParams
+from flame_llm.serving.client import Client
 from flame_llm.serving.service import discover_nodes, start_service
 from flame_llm.serving.service_config import ServiceConfig
 
@@ -38,7 +39,7 @@ def test_shards_on_both_nodes_and_results_name_them(cluster, tiny_llama):
                         router_policy="round_robin", ray_address=cluster.address,
                         engine={"max_model_len": 512, "max_num_batched_tokens": 512, "cpu_kvcache_gib": 0.03125})
     svc = start_service(cfg)
-    client = svc.client()
+    client = Client.for_service(svc)
     try:
         placed = {p.shard: p.node_id for p in svc.placements}
         assert set(placed.values()) == {n.node_id for n in nodes}

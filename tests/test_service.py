@@ -14,7 +14,8 @@ from actors.admission import Admission, Overloaded
 from flame_llm import LLM, SamplingParams
 from flame_llm.protocol.routing_key import estimate_prefill_work
 from flame_llm.protocol.wire import WireRequest, decode_results, encode_requests, prompt_digest
-from flame_llm.serving.service import make_client, start_service
+from flame_llm.serving.client import Client, make_client
+from flame_llm.serving.service import start_service
 from flame_llm.serving.service_config import ServiceConfig
 
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16, "cpu_kvcache_gib": 0.0625}
@@ -81,7 +82,7 @@ def service(tiny_llama):
                         router_policy="cumulative", namespace="test-service", max_inflight_requests=8,
                         max_queued_requests=8)
     svc = start_service(cfg)
-    client = svc.client()
+    client = Client.for_service(svc)
     yield svc, client
     client.close()
     svc.stop(timeout_s=10)
@@ -250,7 +251,7 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
     try:
         with pytest.raises(RuntimeError, match="shards serve different model revisions"):
             make_client(None, svc.router, {0: svc.actors[0], 1: other.actors[0]})
-        strict = other.client(max_retries=0)  # no resubmission: requests lost with a shard say so
+        strict = Client.for_service(other, max_retries=0)  # no resubmission: requests lost with a shard say so
         out = {}
         t = threading.Thread(target=lambda: out.update(res=strict.generate(_prompts(4, 20, seed=16), SamplingParams(
             temperature=0.0, max_tokens=400, ignore_eos=True))))
@@ -263,7 +264,7 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
         t.join(timeout=120)
         assert [r["error"]["code"] for r in out["res"]] == ["shard_died"] * 4
         strict.close()
-        client = other.client(restart_timeout_s=1.0)
+        client = Client.for_service(other, restart_timeout_s=1.0)
         assert client.generate([[5, 6, 7]], sp)[0]["error"] is None
         ray.kill(other.actors[0], no_restart=True)
         (res,) = client.generate([[5, 6, 7]], sp)
@@ -305,7 +306,7 @@ def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(servic
     """A dead step loop would fail every later request: the actor exits, Ray restarts it on its
     device, and the client resubmits the batch (a separate client, so other tests' counters hold)."""
     svc, _ = service
-    client = svc.client()
+    client = Client.for_service(svc)
     try:
         old = [ray.get(a.health.remote()) for a in svc.actors.values()]
         for a in svc.actors.values():
@@ -339,7 +340,7 @@ def test_drain_then_shutdown(service):
 def test_formed_batch_is_sent_without_waiting_out_the_window(service):
     """A generate() call hands over a formed batch: by default its per-shard batches leave at once;
     with flush_formed=False (the seed's rule) they wait for the 10 ms formation window."""
-    from flame_llm.serving.service import connect
+    from flame_llm.serving.client import Client
 
     _, default_client = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)
@@ -348,7 +349,7 @@ def test_formed_batch_is_sent_without_waiting_out_the_window(service):
     formed = sum(b.flushes["formed"] - before[s]["formed"] for s, b in default_client.batchers.items())
     window = sum(b.flushes["window"] - before[s]["window"] for s, b in default_client.batchers.items())
     assert formed >= 1 and window == 0
-    seed_rule = connect(namespace="test-service", flush_formed=False)
+    seed_rule = Client.connect(namespace="test-service", flush_formed=False)
     try:
         seed_rule.generate(_prompts(3, 20, seed=8), sp)
         assert sum(b.flushes["window"] for b in seed_rule.batchers.values()) >= 1

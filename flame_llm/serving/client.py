@@ -22,6 +22,8 @@ from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.wire import BATCH_OVERHEAD, WireRequest, decode_results, encode_requests, request_wire_size
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending, ShardBatcher
+from flame_llm.serving.service import Service, attach, find_service, start_service
+from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
 RETRYABLE = ("overloaded",)
@@ -58,9 +60,15 @@ class Client:
 
     @classmethod
     def connect(cls, namespace: str = "flame", address: str | None = "auto", **kwargs) -> Client:
-        """Attach to a running service (see flame_llm.serving.service)."""
-        from flame_llm.serving.service import connect
-        return connect(namespace=namespace, address=address, **kwargs)
+        """A client of the service running in `namespace` of the Ray cluster at `address`."""
+        attach(namespace, address)
+        router, actors = find_service(namespace)
+        return make_client(None, router, actors, **kwargs)
+
+    @classmethod
+    def for_service(cls, svc: Service, **kwargs) -> Client:
+        """A client of a service this process started (closing it leaves the service running)."""
+        return make_client(svc.cfg, svc.router, svc.actors, **kwargs)
 
     def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = False) -> list[dict]:
@@ -271,3 +279,28 @@ def _error(p: Pending, code: str, message: str) -> dict:
     return {"id": p.rid, "output_token_ids": [], "finish_reason": None, "prompt_tokens": len(p.tokens),
             "cached_tokens": 0, "shard": p.shard, "gpu_uuid": "", "node": "", "timings": {},
             "error": {"code": code, "message": message, "retry_after_s": None}}
+
+
+def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
+                service: Service | None = None, **kwargs) -> Client:
+    """A client for the router and shards given; `cfg` supplies the batching options, the shards' health
+    their model revision and payload budget. With `service`, closing the client stops that service."""
+    health = ray.get([a.health.remote() for a in actors.values()])
+    revisions = {h["model_revision"] for h in health}
+    if len(revisions) != 1:
+        raise RuntimeError(f"shards serve different model revisions: {sorted(revisions)}")
+    opts = {}
+    if cfg is not None:
+        opts = {"max_batch_prompts": cfg.max_batch_prompts, "batch_window_ms": cfg.batch_window_ms,
+                "max_batch_bytes": cfg.max_batch_bytes, "zstd_level": cfg.zstd_level,
+                "max_retries": cfg.max_retries}
+    opts.update(kwargs)
+    budget = min(h["max_decoded_bytes"] for h in health)
+    opts["max_batch_bytes"] = min(opts.get("max_batch_bytes", budget), budget)
+    return Client(router, actors, revisions.pop(), model_dir=health[0]["model"], service=service, **opts)
+
+
+def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:
+    """Start a service and return a Client that stops it on close()."""
+    svc = start_service(cfg)
+    return make_client(cfg, svc.router, svc.actors, service=svc, **client_kwargs)

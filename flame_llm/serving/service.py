@@ -7,7 +7,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -21,10 +20,6 @@ SHARD_PREFIX = "flame-shard-"
 MAX_CONCURRENCY = 1024  # concurrent submit calls (batches) per engine actor
 
 
-if TYPE_CHECKING:
-    from flame_llm.serving.client import Client
-
-
 @dataclass(slots=True)
 class Service:
     cfg: ServiceConfig
@@ -32,9 +27,6 @@ class Service:
     router: ray.actor.ActorHandle
     actors: dict[int, ray.actor.ActorHandle]
     health: list[dict] = field(default_factory=list)
-
-    def client(self, **kwargs) -> Client:
-        return make_client(self.cfg, self.router, self.actors, service=None, **kwargs)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         stop_actors(list(self.actors.values()), self.router, timeout_s)
@@ -131,37 +123,10 @@ def find_service(namespace: str) -> tuple[ray.actor.ActorHandle, dict[int, ray.a
             {k: ray.get_actor(f"{SHARD_PREFIX}{k}", namespace=namespace) for k in shards})
 
 
-def connect(namespace: str = "flame", address: str | None = "auto", **client_kwargs) -> Client:
-    """A Client for the service running in `namespace` of the Ray cluster at `address`."""
+def attach(namespace: str, address: str | None = "auto") -> None:
+    """Join the Ray cluster at `address` (no-op when this process already is attached)."""
     if not ray.is_initialized():
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
-    router, actors = find_service(namespace)
-    return make_client(None, router, actors, **client_kwargs)
-
-
-def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
-                service: Service | None = None, **kwargs) -> Client:
-    from flame_llm.serving.client import Client
-
-    health = ray.get([a.health.remote() for a in actors.values()])
-    revisions = {h["model_revision"] for h in health}
-    if len(revisions) != 1:
-        raise RuntimeError(f"shards serve different model revisions: {sorted(revisions)}")
-    opts = {}
-    if cfg is not None:
-        opts = {"max_batch_prompts": cfg.max_batch_prompts, "batch_window_ms": cfg.batch_window_ms,
-                "max_batch_bytes": cfg.max_batch_bytes, "zstd_level": cfg.zstd_level,
-                "max_retries": cfg.max_retries}
-    opts.update(kwargs)
-    budget = min(h["max_decoded_bytes"] for h in health)
-    opts["max_batch_bytes"] = min(opts.get("max_batch_bytes", budget), budget)
-    return Client(router, actors, revisions.pop(), model_dir=health[0]["model"], service=service, **opts)
-
-
-def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:
-    """Start a service and return a Client that stops it on close()."""
-    svc = start_service(cfg)
-    return make_client(cfg, svc.router, svc.actors, service=svc, **client_kwargs)
 
 
 def status(namespace: str) -> dict:
