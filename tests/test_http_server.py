@@ -91,7 +91,7 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     ({"prompt": [1, 2], "stream": True}, "stream", "field 'stream' must be false"),
     ({"prompt": [1, 2], "n": 3}, "n", "field 'n' must be 1"),
     ({"prompt": [1, 2], "ignore_eos": "yes"}, "ignore_eos", "field 'ignore_eos' must be true or false"),
-    ({"prompt": [1] * 600}, "prompt", "max_model_len is 512"),
+    ({"prompt": [1] * 600}, "prompt", "the limit is 511 (max_model_len 512"),
     (["not", "an", "object"], "body", "must be a JSON object"),
 ])
 def test_bad_input_answers_400_naming_the_field(server, body, param, words):

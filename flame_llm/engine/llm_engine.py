@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
-from flame_llm.config import Config
+from flame_llm.config import Config, max_prompt_tokens
 from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.model_runner import ModelRunner, StepHandle
 from flame_llm.engine.scheduler import Scheduler
@@ -78,9 +78,10 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt_token_ids is empty; a prompt needs at least 1 token")
-        if n >= self.config.max_model_len:
-            raise ValueError(f"prompt_token_ids has {n} tokens; max_model_len is {self.config.max_model_len} "
-                             "and a prompt must leave room for one output token")
+        limit = max_prompt_tokens(self.config.max_model_len)
+        if n > limit:
+            raise ValueError(f"prompt_token_ids has {n} tokens; the limit is {limit} (max_model_len "
+                             f"{self.config.max_model_len}, and a prompt must leave room for one output token)")
         sp.validate()
         bs = self.config.block_size
         need = (min(n + sp.max_tokens, self.config.max_model_len) + bs - 1) // bs
