@@ -57,9 +57,9 @@ class EngineActor:
         self.model = resolve_model(model)
         self.engine = AsyncEngine.from_args(self.model, **kwargs)
         cfg = self.engine.config
-        self.model_revision = cfg.model_revision
-        self.vocab_size = cfg.hf_config.vocab_size
-        self.max_model_len = cfg.max_model_len
+        self.model_revision = cfg.model_config.model_revision
+        self.vocab_size = cfg.model_config.hf_config.vocab_size
+        self.max_model_len = cfg.model_config.max_model_len
         self.load_s = time.perf_counter() - t0
         self.max_decoded_bytes, self.zstd_level = max_decoded_bytes, zstd_level
         self.admission = Admission(max_inflight_tokens, max_inflight_requests, max_queued_requests)

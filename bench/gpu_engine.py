@@ -121,7 +121,7 @@ def main() -> None:
         save()
     peak = res.get("ceilings", {}).get("matmul_tflops", 790.0)
     llm = LLM(MODEL, load_format="dummy", attention_backend=args.backend, **SEED_LIMITS)
-    hf = llm.engine.config.hf_config
+    hf = llm.engine.config.model_config.hf_config
     res["num_kv_blocks"] = llm.engine.block_manager.num_blocks
     res["attention_backend"] = llm.engine.model_runner.backend
     if "prefill" in parts:

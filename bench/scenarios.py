@@ -90,7 +90,7 @@ def run_variant(job: dict) -> dict:
     sc = scenario(job["scenario"], job["scale"])
     variant = find_variant(sc, job["variant"])
     cfg = {**sc.engine, **variant.engine}
-    engine = LLMEngine(Config(model=job["model"], load_format="dummy", device=job["device"], **cfg))
+    engine = LLMEngine(Config.from_kwargs(job["model"], load_format="dummy", device=job["device"], **cfg))
     vocab = engine.vocab_size
     requests = build_requests(sc, variant, vocab, job["seed"])
     sample = requests[:: max(1, len(requests) // WARMUP_REQUESTS)][:WARMUP_REQUESTS]  # every kind of request

@@ -140,8 +140,9 @@ def make_scheduler(model: str, num_blocks: int = 24, cls: type[Scheduler] = Sche
     # the recorded schedules predate same-step prefix sharing: tests that want it say so
     kwargs = dict(block_size=BS, max_num_seqs=6, max_num_batched_tokens=128, max_model_len=128,
                   num_kvcache_blocks=num_blocks, eos_token_ids=(EOS,), enable_same_step_prefix_sharing=False) | kwargs
-    cfg = Config(model=model, **kwargs)
-    return cls(cfg, BlockManager(num_blocks, BS, cfg.enable_prefix_caching))
+    cfg = Config.from_kwargs(model, **kwargs)
+    cc = cfg.cache_config
+    return cls(cfg, BlockManager(num_blocks, BS, cc.enable_prefix_caching, cc.enable_lru))
 
 
 def trace_digest(trace, outputs) -> str:

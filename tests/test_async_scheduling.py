@@ -197,7 +197,7 @@ def test_async_engine_streams_and_aborts_in_flight(tiny_llama):
 
 def test_async_scheduling_is_refused_with_speculative_decoding(tiny_llama):
     with pytest.raises(ValueError, match="async_scheduling"):
-        Config(model=tiny_llama, async_scheduling=True, speculative_model=tiny_llama, num_speculative_tokens=2)
+        Config.from_kwargs(tiny_llama, async_scheduling=True, speculative_model=tiny_llama, num_speculative_tokens=2)
 
 
 def test_cpu_default_is_synchronous(tiny_llama):

@@ -16,12 +16,12 @@ def copy_model(src, dst):
 
 def test_missing_directory():
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        Config(model="/nonexistent/model")
+        Config.from_kwargs("/nonexistent/model")
 
 
 def test_missing_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Config(model=str(tmp_path))
+        Config.from_kwargs(str(tmp_path))
 
 
 def test_unsupported_and_missing_architecture(tiny_llama, tmp_path):
@@ -30,11 +30,11 @@ def test_unsupported_and_missing_architecture(tiny_llama, tmp_path):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match="not supported"):
-        Config(model=d)
+        Config.from_kwargs(d)
     cfg.pop("architectures")
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match="architectures"):
-        Config(model=d)
+        Config.from_kwargs(d)
 
 
 def test_no_safetensors(tiny_llama, tmp_path):
@@ -87,15 +87,28 @@ def test_dummy_weights_from_config_alone(tiny_llama, tmp_path):
     ("fresh_prefill_backend", "fa3", "fresh_prefill_backend"), ("max_num_seqs", 0, "max_num_seqs"),
     ("max_num_batched_tokens", 100, "max_num_batched_tokens"), ("gpu_memory_utilization", 1.5,
                                                                 "gpu_memory_utilization"),
+    ("max_num_seqs", True, "max_num_seqs"), ("num_kvcache_blocks", 0, "num_kvcache_blocks"),
+    ("cpu_kvcache_gib", 0, "cpu_kvcache_gib"), ("mixed_decode_attention", "cudnn", "mixed_decode_attention"),
+    ("nonsense", 1, r"unknown config field\(s\) \['nonsense'\]; known: .*max_num_seqs"),
 ])
 def test_bad_config_fields(tiny_llama, field, value, match):
     with pytest.raises(ValueError, match=match):
-        Config(model=tiny_llama, max_model_len=512, **{field: value})
+        Config.from_kwargs(tiny_llama, max_model_len=512, **{field: value})
+
+
+def test_config_groups_and_flat_names_round_trip(tiny_llama):
+    cfg = Config.from_kwargs(tiny_llama, max_num_seqs=7, block_size=32, enforce_eager=True, enable_lru=True)
+    assert (cfg.scheduler_config.max_num_seqs, cfg.cache_config.block_size, cfg.runner_config.enforce_eager,
+            cfg.cache_config.enable_lru) == (7, 32, True, True)
+    flat = cfg.to_kwargs()
+    assert flat["model"] == tiny_llama and "hf_config" not in flat
+    again = Config.from_kwargs(flat.pop("model"), **flat)
+    assert again.to_kwargs() == cfg.to_kwargs()
 
 
 def test_shipped_benchmark_configs_parse():
     root = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
     for name in ("llama-3.1-8b", "qwen3-0.6b", "qwen3-8b"):
-        cfg = Config(model=os.path.join(root, name), load_format="dummy", max_model_len=32768,
-                     max_num_batched_tokens=32768)
-        assert cfg.hf_config.num_key_value_heads == 8
+        cfg = Config.from_kwargs(os.path.join(root, name), load_format="dummy", max_model_len=32768,
+                                 max_num_batched_tokens=32768)
+        assert cfg.model_config.hf_config.num_key_value_heads == 8

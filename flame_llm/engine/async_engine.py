@@ -46,7 +46,7 @@ class AsyncEngine:
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> AsyncEngine:
-        return cls(Config(model=model, **kwargs))
+        return cls(Config.from_kwargs(model, **kwargs))
 
     def _submit(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None,
                 stream: bool) -> tuple[str, _Pending]:

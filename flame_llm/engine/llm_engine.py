@@ -22,20 +22,21 @@ class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
         draft = None
-        if config.speculative_model is not None or config.num_speculative_tokens:
+        if config.speculative:
             from flame_llm.speculative.draft_runner import DraftRunner
             draft = DraftRunner(config)  # loaded first: the target's KV budget leaves room for its pool
         self.model_runner = ModelRunner(config, extra_block_bytes=draft.block_bytes() if draft else 0)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        cc = config.cache_config
+        self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                          cc.enable_lru)
         self.scheduler = Scheduler(config, self.block_manager)
         self.spec = None
         if draft is not None:
             from flame_llm.speculative.decoder import SpecDecoder
             self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler)
         self._tokenizer = None
-        self.vocab_size = config.hf_config.vocab_size
-        self.async_scheduling = config.async_scheduling
+        self.vocab_size = config.model_config.hf_config.vocab_size
+        self.async_scheduling = config.scheduler_config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.model_runner.device.type == "cuda" and self.spec is None
         self._inflight: StepHandle | None = None  # the launched step whose tokens are not read yet
@@ -44,17 +45,18 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
-        return cls(Config(model=model, **kwargs))
+        return cls(Config.from_kwargs(model, **kwargs))
 
     @property
     def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase (loaded lazily)
         if self._tokenizer is None:
-            if not any(os.path.isfile(os.path.join(self.config.model, f))
+            model = self.config.model_config.model
+            if not any(os.path.isfile(os.path.join(model, f))
                        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-                raise ValueError(f"text prompts need a tokenizer, and model directory {self.config.model!r} "
+                raise ValueError(f"text prompts need a tokenizer, and model directory {model!r} "
                                  "has none; pass token ids instead")
             from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_config.model)
         return self._tokenizer
 
     def to_token_ids(self, prompt: str | Seq[int] | np.ndarray) -> list[int]:
@@ -78,13 +80,14 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt_token_ids is empty; a prompt needs at least 1 token")
-        limit = max_prompt_tokens(self.config.max_model_len)
+        max_len = self.config.model_config.max_model_len
+        limit = max_prompt_tokens(max_len)
         if n > limit:
-            raise ValueError(f"prompt_token_ids has {n} tokens; the limit is {limit} (max_model_len "
-                             f"{self.config.max_model_len}, and a prompt must leave room for one output token)")
+            raise ValueError(f"prompt_token_ids has {n} tokens; the limit is {limit} (max_model_len {max_len}, "
+                             "and a prompt must leave room for one output token)")
         sp.validate()
-        bs = self.config.block_size
-        need = (min(n + sp.max_tokens, self.config.max_model_len) + bs - 1) // bs
+        bs = self.config.cache_config.block_size
+        need = (min(n + sp.max_tokens, self.config.model_config.max_model_len) + bs - 1) // bs
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt {n} + max_tokens {sp.max_tokens}); "
                              f"the KV pool has {self.block_manager.num_blocks}")
@@ -93,7 +96,7 @@ class LLMEngine:
                     request_id: str | None = None) -> Sequence:
         token_ids = self.to_token_ids(prompt)
         self.check_request(token_ids, sampling_params)
-        seq = Sequence(token_ids, sampling_params, self.config.block_size, request_id)
+        seq = Sequence(token_ids, sampling_params, self.config.cache_config.block_size, request_id)
         self.scheduler.add(seq)
         return seq
 
@@ -147,7 +150,7 @@ class LLM:
     """Offline generation: `LLM(model_dir, **config).generate(prompts, sampling_params)`."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(Config(model=model, **kwargs))
+        self.engine = LLMEngine(Config.from_kwargs(model, **kwargs))
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -66,11 +66,12 @@ class ModelRunner:
         speculative draft's); the memory budget is split so that both fit."""
         self.config = config
         self.extra_block_bytes = extra_block_bytes
-        hf = config.hf_config
-        self.device = resolve_device(config.device)
-        dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        mc, rc = config.model_config, config.runner_config
+        hf = mc.hf_config
+        self.device = resolve_device(mc.device)
+        dtype = mc.dtype if mc.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dtype]
-        self.block_size = config.block_size
+        self.block_size = config.cache_config.block_size
         self.vocab_size = hf.vocab_size
         prev_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -79,34 +80,34 @@ class ModelRunner:
                 self.model = MODELS[hf.architectures[0]](hf)
         finally:
             torch.set_default_dtype(prev_dtype)
-        if config.load_format == "dummy":
-            init_dummy(self.model, config.seed)
+        if mc.load_format == "dummy":
+            init_dummy(self.model, mc.seed)
         else:
-            load_model(self.model, config.model)
+            load_model(self.model, mc.model)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = resolve_backend(config.attention_backend, self.device, config.block_size, self.dtype,
+        self.backend = resolve_backend(rc.attention_backend, self.device, self.block_size, self.dtype,
                                        self.attn_layers[0].head_dim)
         for layer in self.attn_layers:
-            layer.set_backend(self.backend, config.fresh_prefill_backend)
-        if self.device.type == "cuda" and config.fused_ops:
+            layer.set_backend(self.backend, rc.fresh_prefill_backend)
+        if self.device.type == "cuda" and rc.fused_ops:
             for m in self.model.modules():
                 if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                     m.fused = True
-        torch.manual_seed(config.seed)
+        torch.manual_seed(mc.seed)
         self.num_blocks = self.allocate_kv_cache()
-        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size
         self.staging = Staging(self.device)
-        self.split_decodes = self.backend == "fa4" and config.mixed_decode_attention == "triton"
+        self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
         self.fa4_warmup_compiles = 0
         self._jit_logged = 0
         if self.backend == "fa4":
             self.warmup_fa4()
-        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.backend != "torch")
+        self.use_graphs = self.device.type == "cuda" and not rc.enforce_eager and self.backend != "torch"
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_blocks_per_seq,
-                                       config.max_model_len, self.device)
+            self.graphs = DecodeGraphs(self.model, config.scheduler_config.max_num_seqs, self.max_blocks_per_seq,
+                                       mc.max_model_len, self.device)
             self.graphs.capture()
         logger.info("attention: %s; decode-only steps: %s", _BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager")
@@ -118,13 +119,13 @@ class ModelRunner:
         return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * itemsize
 
     def allocate_kv_cache(self) -> int:
-        cfg = self.config
-        if cfg.num_kvcache_blocks > 0:
-            num_blocks = cfg.num_kvcache_blocks
+        cc = self.config.cache_config
+        if cc.num_kvcache_blocks > 0:
+            num_blocks = cc.num_kvcache_blocks
         elif self.device.type == "cuda":
             num_blocks = self.profile_num_blocks()
         else:
-            num_blocks = int(cfg.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
+            num_blocks = int(cc.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization, or set num_kvcache_blocks")
@@ -142,11 +143,11 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_num_blocks(self) -> int:
         """Peak activation memory of a full-budget prefill, then the rest of the budget for KV."""
-        cfg = self.config
+        cfg, sc = self.config, self.config.scheduler_config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        n = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
-        m = cfg.max_model_len
+        m = cfg.model_config.max_model_len
+        n = min(sc.max_num_batched_tokens, m * sc.max_num_seqs)
         lens = [m] * (n // m) + ([n % m] if n % m else [])
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(m, device=self.device) for m in lens])
@@ -160,18 +161,18 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         used = total - free
         peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-        budget = total * cfg.gpu_memory_utilization - used - (peak - current)
+        budget = total * cfg.cache_config.gpu_memory_utilization - used - (peak - current)
         return int(budget) // (self.block_bytes() + self.extra_block_bytes)
 
     def warmup_fa4(self) -> None:
         """Compile every flash-attn-4 variant the engine's limits can reach, so none compiles mid-burst."""
         from flame_llm.kernels import fa4_backend
 
-        cfg, layer = self.config, self.attn_layers[0]
+        sc, layer = self.config.scheduler_config, self.attn_layers[0]
         t0 = time.perf_counter()
         self.fa4_warmup_compiles = fa4_backend.warmup(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale,
-                                                      cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                                      cfg.max_model_len)
+                                                      sc.max_num_seqs, sc.max_num_batched_tokens,
+                                                      self.config.model_config.max_model_len)
         logger.info("flash-attn-4: %d kernel variants compiled in %.1fs", self.fa4_warmup_compiles,
                     time.perf_counter() - t0)
 

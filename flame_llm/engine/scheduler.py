@@ -48,20 +48,18 @@ from flame_llm.engine.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager) -> None:
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
-        self.eos_token_ids = frozenset(config.eos_token_ids)
-        self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.cache_aware = config.enable_cache_aware_schedule
-        self.cache_aware_window = config.cache_aware_window
-        self.cache_aware_max_skips = config.cache_aware_max_skips
-        self.prefix_dedup = config.enable_prefix_dedup
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_model_len = config.model_config.max_model_len
+        self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
+        self.enable_chunked_prefill = config.scheduler_config.enable_chunked_prefill
+        self.cache_aware = config.scheduler_config.enable_cache_aware_schedule
+        self.cache_aware_window = config.scheduler_config.cache_aware_window
+        self.cache_aware_max_skips = config.scheduler_config.cache_aware_max_skips
+        self.prefix_dedup = config.scheduler_config.enable_prefix_dedup
         # speculative decoding publishes only blocks both KV pools hold, after the step
-        self.same_step_sharing = config.enable_same_step_prefix_sharing and not (
-            config.speculative_model or config.num_speculative_tokens)
-        # the engine builds the BlockManager from the pool size alone; the cache policy is ours to set
-        block_manager.enable_lru = config.enable_lru
+        # speculative decoding publishes only blocks both KV pools hold, after the step
+        self.same_step_sharing = config.cache_config.enable_same_step_prefix_sharing and not config.speculative
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()

@@ -157,13 +157,13 @@ async def stats(request: web.Request) -> web.Response:
 def build_app(engine, gpu_uuid: str | None = None, device_name: str = "cpu",
               model_name: str | None = None) -> web.Application:
     """The aiohttp app around a running AsyncEngine (the caller owns the engine's life)."""
-    cfg = engine.config
+    mc = engine.config.model_config
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
-    app[INFO] = {"model": cfg.model, "model_name": model_name or os.path.basename(os.path.normpath(cfg.model)),
-                 "model_revision": cfg.model_revision, "gpu_uuid": gpu_uuid or device_name,
-                 "node": os.uname().nodename, "pid": os.getpid(), "vocab_size": cfg.hf_config.vocab_size,
-                 "max_model_len": cfg.max_model_len}
+    app[INFO] = {"model": mc.model, "model_name": model_name or os.path.basename(os.path.normpath(mc.model)),
+                 "model_revision": mc.model_revision, "gpu_uuid": gpu_uuid or device_name,
+                 "node": os.uname().nodename, "pid": os.getpid(), "vocab_size": mc.hf_config.vocab_size,
+                 "max_model_len": mc.max_model_len}
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

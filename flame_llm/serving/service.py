@@ -72,10 +72,11 @@ def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
     init_ray(cfg)
     model = cfg.model
     if model == "tiny":
-        Config(resolve_model(model), **cfg.engine_kwargs())  # creates it here once; checks the engine fields
+        # creates the tiny model here once; checks the engine fields before any actor starts
+        Config.from_kwargs(resolve_model(model), **cfg.engine_kwargs())
     elif os.path.isdir(model):
         model = os.path.abspath(model)
-        Config(model, **cfg.engine_kwargs())
+        Config.from_kwargs(model, **cfg.engine_kwargs())
     placements = plan_shards(discover_nodes(), cfg.num_shards, cfg.cpu_shards, tuple(cfg.gpu_uuids))
     lifetime = "detached" if detached else None
     ns = cfg.namespace

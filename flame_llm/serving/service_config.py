@@ -37,9 +37,9 @@ class ServiceConfig:
     startup_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        from flame_llm.config import Config
+        from flame_llm.config import FIELD_NAMES
 
-        known = {f.name for f in dataclasses.fields(Config)} - {"model", "load_format", "hf_config"}
+        known = set(FIELD_NAMES) - {"load_format"}
         unknown = sorted(set(self.engine) - known) if isinstance(self.engine, dict) else []
         _need(not unknown, "engine", f"Config fields only ({', '.join(sorted(known))})", unknown)
         ns = self.namespace

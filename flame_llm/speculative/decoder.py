@@ -34,9 +34,10 @@ class SpecDecoder:
         self.config = config
         self.target, self.draft, self.scheduler = target, draft, scheduler
         self.block_manager = scheduler.block_manager
-        self.k = config.num_speculative_tokens
-        self.max_batch_size = min(config.speculative_max_batch_size, config.max_num_seqs)
-        self.max_model_len = config.max_model_len
+        self.k = config.speculative_config.num_speculative_tokens
+        self.max_batch_size = min(config.speculative_config.speculative_max_batch_size,
+                                  config.scheduler_config.max_num_seqs)
+        self.max_model_len = config.model_config.max_model_len
         draft.allocate(target.num_blocks)
         self.runner = SpecRunner(target, draft, self.k, self.max_batch_size, target.use_graphs)
         self.runners = {self.k: self.runner}
@@ -45,7 +46,7 @@ class SpecDecoder:
         self.profiler = StepProfiler(target.device) if profiling_enabled() else None
         self.reset_stats()
         logger.info("speculative decoding: K=%d, up to %d sequences, draft %s, CUDA graphs %s", self.k,
-                    self.max_batch_size, config.speculative_model, self.runner.use_graphs)
+                    self.max_batch_size, config.speculative_config.speculative_model, self.runner.use_graphs)
 
     def reset_stats(self) -> None:
         self.num_spec_steps = 0

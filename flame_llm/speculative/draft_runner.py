@@ -6,7 +6,6 @@ for both. The engine splits one memory budget between the two pools (ModelRunner
 extra_block_bytes)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -21,31 +20,35 @@ MAX_SPECULATIVE_TOKENS = 16
 
 def check_speculative_config(config: Config) -> None:
     """Raise ValueError naming the field and its limit."""
-    k = config.num_speculative_tokens
-    if config.speculative_model is None:
+    k = config.speculative_config.num_speculative_tokens
+    if config.speculative_config.speculative_model is None:
         if k:
             raise ValueError(f"config field 'num_speculative_tokens' is {k} but 'speculative_model' is not set")
         return
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"config field 'num_speculative_tokens' must be in [1, {MAX_SPECULATIVE_TOKENS}] "
                          f"when 'speculative_model' is set; got {k!r}")
-    if config.speculative_max_batch_size < 0:
+    if config.speculative_config.speculative_max_batch_size < 0:
         raise ValueError("config field 'speculative_max_batch_size' must be >= 0 (0: never speculate); "
-                         f"got {config.speculative_max_batch_size!r}")
+                         f"got {config.speculative_config.speculative_max_batch_size!r}")
 
 
 def make_draft_config(config: Config) -> Config:
     """The target's config with the draft's model; its KV pool is sized later (allocate)."""
     check_speculative_config(config)
-    draft = dataclasses.replace(config, model=config.speculative_model, hf_config=None, num_kvcache_blocks=1,
-                                enforce_eager=True, speculative_model=None, num_speculative_tokens=0)
-    target_vocab, draft_vocab = config.hf_config.vocab_size, draft.hf_config.vocab_size
+    sp = config.speculative_config
+    kwargs = config.to_kwargs() | dict(num_kvcache_blocks=1, enforce_eager=True, speculative_model=None,
+                                       num_speculative_tokens=0, model_revision="", eos_token_ids=())
+    del kwargs["model"]
+    draft = Config.from_kwargs(sp.speculative_model, **kwargs)
+    target_vocab = config.model_config.hf_config.vocab_size
+    draft_vocab = draft.model_config.hf_config.vocab_size
     if draft_vocab != target_vocab:
-        raise ValueError(f"speculative_model {config.speculative_model!r} has vocab_size {draft_vocab}; "
+        raise ValueError(f"speculative_model {sp.speculative_model!r} has vocab_size {draft_vocab}; "
                          f"it must equal the target's vocab_size {target_vocab}")
-    if draft.max_model_len < config.max_model_len:
-        raise ValueError(f"speculative_model {config.speculative_model!r} supports {draft.max_model_len} "
-                         f"positions; max_model_len is {config.max_model_len}")
+    if draft.model_config.max_model_len < config.model_config.max_model_len:
+        raise ValueError(f"speculative_model {sp.speculative_model!r} supports {draft.model_config.max_model_len} "
+                         f"positions; max_model_len is {config.model_config.max_model_len}")
     return draft
 
 
@@ -55,15 +58,15 @@ class DraftRunner:
         self.runner = ModelRunner(self.config)  # weights now, a one-block placeholder pool until allocate
         self.model = self.runner.model
         self.device = self.runner.device
-        self.block_size = self.config.block_size
-        self.max_num_batched_tokens = self.config.max_num_batched_tokens
+        self.block_size = self.config.cache_config.block_size
+        self.max_num_batched_tokens = self.config.scheduler_config.max_num_batched_tokens
 
     def block_bytes(self) -> int:
         return self.runner.block_bytes()
 
     def allocate(self, num_blocks: int) -> None:
         """A pool of num_blocks blocks (the target's count), replacing the placeholder."""
-        self.config.num_kvcache_blocks = num_blocks
+        self.config.cache_config.num_kvcache_blocks = num_blocks
         del self.runner.kv_cache
         self.runner.num_blocks = self.runner.allocate_kv_cache()
 

@@ -67,7 +67,7 @@ class SpecRunner:
         self.target, self.draft = target, draft
         self.k = k = num_speculative_tokens
         self.block_size = target.block_size
-        self.max_model_len = target.config.max_model_len
+        self.max_model_len = target.config.model_config.max_model_len
         self.max_bs = max(1, max_batch_size)
         self.device = dev = target.device
         self.width = target.max_blocks_per_seq
