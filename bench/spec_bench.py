@@ -24,7 +24,7 @@ import torch
 
 from bench.draft_model import CONFIGS, set_agreement, shape_pair, write_draft_config
 from flame_llm import LLM, SamplingParams
-from flame_llm.speculative.profiler import StepProfiler
+from flame_llm.engine.speculative.profiler import StepProfiler
 
 TARGET = os.path.join(CONFIGS, "qwen3-8b")
 

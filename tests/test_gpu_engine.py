@@ -31,15 +31,27 @@ def test_cuda_path_matches_torch_path_fp32(tiny_model, eager):
 
 
 def test_cuda_path_tracks_torch_path_bf16(tiny_model):
-    """bfloat16: rounding differs between fused and unfused ops, so a near-tie in a random tiny model
-    can flip a later greedy token; the first token of every prompt (prefill) must agree, and most
-    tokens overall."""
+    """bfloat16: fused and unfused ops round differently, so where the two best next tokens are within
+    rounding of each other the paths may pick different ones and then go their own ways. So: the first
+    token of every prompt (prefill) agrees, and where a generation departs from the torch path's, the
+    two best logits there (transformers in fp32 on the torch path's tokens) are within bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
     ref, _ = _generate(tiny_model, "bfloat16", attention_backend="torch", enforce_eager=True, fused_ops=False)
     outs, again = _generate(tiny_model, "bfloat16", attention_backend="triton")
     assert [o[0] for o in outs] == [r[0] for r in ref]
     assert [o[0] for o in again] == [r[0] for r in ref]
-    agree = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r)) / sum(map(len, ref))
-    assert agree >= 0.5, agree
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).cuda().eval()
+    for prompt, gen in [(p, o) for p, o in zip(prompts(), outs)] + [(p, o) for p, o in zip(prompts(), again)]:
+        r = ref[prompts().index(prompt)]
+        i = next((k for k, (a, b) in enumerate(zip(gen, r)) if a != b), None)
+        if i is None:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + r[:i]], device="cuda")).logits[0, -1]
+        top = logits.topk(2).values
+        margin, scale = (top[0] - top[1]).item(), top[0].abs().item() + 1.0
+        assert margin <= 0.05 * scale, f"position {i}: paths differ where the margin is {margin:.3f} (not a tie)"
 
 
 def test_decode_graph_equals_eager_forward(tiny_llama):

@@ -174,7 +174,7 @@ def test_chunked_prefill_preempts_the_newest_partial_prefill_and_keeps_its_writt
     long = seq_of(range(200, 280), max_tokens=2, rid="long")  # 80 tokens: 5 blocks, never fits beside dec
     sched.add(long)
     trace = [step(sched, runner) for _ in range(200) if not sched.is_finished()]
-    assert long.num_preemptions > 0 and sched.num_preemptions == long.num_preemptions
+    assert long.num_preemptions > 0 and sched.counts.num_preemptions == long.num_preemptions
     assert dec.num_preemptions == 0  # the decode is older: it is never the victim
     assert all(s[0] == ("dec", 1) for s in trace if s and s[0][0] == "dec")  # decode-first in every step
     assert long.num_cached_tokens > 0  # re-admitted on top of the chunks it had published
@@ -387,11 +387,12 @@ def test_prefix_dedup_defers_only_while_the_prefix_is_being_written(tiny_llama):
     sched.add(early)
     # lead writes blocks 4-5 this step: the follower (64 cached, block 4 next) waits, early goes ahead
     assert step(sched, runner) == [("lead", 33), ("early", 20)]
-    assert sched.num_deferred_admissions == 1 and [s.request_id for s in sched.waiting] == ["follower"]
+    assert sched.counts.num_deferred_admissions == 1 and [s.request_id for s in sched.waiting] == ["follower"]
     assert ("follower", 2) in step(sched, runner)
     while not sched.is_finished():
         step(sched, runner)
-    assert follower.num_cached_tokens == 96 and early.num_cached_tokens == 32 and sched.num_deferred_admissions == 1
+    assert follower.num_cached_tokens == 96 and early.num_cached_tokens == 32
+    assert sched.counts.num_deferred_admissions == 1
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -417,3 +418,25 @@ def test_same_step_sharing_is_off_with_speculative_decoding(tiny_llama):
     sched = make_scheduler(tiny_llama, 64, enable_same_step_prefix_sharing=True, speculative_model=tiny_llama,
                            num_speculative_tokens=2)
     assert not sched.same_step_sharing
+
+
+def test_speculative_lookahead_takes_free_blocks_for_all_or_none_and_commits_verified_positions(tiny_llama):
+    sched = make_scheduler(tiny_llama, 6, speculative_model=tiny_llama, num_speculative_tokens=2)
+    runner = FakeRunner(BS)
+    a = seq_of(range(10, 25), max_tokens=20, rid="a")
+    b = Sequence(list(range(40, 55)), SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(999,)), BS, "b")
+    sched.add(a)
+    sched.add(b)
+    step(sched, runner)  # 15-token prompts plus their first token: one block each, 4 free
+    seqs, num_tokens = sched.schedule()
+    assert num_tokens == [1, 1] and sched.block_manager.num_free_blocks == 4
+    assert not sched.reserve_lookahead(seqs, num_tokens, 40)  # 3 more blocks each: nobody gets any
+    assert sched.block_manager.num_free_blocks == 4 and len(a.block_table) == len(b.block_table) == 1
+    assert sched.reserve_lookahead(seqs, num_tokens, 17)  # 2 more blocks each
+    assert sched.block_manager.num_free_blocks == 0 and len(a.block_table) == len(b.block_table) == 3
+    # a: 3 positions verified, 3 tokens; the draft's KV covers 16 positions. b: stops at its second token
+    finished = sched.complete_speculative(seqs, [[7, 8, 9], [5, 999, 6]], [3, 3], [16, 18])
+    assert finished == [b] and b.finish_reason == "stop" and b.completion_token_ids[-2:] == [5, 999]
+    assert a.num_tokens == 19 and a.num_computed_tokens == 18 and a.num_published_blocks == 1
+    st = sched.stats()
+    assert st["num_decode_steps"] == 1 and st["decode_time_s"] > 0

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from flame_llm import LLM, SamplingParams
+from flame_llm.engine.speculative.rejection import greedy_accept, rejection_sample
 from flame_llm.layers.sampler import apply_top_k_top_p
 from flame_llm.models.tiny import make_tiny_model
-from flame_llm.speculative.rejection import greedy_accept, rejection_sample
 
 MAX_TOKENS = 24
 BS = 16

@@ -5,6 +5,8 @@ fills them from one pinned staging upload (three small device copies) and, under
 scheduling, scatters the previous step's sampled tokens into the id rows that wait for them."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -12,6 +14,16 @@ from flame_llm.engine.step_inputs import Staging, StepInputs
 from flame_llm.kernels.metadata import AttentionMetadata, set_context
 
 BUCKETS = (1, 2, 4, 8)  # then every multiple of 16 up to max_num_seqs
+
+
+def capture_graph(fn: Callable[..., torch.Tensor], *args, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn(*args) run once outside a capture (Triton compiles, allocator warm-up), then captured: the graph and
+    the output tensor its replays overwrite. pool: a memory pool the graph shares with others."""
+    fn(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args)
+    return graph, out
 
 
 class DecodeGraphs:
@@ -22,7 +34,6 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in BUCKETS + tuple(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         self.width = max_blocks_per_seq
         self.max_model_len = max_model_len
-        self.device = device
         self.g_i64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=device)
         self.g_i32 = torch.zeros(max_bs * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
         # kept on self: a graph holds raw pointers, so every tensor it reads must outlive the capture
@@ -43,22 +54,20 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        max_bs = self.max_bs
-        g_ids, g_pos, g_slots = self.g_i64.view(3, max_bs)
+        g_slots = self.g_i64.view(3, self.max_bs)[2]
         pool = None
         for b in reversed(self.buckets):
-            meta = AttentionMetadata(self.g_cu_q[: b + 1], self.g_i32[:b], self.g_tables[:b], g_slots[:b], 1,
-                                     self.max_model_len, is_decode=True)
-            set_context(meta)
+            set_context(AttentionMetadata(self.g_cu_q[: b + 1], self.g_i32[:b], self.g_tables[:b], g_slots[:b], 1,
+                                          self.max_model_len, is_decode=True))
             g_slots.fill_(-1)
-            self.model.compute_logits(self.model(g_ids[:b], g_pos[:b]))  # warm up (Triton compiles)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.out[b] = self.model.compute_logits(self.model(g_ids[:b], g_pos[:b]))
-            pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[b], self.out[b] = capture_graph(self._logits, b, pool=pool)
+            pool = self.graphs[b].pool()
             set_context(None)
         torch.cuda.synchronize()
+
+    def _logits(self, b: int) -> torch.Tensor:
+        g_ids, g_pos, _ = self.g_i64.view(3, self.max_bs)
+        return self.model.compute_logits(self.model(g_ids[:b], g_pos[:b]))
 
     def replay(self, x: StepInputs, staging: Staging, prev_sampled: torch.Tensor | None) -> torch.Tensor:
         """Logits [n, V] of the decode step x (every row's)."""

@@ -12,6 +12,8 @@ from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.model_runner import ModelRunner, StepHandle
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
+from flame_llm.engine.speculative.decoder import SpecDecoder
+from flame_llm.engine.speculative.draft_runner import DraftRunner
 from flame_llm.outputs import RequestOutput
 from flame_llm.sampling_params import SamplingParams
 
@@ -21,19 +23,14 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        draft = None
-        if config.speculative:
-            from flame_llm.speculative.draft_runner import DraftRunner
-            draft = DraftRunner(config)  # loaded first: the target's KV budget leaves room for its pool
+        # the draft is loaded first: the target's KV budget leaves room for its pool
+        draft = DraftRunner(config) if config.speculative else None
         self.model_runner = ModelRunner(config, extra_block_bytes=draft.block_bytes() if draft else 0)
         cc = config.cache_config
         self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                           cc.enable_lru)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.spec = None
-        if draft is not None:
-            from flame_llm.speculative.decoder import SpecDecoder
-            self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler)
+        self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler) if draft is not None else None
         self._tokenizer = None
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.async_scheduling = config.scheduler_config.async_scheduling

@@ -95,11 +95,10 @@ class ModelRunner:
                 if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                     m.fused = True
         torch.manual_seed(mc.seed)
-        self.num_blocks = self.allocate_kv_cache()
+        self.allocate_kv_cache()
         self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size
         self.staging = Staging(self.device)
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
-        self.fa4_warmup_compiles = 0
         self._jit_logged = 0
         if self.backend == "fa4":
             self.warmup_fa4()
@@ -118,14 +117,17 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * itemsize
 
-    def allocate_kv_cache(self) -> int:
+    def allocate_kv_cache(self, num_blocks: int | None = None) -> None:
+        """A KV pool of num_blocks blocks (default: from the config or the memory budget), replacing any
+        pool held; sets num_blocks."""
         cc = self.config.cache_config
-        if cc.num_kvcache_blocks > 0:
-            num_blocks = cc.num_kvcache_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self.profile_num_blocks()
-        else:
-            num_blocks = int(cc.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
+        if num_blocks is None:
+            if cc.num_kvcache_blocks > 0:
+                num_blocks = cc.num_kvcache_blocks
+            elif self.device.type == "cuda":
+                num_blocks = self.profile_num_blocks()
+            else:
+                num_blocks = int(cc.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization, or set num_kvcache_blocks")
@@ -136,9 +138,9 @@ class ModelRunner:
                                     layer.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.block_bytes() / (1 << 30))
-        return num_blocks
 
     @torch.inference_mode()
     def profile_num_blocks(self) -> int:
@@ -170,11 +172,9 @@ class ModelRunner:
 
         sc, layer = self.config.scheduler_config, self.attn_layers[0]
         t0 = time.perf_counter()
-        self.fa4_warmup_compiles = fa4_backend.warmup(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale,
-                                                      sc.max_num_seqs, sc.max_num_batched_tokens,
-                                                      self.config.model_config.max_model_len)
-        logger.info("flash-attn-4: %d kernel variants compiled in %.1fs", self.fa4_warmup_compiles,
-                    time.perf_counter() - t0)
+        n = fa4_backend.warmup(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale, sc.max_num_seqs,
+                               sc.max_num_batched_tokens, self.config.model_config.max_model_len)
+        logger.info("flash-attn-4: %d kernel variants compiled in %.1fs", n, time.perf_counter() - t0)
 
     def attention_jit_compiles(self) -> int:
         """Attention kernels compiled since startup (FA4's JIT; 0 for backends compiled at startup). A new
@@ -197,12 +197,16 @@ class ModelRunner:
         return upload(self.staging, x, self.split_decodes)
 
     def forward(self, dev: DeviceInputs) -> torch.Tensor:
-        """Hidden states [T, hidden] of an uploaded step (stores its K/V)."""
+        """Hidden states [T, hidden] of a forward's inputs (stores their K/V)."""
         set_context(dev.meta)
         try:
             return self.model(dev.input_ids, dev.positions)
         finally:
             set_context(None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] of N hidden-state rows."""
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], num_tokens: list[int], prev: StepHandle | None = None) -> StepHandle:
@@ -227,7 +231,7 @@ class ModelRunner:
                 self.attention_jit_compiles()  # logs a variant the warmup missed
             if not x.sample_idx:
                 return handle
-            logits = self.model.compute_logits(hidden[dev.logits_rows])
+            logits = self.compute_logits(hidden[dev.logits_rows])
         if not x.sample_idx:
             return handle
         params = [seqs[i].sampling_params for i in x.sample_idx]

@@ -27,7 +27,6 @@ class Sequence:
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
-        self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = 0
@@ -51,12 +50,6 @@ class Sequence:
         self.finish_time: float | None = None
         self.token_times: list[float] = []
 
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    def __getitem__(self, key):
-        return self.token_ids[key]
-
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
@@ -77,15 +70,14 @@ class Sequence:
     def num_blocks(self) -> int:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
-    @property
-    def last_block_num_tokens(self) -> int:
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
-
     def block(self, i: int) -> list[int]:
         assert 0 <= i < self.num_blocks
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now: float) -> None:
+        """Append a sampled token read at time `now`."""
         self.token_ids.append(token_id)
-        self.last_token = token_id
         self.num_tokens += 1
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)

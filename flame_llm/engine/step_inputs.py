@@ -36,10 +36,6 @@ class StepInputs:
     fresh_only: bool  # no segment has cached keys
     is_decode: bool  # every segment is one token
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
 
 def build_step_inputs(seqs: list[Sequence], num_tokens: list[int], block_size: int,
                       starts: list[int] | None = None) -> StepInputs:
@@ -91,12 +87,13 @@ def build_step_inputs(seqs: list[Sequence], num_tokens: list[int], block_size: i
 
 @dataclass(slots=True)
 class DeviceInputs:
+    """A forward's device tensors; the row fields come from upload() (a step of the model runner)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
-    logits_rows: torch.Tensor
-    pending_rows: torch.Tensor
-    pending_src: torch.Tensor
     meta: AttentionMetadata
+    logits_rows: torch.Tensor | None = None
+    pending_rows: torch.Tensor | None = None
+    pending_src: torch.Tensor | None = None
 
 
 class Staging:
@@ -168,4 +165,4 @@ def upload(staging: Staging, x: StepInputs, split_decodes: bool = False) -> Devi
         rest = AttentionMetadata(t["cu_rest"], t["lens"][d:], t["tables"][d:], t["slots"][d:],
                                  int(lens[d:].max()), int(rest_lens.max()))
         meta.decode_split = (d, decode, rest)
-    return DeviceInputs(t["ids"], t["pos"], t["rows"], t["pending"], t["src"], meta)
+    return DeviceInputs(t["ids"], t["pos"], meta, t["rows"], t["pending"], t["src"])

@@ -3,7 +3,8 @@
 `triton_attention_forward` stores this step's K/V, then attends every query segment over its cached
 keys. Decode steps (is_decode) launch without host syncs or value-dependent shapes, so they can be
 captured in a CUDA graph. Fresh-only prefill steps can optionally go through torch's dense fused
-attention instead (DENSE_PREFILL), which the GPU benchmark compares against our kernel."""
+attention instead (Config.fresh_prefill_backend: `dense_prefill`), which the GPU benchmark compares
+against our kernel."""
 from __future__ import annotations
 
 import contextlib

@@ -57,7 +57,6 @@ class DraftRunner:
         self.config = make_draft_config(config)
         self.runner = ModelRunner(self.config)  # weights now, a one-block placeholder pool until allocate
         self.model = self.runner.model
-        self.device = self.runner.device
         self.block_size = self.config.cache_config.block_size
         self.max_num_batched_tokens = self.config.scheduler_config.max_num_batched_tokens
 
@@ -66,9 +65,7 @@ class DraftRunner:
 
     def allocate(self, num_blocks: int) -> None:
         """A pool of num_blocks blocks (the target's count), replacing the placeholder."""
-        self.config.cache_config.num_kvcache_blocks = num_blocks
-        del self.runner.kv_cache
-        self.runner.num_blocks = self.runner.allocate_kv_cache()
+        self.runner.allocate_kv_cache(num_blocks)
 
     @torch.inference_mode()
     def extend(self, seqs: list[Sequence], starts: list[int], ends: list[int]) -> None:

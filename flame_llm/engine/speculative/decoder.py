@@ -1,18 +1,19 @@
 """The engine step when speculative decoding is configured (LLMEngine delegates step() here).
 
 A step is speculative when the scheduler returns decodes only, at most speculative_max_batch_size of
-them, each with room for K more slots (taken here without preempting anyone). Otherwise it is a plain
-target step; prefill chunks then also run through the draft, so their blocks can be published at once.
+them, and reserves K more slots for each (Scheduler.reserve_lookahead, without preempting anyone).
+Otherwise it is a plain target step; prefill chunks then also run through the draft, so their blocks
+can be published at once.
 
-Commits are transactional: num_computed_tokens advances over verified positions only (the last input
-and the accepted proposals), so rejected positions are recomputed next step, and a block is published
-only when both the target's and the draft's KV cover it: a later prefix hit must be valid for both
-pools. The draft trails by one token after a fully accepted step (its first forward catches up) and
-by more after plain decode steps (caught up eagerly before the next speculative step)."""
+Commits are transactional (Scheduler.complete_speculative): num_computed_tokens advances over verified
+positions only (the last input and the accepted proposals), so rejected positions are recomputed next
+step, and a block is published only when both the target's and the draft's KV cover it: a later prefix
+hit must be valid for both pools. The draft trails by one token after a fully accepted step (its first
+forward catches up) and by more after plain decode steps (caught up eagerly before the next speculative
+step)."""
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 
 import torch
@@ -21,19 +22,17 @@ from flame_llm.config import Config
 from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
+from flame_llm.engine.speculative.draft_runner import MAX_SPECULATIVE_TOKENS, DraftRunner
+from flame_llm.engine.speculative.profiler import StepProfiler, profiling_enabled
+from flame_llm.engine.speculative.spec_runner import SampledRows, SpecRunner
 from flame_llm.layers.sampler import make_sampling_batch
-from flame_llm.speculative.draft_runner import MAX_SPECULATIVE_TOKENS, DraftRunner
-from flame_llm.speculative.profiler import StepProfiler, profiling_enabled
-from flame_llm.speculative.spec_runner import SampledRows, SpecRunner
 
 logger = logging.getLogger(__name__)
 
 
 class SpecDecoder:
     def __init__(self, config: Config, target: ModelRunner, draft: DraftRunner, scheduler: Scheduler) -> None:
-        self.config = config
         self.target, self.draft, self.scheduler = target, draft, scheduler
-        self.block_manager = scheduler.block_manager
         self.k = config.speculative_config.num_speculative_tokens
         self.max_batch_size = min(config.speculative_config.speculative_max_batch_size,
                                   config.scheduler_config.max_num_seqs)
@@ -73,9 +72,8 @@ class SpecDecoder:
         if not seqs:
             return [], 0
         drafted = [self._draft_computed(s) for s in seqs]
-        if self._reserve_lookahead(seqs, num_tokens):
-            finished = self._spec_step(seqs, drafted)
-            return finished, len(seqs) * (self.k + 1)
+        if self._speculates(seqs, num_tokens) and self.scheduler.reserve_lookahead(seqs, num_tokens, self.k):
+            return self._spec_step(seqs, drafted), len(seqs) * (self.k + 1)
         return self._plain_step(seqs, num_tokens, drafted), sum(num_tokens)
 
     def _draft_computed(self, seq: Sequence) -> int:
@@ -85,8 +83,9 @@ class SpecDecoder:
         assert state[0] <= seq.num_computed_tokens
         return state[0]
 
-    def _reserve_lookahead(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
-        """Whether this step speculates; if so every sequence gets slots for K more tokens."""
+    def _speculates(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+        """Whether the step may speculate: few enough decodes, each with K positions left before max_model_len
+        (the scheduler still has to find the slots)."""
         if not 0 < len(seqs) <= self.max_batch_size:
             return False
         for seq, n in zip(seqs, num_tokens):
@@ -94,12 +93,6 @@ class SpecDecoder:
                 return False
             if seq.num_tokens + self.k > self.max_model_len:
                 return False
-        bm = self.block_manager
-        need = sum(bm.blocks_needed(s, 1 + self.k) for s in seqs)
-        if need > bm.num_free_blocks:
-            return False  # no room for the proposals without preempting: decode plainly
-        for seq in seqs:
-            bm.append_slots(seq, 1 + self.k)
         return True
 
     def _spec_step(self, seqs: list[Sequence], drafted: list[int]) -> list[Sequence]:
@@ -113,20 +106,17 @@ class SpecDecoder:
                 prof.mark("catch_up")
         starts = [s.num_tokens for s in seqs]
         rows = self.runner.step(seqs, self._sampled_rows(seqs), prof)
-        finished = []
         k = self.k
-        for seq, n, row in zip(seqs, starts, rows):
-            a = row[0]
-            self.num_accepted_tokens += a
-            for i in range(a):
+        for row in rows:
+            self.num_accepted_tokens += row[0]
+            for i in range(row[0]):
                 self.accepted_per_position[i] += 1
-            # the draft wrote t[n-2], t[n-1] and x1..x(K-1); those up to the accepted ones hold right tokens
-            if self._commit(seq, 1 + a, row[1:1 + a] + [row[k + 1]], n + min(a, k - 1)):
-                finished.append(seq)
+        # the draft wrote t[n-2], t[n-1] and x1..x(K-1); those up to the accepted ones hold right tokens
+        finished = self._commit(seqs, [r[1:1 + r[0]] + [r[k + 1]] for r in rows], [1 + r[0] for r in rows],
+                                [n + min(r[0], k - 1) for n, r in zip(starts, rows)])
         self.num_spec_steps += 1
         self.num_draft_tokens += k * len(seqs)
         self.num_emitted_tokens += sum(r[0] + 1 for r in rows)
-        self.scheduler.postprocess([], [], [])  # the scheduler's step-time accounting, nothing else
         if prof is not None:
             prof.mark("commit")
             prof.stop()
@@ -143,32 +133,17 @@ class SpecDecoder:
         else:
             self.num_plain_decode_steps += 1
         token_ids = self.target.run(seqs, num_tokens)
-        finished = []
-        for seq, n, tok, d in zip(seqs, num_tokens, token_ids, drafted):
-            if self._commit(seq, n, [] if tok is None else [tok], d):
-                finished.append(seq)
-        self.scheduler.postprocess([], [], [])
-        return finished
+        return self._commit(seqs, [[] if t is None else [t] for t in token_ids], num_tokens, drafted)
 
-    def _commit(self, seq: Sequence, num_verified: int, tokens: list[int], draft_computed: int) -> bool:
-        """Append tokens up to a stop, count num_verified more positions as computed, publish the full
-        blocks both pools hold; True when seq finished."""
-        sched = self.scheduler
-        now = time.perf_counter()
-        reason = None
-        for tok in tokens:
-            reason = sched.append_token(seq, tok, now)
-            if reason is not None:
-                break
-        computed = min(seq.num_computed_tokens + num_verified, seq.num_tokens)
-        seq.num_computed_tokens = min(computed, draft_computed)  # publish() reads the count: bound it
-        self.block_manager.publish(seq)
-        seq.num_computed_tokens = computed
-        if reason is not None:
-            sched.finish(seq, reason)
-            return True
-        self.draft_state[seq] = (min(draft_computed, computed), seq.num_preemptions)
-        return False
+    def _commit(self, seqs: list[Sequence], token_ids: list[list[int]], num_verified: list[int],
+                draft_computed: list[int]) -> list[Sequence]:
+        """Complete the step in the scheduler, publishing only blocks the draft's KV covers too; remember
+        how far the draft's KV of each unfinished sequence is valid. Returns the finished sequences."""
+        finished = self.scheduler.complete_speculative(seqs, token_ids, num_verified, draft_computed)
+        for seq, d in zip(seqs, draft_computed):
+            if not seq.is_finished:
+                self.draft_state[seq] = (min(d, seq.num_computed_tokens), seq.num_preemptions)
+        return finished
 
     def _sampled_rows(self, seqs: list[Sequence]) -> SampledRows | None:
         idx = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]

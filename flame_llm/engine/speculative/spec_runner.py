@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flame_llm.engine.cuda_graphs import capture_graph
 from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.engine.sequence import Sequence
-from flame_llm.kernels.metadata import AttentionMetadata, set_context
-from flame_llm.speculative.draft_runner import DraftRunner
-from flame_llm.speculative.profiler import StepProfiler
-from flame_llm.speculative.rejection import (
+from flame_llm.engine.speculative.draft_runner import DraftRunner
+from flame_llm.engine.speculative.profiler import StepProfiler
+from flame_llm.engine.speculative.rejection import (
     ACCEPT_STREAM,
     DRAFT_STREAM,
     FINAL_STREAM,
@@ -32,6 +32,8 @@ from flame_llm.speculative.rejection import (
     stream_key,
     to_probs,
 )
+from flame_llm.engine.step_inputs import DeviceInputs
+from flame_llm.kernels.metadata import AttentionMetadata
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -103,15 +105,11 @@ class SpecRunner:
     def _forward(self, kind: str, b: int) -> torch.Tensor:
         buf = self.bufs[kind]
         n = b * buf.q_len
-        model = self.target.model if kind == "verify" else self.draft.model
-        set_context(self._meta(kind, b))
-        try:
-            hidden = model(buf.ids[:n], buf.positions[:n])
-        finally:
-            set_context(None)
+        runner = self.target if kind == "verify" else self.draft.runner
+        hidden = runner.forward(DeviceInputs(buf.ids[:n], buf.positions[:n], self._meta(kind, b)))
         if kind == "first":
             hidden = hidden[1::2]  # the proposal comes from the segment's last token
-        return model.compute_logits(hidden)
+        return runner.compute_logits(hidden)
 
     def _run(self, kind: str, b: int) -> torch.Tensor:
         if not self.use_graphs:
@@ -126,11 +124,7 @@ class SpecRunner:
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.graph_bs):
             for kind in ("verify", "first", "draft"):
-                self._forward(kind, b)  # warm up outside the capture (Triton compiles, allocator)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(kind, b)
-                self.graphs[kind, b] = (graph, out)
+                self.graphs[kind, b] = capture_graph(self._forward, kind, b, pool=pool)
         torch.cuda.synchronize()
 
     @torch.inference_mode()
