@@ -17,6 +17,18 @@ import ray
 
 from actors.admission import Admission, Overloaded
 from actors.pinning import pin_visible_device, verify_device
+from flame_llm.protocol.types import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    EngineLimits,
+    ErrorCode,
+    ErrorInfo,
+    Request,
+    RequestError,
+    Result,
+    WireError,
+    prompt_digest,
+)
+from flame_llm.protocol.wire import decode_requests, encode_results
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +46,14 @@ def resolve_model(model: str) -> str:
 class EngineActor:
     def __init__(self, shard: int, name: str, gpu_uuid: str | None, model: str, engine_kwargs: dict,
                  max_inflight_tokens: int, max_inflight_requests: int, max_queued_requests: int,
-                 max_decoded_bytes: int = 4 << 20, zstd_level: int = 1, torch_threads: int = 1):
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, zstd_level: int = 1, torch_threads: int = 1):
         pin_visible_device(gpu_uuid)  # before anything touches CUDA
         import torch
 
         from flame_llm import AsyncEngine
 
         self.shard, self.name, self.gpu_uuid = shard, name, gpu_uuid
-        self.device_id = gpu_uuid or name  # what results report as gpu_uuid: the UUID, or "cpu-k"
+        self.device = gpu_uuid or name  # what results and health report: the GPU UUID, or "cpu-k"
         kwargs = dict(engine_kwargs)
         if gpu_uuid is not None:
             verify_device(gpu_uuid, name)
@@ -58,10 +70,10 @@ class EngineActor:
         self.engine = AsyncEngine.from_args(self.model, **kwargs)
         cfg = self.engine.config
         self.model_revision = cfg.model_config.model_revision
-        self.vocab_size = cfg.model_config.hf_config.vocab_size
-        self.max_model_len = cfg.model_config.max_model_len
+        self.limits = EngineLimits.of(cfg.model_config.hf_config.vocab_size, cfg.model_config.max_model_len,
+                                      max_payload_bytes)
         self.load_s = time.perf_counter() - t0
-        self.max_decoded_bytes, self.zstd_level = max_decoded_bytes, zstd_level
+        self.zstd_level = zstd_level
         self.admission = Admission(max_inflight_tokens, max_inflight_requests, max_queued_requests)
         self.draining = False
         self.counters = {"batches": 0, "requests": 0, "bad_batches": 0, "errors": 0, "cached_tokens": 0,
@@ -70,48 +82,39 @@ class EngineActor:
         gc.collect()
         gc.freeze()
         self.frozen_objects = gc.get_freeze_count()
-        log.info("shard %s on %s (node %s): model loaded in %.1fs, %d objects frozen%s", name, self.device_id,
+        log.info("shard %s on %s (node %s): model loaded in %.1fs, %d objects frozen%s", name, self.device,
                  self.node_id, self.load_s, self.frozen_objects, " (restarted)" if self.restarted else "")
 
-    def _base(self) -> dict:
-        return {"shard": self.shard, "gpu_uuid": self.device_id, "node": self.node_id}
+    def _result(self, request_id: str | None, **fields) -> Result:
+        return Result(request_id, shard=self.shard, device=self.device, node=self.node_id, **fields)
 
     async def submit(self, payload: bytes) -> bytes:
         """A request batch payload in, a result payload out (input order). Never raises for bad input."""
-        from flame_llm.protocol.wire import WireError, decode_requests, encode_results
-
         t0 = time.perf_counter()
         self.counters["batches"] += 1
         try:
-            batch = decode_requests(payload, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                                    max_decoded_bytes=self.max_decoded_bytes,
-                                    expected_revision=self.model_revision)
+            batch = decode_requests(payload, self.limits, expected_revision=self.model_revision)
         except WireError as e:
             self.counters["bad_batches"] += 1
-            err = {"code": e.code, "message": str(e), "retry_after_s": None}
-            return encode_results([{**self._base(), "id": None, "error": err}], self.zstd_level)
+            return encode_results([self._result(None, error=ErrorInfo(e.code, str(e)))], self.zstd_level)
         t1 = time.perf_counter()
         self.counters["decode_s"] += t1 - t0
         results = await asyncio.gather(*(self._serve(item, t1) for item in batch.items))
         for r in results:
-            r["timings"]["decode_s"] = t1 - t0
+            r.timings["decode_s"] = t1 - t0
         t2 = time.perf_counter()
         out = encode_results(results, self.zstd_level)
         self.counters["encode_s"] += time.perf_counter() - t2
         return out
 
-    async def _serve(self, item, t_start: float) -> dict:
-        from flame_llm.protocol.wire import RequestError, prompt_digest
-
+    async def _serve(self, item: Request | RequestError, t_start: float) -> Result:
         if isinstance(item, RequestError):
             self.counters["errors"] += 1
-            return {**self._base(), "id": item.id, "error": item.to_dict(), "timings": {}}
-        res = {**self._base(), "id": item.id, "prompt_tokens": len(item.prompt_token_ids)}
+            return self._result(item.id, error=item.info())
+        res = self._result(item.id, prompt_tokens=len(item.prompt_token_ids))
         if self.draining:
             self.counters["errors"] += 1
-            res["error"] = {"code": "draining", "message": f"shard {self.name} is draining",
-                            "retry_after_s": None}
-            res["timings"] = {}
+            res.error = ErrorInfo(ErrorCode.DRAINING, f"shard {self.name} is draining")
             return res
         sp = item.sampling
         cost = len(item.prompt_token_ids) + sp.max_tokens
@@ -119,19 +122,18 @@ class EngineActor:
             await self.admission.acquire(cost)
         except Overloaded as e:
             self.counters["errors"] += 1
-            res["error"] = {"code": "overloaded", "message": f"shard {self.name}: {e}",
-                            "retry_after_s": e.retry_after_s}
-            res["timings"] = {"queue_s": time.perf_counter() - t_start}
+            res.error = ErrorInfo(ErrorCode.OVERLOADED, f"shard {self.name}: {e}", e.retry_after_s)
+            res.timings = {"queue_s": time.perf_counter() - t_start}
             return res
         t_admit = time.perf_counter()
         try:
             out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id)
         except Exception as e:  # one request's failure must not fail its batch
             self.counters["errors"] += 1
-            if isinstance(e, ValueError):  # the engine's own request checks (KV pool size, length)
-                code = "invalid_request"
+            if isinstance(e, ValueError):  # the engine's own request checks (KV pool size)
+                code = ErrorCode.INVALID_REQUEST
             else:
-                code = "engine_error"
+                code = ErrorCode.ENGINE_ERROR
                 log.exception("shard %s: request %s failed", self.name, item.id)
                 if self.engine.failed:
                     # the step loop is dead and every later request would fail: crash so that Ray
@@ -139,8 +141,8 @@ class EngineActor:
                     log.critical("shard %s: engine step loop failed (%r); exiting for a restart", self.name,
                                  self.engine.error)
                     os._exit(1)
-            res["error"] = {"code": code, "message": f"{type(e).__name__}: {e}", "retry_after_s": None}
-            res["timings"] = {"queue_s": t_admit - t_start}
+            res.error = ErrorInfo(code, f"{type(e).__name__}: {e}")
+            res.timings = {"queue_s": t_admit - t_start}
             return res
         finally:
             self.admission.release(cost)
@@ -149,21 +151,20 @@ class EngineActor:
         self.counters["prompt_tokens"] += out.num_prompt_tokens
         self.counters["cached_tokens"] += out.num_cached_tokens
         self.counters["output_tokens"] += len(out.output_token_ids)
-        res.update(output_token_ids=out.output_token_ids, finish_reason=out.finish_reason,
-                   prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
-                   prompt_hash=prompt_digest(item.prompt_token_ids),
-                   timings={"queue_s": t_admit - t_start, "engine_s": t_done - t_admit,
-                            "total_s": t_done - t_start,
-                            **{k: float(v) for k, v in out.metrics.items()
-                               if k in ("ttft", "tpot") and isinstance(v, (int, float))}})
+        res.output_token_ids, res.finish_reason = out.output_token_ids, out.finish_reason
+        res.prompt_tokens, res.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+        res.prompt_digest = prompt_digest(item.prompt_token_ids)
+        res.timings = {"queue_s": t_admit - t_start, "engine_s": t_done - t_admit, "total_s": t_done - t_start,
+                       **{k: float(v) for k, v in out.metrics.items()
+                          if k in ("ttft", "tpot") and isinstance(v, (int, float))}}
         return res
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def health(self) -> dict:
-        return {**self._base(), "name": self.name, "incarnation": self.incarnation, "restarted": self.restarted,
-                "pid": os.getpid(), "model": self.model, "model_revision": self.model_revision,
-                "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
-                "max_decoded_bytes": self.max_decoded_bytes, "draining": self.draining,
+        """Placement, identity and state, and the limits requests are checked against (EngineLimits)."""
+        return {"shard": self.shard, "device": self.device, "node": self.node_id, "name": self.name,
+                "incarnation": self.incarnation, "restarted": self.restarted, "pid": os.getpid(), "model": self.model,
+                "model_revision": self.model_revision, **self.limits.to_dict(), "draining": self.draining,
                 "engine_failed": self.engine.failed}
 
     @ray.method(concurrency_group=CONTROL_GROUP)

@@ -102,11 +102,11 @@ def main() -> None:
     ap.add_argument("--parts", default="ceilings,prefill,decode,graphs,traces")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--max-batched", type=int, default=8192)
-    ap.add_argument("--fresh-backend", default="sdpa", help="Config.fresh_prefill_backend (final figures: sdpa)")
+    ap.add_argument("--fresh-prefill-backend", default="sdpa", help="Config.fresh_prefill_backend (figures: sdpa)")
     ap.add_argument("--chunked", type=int, default=1, help="enable_chunked_prefill (needed when max-batched < 32768)")
     args = ap.parse_args()
     SEED_LIMITS.update(max_num_batched_tokens=args.max_batched, enable_chunked_prefill=bool(args.chunked),
-                       fresh_prefill_backend=args.fresh_backend)
+                       fresh_prefill_backend=args.fresh_prefill_backend)
     logging.basicConfig(level=logging.INFO)
     parts = set(args.parts.split(","))
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,
@@ -142,15 +142,15 @@ def main() -> None:
         res["decode_b1"] = {"tok_per_s": 255 / (wall - ttft), "wall_s": wall}
         save()
     if "traces" in parts:
-        from bench.traces import TraceSpec, make_trace, warmup_traces
+        from bench.traces import TraceConfig, make_trace, warmup_traces
 
         res["traces"] = {}
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         for name in ("no-reuse", "reuse"):
-            spec = TraceSpec(name=name, vocab_size=hf.vocab_size, seed=0)
-            for warm in warmup_traces(spec, rounds=2):  # the protocol's two shifted rounds, unseen prefixes
+            trace_cfg = TraceConfig(name=name, vocab_size=hf.vocab_size, seed=0)
+            for warm in warmup_traces(trace_cfg, rounds=2):  # the protocol's two shifted rounds, unseen prefixes
                 timed_generate(llm, [r.token_ids.tolist() for r in warm.requests], sp)
-            trace = make_trace(spec)
+            trace = make_trace(trace_cfg)
             wall, outs = timed_generate(llm, [r.token_ids.tolist() for r in trace.requests], sp)
             assert all(len(o.output_token_ids) == 16 for o in outs)
             cached = sum(o.num_cached_tokens for o in outs) / sum(o.num_prompt_tokens for o in outs)

@@ -86,7 +86,7 @@ def causal_flops(seq_lens, q_lens, heads=H, head_dim=D):
     return sum(4 * head_dim * heads * (n * (s - n) + n * (n + 1) / 2) for s, n in zip(seq_lens, q_lens))
 
 
-def check(name, seq_lens, q_lens, fresh_backend="triton", num_splits=None, **kw):
+def check(name, seq_lens, q_lens, fresh_prefill_backend="triton", num_splits=None, **kw):
     q, k, v, kc, vc, meta = make_batch(seq_lens, q_lens, poison=True, **kw)
     scale = q.shape[-1] ** -0.5
     kr, vr = kc.clone(), vc.clone()
@@ -98,7 +98,7 @@ def check(name, seq_lens, q_lens, fresh_backend="triton", num_splits=None, **kw)
     ref = paged_attention(q[:n].float(), kr.float(), vr.float(), meta.cu_seqlens_q[:n_real + 1],
                           meta.seq_lens[:n_real], meta.block_tables[:n_real], scale)
     if num_splits is None:
-        out = ta.triton_attention_forward(q, k, v, kc, vc, meta, scale, fresh_backend=fresh_backend)
+        out = ta.triton_attention_forward(q, k, v, kc, vc, meta, scale, fresh_backend=fresh_prefill_backend)
     else:
         ta.store_kv(k, v, kc, vc, meta.slot_mapping)
         out = ta.paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits)
@@ -106,8 +106,8 @@ def check(name, seq_lens, q_lens, fresh_backend="triton", num_splits=None, **kw)
                     and torch.equal(vc.nan_to_num(7.0), vr.nan_to_num(7.0)))
     err = ((out[:n].float() - ref).norm() / ref.norm()).item()
     ok = cache_ok and err <= 1e-2 and bool(torch.isfinite(out[:n]).all())
-    return dict(name=name, fresh_backend=fresh_backend, num_splits=num_splits, rel_err=err, cache_ok=cache_ok,
-                ok=ok)
+    return dict(name=name, fresh_prefill_backend=fresh_prefill_backend, num_splits=num_splits, rel_err=err,
+                cache_ok=cache_ok, ok=ok)
 
 
 def correctness():
@@ -126,7 +126,7 @@ def correctness():
     rows += [check("decode_nosplit", **dict(cases[2][1]), num_splits=1),
              check("decode_split16", **dict(cases[2][1]), num_splits=16)]
     for backend in DENSE:
-        rows.append(guard(lambda b=backend: check("fresh_dense", **big, fresh_backend=b), f"dense {backend}"))
+        rows.append(guard(lambda b=backend: check("fresh_dense", **big, fresh_prefill_backend=b), f"dense {backend}"))
     return rows
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from bench.traces import TraceRequest
-from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import RouteItem, estimate_prefill_work, prefix_chain
+from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
 from router.policy import RouterPolicy
 
 
@@ -68,8 +69,8 @@ class StickyHttpClient:
         Everything from routing to the last parsed response is inside the burst."""
         assert self.session is not None, "open() first"
         t_release = time.perf_counter()
-        items = [(prefix_chain(r.token_ids, self.model_revision), estimate_prefill_work(len(r.token_ids)),
-                  max_tokens) for r in requests]
+        items = [RouteItem(prefix_chain(r.token_ids, self.model_revision), estimate_prefill_work(len(r.token_ids)),
+                           max_tokens) for r in requests]
         shards = self.policy.route_batch(items)
         records = await asyncio.gather(*(self._one(r, s, it[1], max_tokens, t_release)
                                          for r, s, it in zip(requests, shards, items, strict=True)))
@@ -82,53 +83,54 @@ class StickyHttpClient:
                 "temperature": 0.0, "ignore_eos": True}
         if self.return_token_ids:
             body["return_token_ids"] = True
-        rec = {"id": req.rid, "shard": shard, "gpu_uuid": rep.device, "node": "", "prompt_tokens": 0,
-               "cached_tokens": 0, "output_len": 0, "finish_reason": None, "served_hash": None, "timings": {},
-               "error": None}
+        res = Result(req.rid, shard=shard, device=rep.device)
         t_sent = time.perf_counter()
         try:
             async with self.session.post(f"{rep.url}/v1/completions", json=body) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            rec["error"] = {"code": "http_error", "message": f"{type(e).__name__}: {e}"}
-            rec["done_s"] = time.perf_counter() - t_release
-            return rec
+            res.error = ErrorInfo(ErrorCode.HTTP_ERROR, f"{type(e).__name__}: {e}")
+            return _record(res, time.perf_counter() - t_release)
         t_done = time.perf_counter()
-        rec["done_s"] = t_done - t_release
-        rec["timings"] = {"sent_s": t_sent - t_release, "http_s": t_done - t_sent}
+        res.timings = {"sent_s": t_sent - t_release, "http_s": t_done - t_sent}
         try:
             out = json.loads(raw)
         except json.JSONDecodeError:
             out = {}
         if status != 200 or not out.get("choices"):
             msg = (out.get("error") or {}).get("message") if isinstance(out.get("error"), dict) else None
-            rec["error"] = {"code": f"http_{status}", "message": msg or raw[:300].decode(errors="replace")}
-            return rec
-        parse_completion(out, rec)
-        self.policy.complete(shard, est_work, max_tokens, rec["prompt_tokens"], rec["cached_tokens"])
+            res.error = ErrorInfo(ErrorCode.HTTP_ERROR, f"HTTP {status}: {msg or raw[:300].decode(errors='replace')}")
+            return _record(res, t_done - t_release)
+        rec = parse_completion(out, res, t_done - t_release)
+        self.policy.complete(shard, est_work, max_tokens, res.prompt_tokens, res.cached_tokens)
         return rec
 
     def stats(self) -> dict:
         return self.policy.stats()
 
 
-def parse_completion(out: dict, rec: dict) -> None:
-    """Fill a record from an OpenAI-style completions response (ours or vLLM's)."""
+def _record(res: Result, done_s: float, output_len: int = 0, cached_reported: bool = False) -> dict:
+    """The bench's record of one request: the protocol's result dict plus when it completed."""
+    return {**res.to_dict(), "output_len": output_len, "cached_reported": cached_reported, "done_s": done_s}
+
+
+def parse_completion(out: dict, res: Result, done_s: float) -> dict:
+    """The record of an OpenAI-style completions response (ours or vLLM's)."""
     choice = out["choices"][0]
     usage = out.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     ids = choice.get("token_ids")
-    rec["prompt_tokens"] = int(usage.get("prompt_tokens", 0))
-    rec["cached_tokens"] = int(details.get("cached_tokens") or 0)
-    rec["cached_reported"] = "cached_tokens" in details and details["cached_tokens"] is not None
-    rec["output_len"] = len(ids) if ids is not None else int(usage.get("completion_tokens", 0))
+    res.prompt_tokens = int(usage.get("prompt_tokens", 0))
+    res.cached_tokens = int(details.get("cached_tokens") or 0)
     if ids is not None:
-        rec["output_token_ids"] = ids
-    rec["finish_reason"] = choice.get("finish_reason")
+        res.output_token_ids = ids
+    res.finish_reason = choice.get("finish_reason")
     ext = out.get("flame")
     if ext:  # our server: placement as the process saw it, the digest of the prompt it served, timings
-        rec["gpu_uuid"] = ext.get("gpu_uuid", rec["gpu_uuid"])
-        rec["node"] = ext.get("node", "")
-        rec["served_hash"] = (ext.get("prompt_hashes") or [None])[0]
-        rec["timings"].update({k: ext[k] for k in ("server_s", "ttft", "tpot") if ext.get(k) is not None})
+        res.device = ext.get("device", res.device)
+        res.node = ext.get("node", "")
+        res.prompt_digest = (ext.get("prompt_digests") or [""])[0]
+        res.timings.update({k: ext[k] for k in ("server_s", "ttft", "tpot") if ext.get(k) is not None})
+    output_len = len(ids) if ids is not None else int(usage.get("completion_tokens", 0))
+    return _record(res, done_s, output_len, details.get("cached_tokens") is not None)

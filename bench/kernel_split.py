@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from bench.traces import TRACE_NAMES, TraceSpec, make_trace, warmup_traces
+from bench.traces import TRACE_NAMES, TraceConfig, make_trace, warmup_traces
 
 LIMITS = dict(max_model_len=32768, max_num_seqs=64, max_num_batched_tokens=8192)
 GEMM_WORDS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "gemv", "matmul", "splitk", "cublas")
@@ -83,11 +83,11 @@ def run_one(system: str, model: str, traces: list[str], warmup_rounds: int, engi
     out = {"system": system, "info": info, "engine_json": engine_json, "load_s": time.perf_counter() - t0,
            "traces": {}}
     for name in traces:
-        spec = TraceSpec(name=name, vocab_size=vocab, seed=0)
-        rounds = list(warmup_traces(spec, rounds=warmup_rounds + 1))
+        trace_cfg = TraceConfig(name=name, vocab_size=vocab, seed=0)
+        rounds = list(warmup_traces(trace_cfg, rounds=warmup_rounds + 1))
         for warm in rounds[:warmup_rounds]:
             generate([r.token_ids.tolist() for r in warm.requests])
-        prompts = [r.token_ids.tolist() for r in make_trace(spec).requests]
+        prompts = [r.token_ids.tolist() for r in make_trace(trace_cfg).requests]
         torch.cuda.synchronize()
         t = time.perf_counter()
         generate(prompts)

@@ -21,7 +21,7 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
-from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from router.actor import Router
 from router.policy import RouterPolicy
 
@@ -71,7 +71,7 @@ def run_policy(route, complete, batches, doc_of, doc_tokens: int, decode_tokens:
             hit = (s, d) in seen
             seen.add((s, d))
             cached += doc_tokens if hit else 0
-            pending.append((s, work, decode_tokens, doc_tokens, doc_tokens if hit else 0))
+            pending.append(Completion(s, work, decode_tokens, doc_tokens, doc_tokens if hit else 0))
     if pending:
         complete(pending)
     n_req = sum(len(b) for b in batches)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     chains = [prefix_chain(d, REVISION) for d in tqdm(docs, desc="document chains", leave=False)]
     work = estimate_prefill_work(args.prompt_tokens + args.question_tokens)
     doc_of = [order[i:i + args.batch_size].tolist() for i in range(0, num_requests, args.batch_size)]
-    batches = [[(chains[d], work, args.decode_tokens) for d in b] for b in doc_of]
+    batches = [[RouteItem(chains[d], work, args.decode_tokens) for d in b] for b in doc_of]  # as the client sends
 
     result = {"config": vars(args), "chain": time_chains(docs, args.question_tokens, args.chain_sample), "rows": []}
     combos = [("policy", n, p) for n in shard_counts for p in policies]
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
             stats = pol.stats() if path == "policy" else ray.get(actor.stats.remote())
             wall = time.perf_counter() - t0
             c = stats["counters"]
-            routed = max(1, c["hit"] + c["new"] + c["spill"] + c["round_robin"])
+            routed = max(1, c["hit"] + c["new"] + c["spill"] + c["moved"] + c["round_robin"])
             result["rows"].append({"path": path, "shards": n, "policy": policy, **summarize(lat, args.batch_size),
                                    "complete_ms_per_batch": t_complete / max(1, k - 1) * 1e3, "wall_s": wall,
                                    "cached_fraction": hit, "spill_fraction": c["spill"] / routed,

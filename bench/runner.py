@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from bench.systems import Setup, make_system, parse_system
-from bench.traces import TRACE_NAMES, Trace, TraceSpec, input_hash, make_trace, warmup_traces
+from bench.traces import TRACE_NAMES, Trace, TraceConfig, make_trace, warmup_traces
+from flame_llm.protocol.types import prompt_digest
 
 log = logging.getLogger(__name__)
 RAW_FORMAT = "flame-bench-raw/1"
@@ -133,16 +134,16 @@ def build_setup(o: RunOptions, log_dir: str) -> Setup:
                  vllm_args=o.vllm_args, vllm_return_token_ids=o.vllm_return_token_ids)
 
 
-def trace_spec(o: RunOptions, name: str, model_dir: str) -> TraceSpec:
+def trace_config(o: RunOptions, name: str, model_dir: str) -> TraceConfig:
     from flame_llm.config import load_hf_config
 
     vocab = load_hf_config(model_dir).vocab_size
-    return TraceSpec(name=name, num_docs=o.docs, questions=o.questions, doc_tokens=o.doc_tokens,
+    return TraceConfig(name=name, num_docs=o.docs, questions=o.questions, doc_tokens=o.doc_tokens,
                      question_tokens=o.question_tokens, output_tokens=o.output_tokens, seed=o.seed, vocab_size=vocab)
 
 
 def check_run(trace: Trace, records: list[dict], placement: list[str]) -> dict:
-    """Every request: input hash (as sent, and as served where the system reports it), answered exactly once,
+    """Every request: prompt digest (as sent, and as served where the system reports it), answered exactly once,
     prompt and output length, no error, placement equal to the shard -> device map."""
     want = {r.rid: r for r in trace.requests}
     seen = Counter(rec["id"] for rec in records)
@@ -161,7 +162,7 @@ def check_run(trace: Trace, records: list[dict], placement: list[str]) -> dict:
             fail("unexpected", f"{rid}: not in the trace")
         elif n > 1:
             fail("duplicate", f"{rid}: answered {n} times")
-    n_out = trace.spec.output_tokens
+    n_out = trace.config.output_tokens
     for rec in records:
         req = want.get(rec["id"])
         if req is None:
@@ -169,36 +170,36 @@ def check_run(trace: Trace, records: list[dict], placement: list[str]) -> dict:
         if rec.get("error"):
             fail("error", f"{rec['id']}: {rec['error']}")
             continue
-        if input_hash(req.token_ids) != req.input_hash:
-            fail("input_hash", f"{rec['id']}: the prompt handed to the system no longer hashes to the trace's")
-        if rec.get("served_hash") not in (None, req.input_hash):
-            fail("input_hash", f"{rec['id']}: served prompt hash {rec['served_hash']} != {req.input_hash}")
+        if prompt_digest(req.token_ids) != req.prompt_digest:
+            fail("prompt_digest", f"{rec['id']}: the prompt handed to the system no longer has the trace's digest")
+        if rec.get("prompt_digest") not in ("", req.prompt_digest):  # "": the system does not report it
+            fail("prompt_digest", f"{rec['id']}: served prompt digest {rec['prompt_digest']} != {req.prompt_digest}")
         if rec["prompt_tokens"] != len(req.token_ids):
             fail("prompt_tokens", f"{rec['id']}: {rec['prompt_tokens']} prompt tokens served, "
                                   f"{len(req.token_ids)} sent")
         if rec["output_len"] != n_out or rec["finish_reason"] != "length":
             fail("output_len", f"{rec['id']}: {rec['output_len']} tokens ({rec['finish_reason']}), want {n_out}")
         shard = rec.get("shard")
-        if not isinstance(shard, int) or not 0 <= shard < len(placement) or rec["gpu_uuid"] != placement[shard]:
-            fail("placement", f"{rec['id']}: shard {shard} answered from {rec['gpu_uuid']!r}; map {placement}")
+        if not isinstance(shard, int) or not 0 <= shard < len(placement) or rec["device"] != placement[shard]:
+            fail("placement", f"{rec['id']}: shard {shard} answered from {rec['device']!r}; map {placement}")
     return {"ok": not fails, "failures": dict(fails), "examples": examples, "requests": len(records),
             "expected": len(want)}
 
 
 def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position: int = 0) -> dict:
     """Start `label` fresh, warm up, run one measured burst, stop; write and return the raw record."""
-    spec_sys = parse_system(label, o.policy)
+    sys_cfg = parse_system(label, o.policy)
     tag = f"{trace_name}-{label}-pair{pair:02d}"
     setup = build_setup(o, os.path.join(o.out, "logs"))
-    spec = trace_spec(o, trace_name, setup.model)
-    trace, warm = make_trace(spec), warmup_traces(spec, o.warmup_rounds)
-    raw = {"format": RAW_FORMAT, "label": label, "system": spec_sys.kind, "vllm_config": spec_sys.vllm_config,
-           "policy": spec_sys.policy, "trace": trace.describe(), "warmup_shifts": [w.shift for w in warm],
+    trace_cfg = trace_config(o, trace_name, setup.model)
+    trace, warm = make_trace(trace_cfg), warmup_traces(trace_cfg, o.warmup_rounds)
+    raw = {"format": RAW_FORMAT, "label": label, "system": sys_cfg.kind, "vllm_config": sys_cfg.vllm_config,
+           "policy": sys_cfg.policy, "trace": trace.describe(), "warmup_shifts": [w.shift for w in warm],
            "pair": pair, "position": position, "started_at": dt.datetime.now(dt.timezone.utc).isoformat(),
            "host": platform.node(), "python": sys.version.split()[0], "options": asdict(o),
            "engine_config": setup.engine, "model": setup.model, "model_revision": setup.model_revision,
            "placement": setup.devices, "error": None}
-    system = make_system(spec_sys, setup, tag)
+    system = make_system(sys_cfg, setup, tag)
     timings: dict = {}
     records: list[dict] = []
     t0 = time.perf_counter()
@@ -206,13 +207,13 @@ def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position:
         raw["start"] = system.start()
         t1 = time.perf_counter()
         for k, w in enumerate(warm):
-            _, wrecs = system.run_burst(w.requests, spec.output_tokens)
+            _, wrecs = system.run_burst(w.requests, trace_cfg.output_tokens)
             wcheck = check_run(w, wrecs, setup.devices)
             if not wcheck["ok"]:
                 raise RuntimeError(f"warmup round {k + 1} failed its checks: {wcheck['failures']} "
                                    f"{wcheck['examples'][:3]}")
         t2 = time.perf_counter()
-        t_release, records = system.run_burst(trace.requests, spec.output_tokens)
+        t_release, records = system.run_burst(trace.requests, trace_cfg.output_tokens)
         timings["burst_wall_s"] = time.perf_counter() - t_release
         raw["stats"] = system.stats()
         timings.update(start_s=t1 - t0, warmup_s=t2 - t1)
@@ -229,8 +230,8 @@ def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position:
         timings["stop_s"] = time.perf_counter() - t3
     raw["timings"] = timings
     by_id = {r.rid: r for r in trace.requests}
-    raw["requests"] = [{**r, "doc": by_id[r["id"]].doc, "question": by_id[r["id"]].question,
-                        "input_hash": by_id[r["id"]].input_hash} if r["id"] in by_id else r for r in records]
+    raw["requests"] = [{**r, "doc": by_id[r["id"]].doc, "question": by_id[r["id"]].question} if r["id"] in by_id
+                       else r for r in records]
     raw["checks"] = check_run(trace, records, setup.devices)
     if raw["error"]:
         raw["checks"]["ok"] = False

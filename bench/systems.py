@@ -32,21 +32,21 @@ VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
 
 
 @dataclass(slots=True)
-class SystemSpec:
+class SystemConfig:
     label: str  # e.g. "flame", "engine-rr", "vllm-seed"
     kind: str  # flame | engine | vllm
     vllm_config: str | None  # "default" | "seed" for vllm
     policy: str  # the router policy placing requests
 
 
-def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemSpec:
+def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
     base, rr = (label[:-3], True) if label.endswith("-rr") else (label, False)
     if base not in KINDS:
         raise ValueError(f"system must be one of {', '.join(KINDS)}, optionally with '-rr' (round-robin "
                          f"placement); got {label!r}")
     kind = "vllm" if base.startswith("vllm") else base
     cfg = ("seed" if base == "vllm-seed" else "default") if kind == "vllm" else None
-    return SystemSpec(label, kind, cfg, "round_robin" if rr else sticky_policy)
+    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy)
 
 
 @dataclass(slots=True)
@@ -74,13 +74,13 @@ class Setup:
         return not self.devices[0].startswith("cpu-")
 
 
-def make_system(spec: SystemSpec, setup: Setup, tag: str):
-    return FlameSystem(spec, setup, tag) if spec.kind == "flame" else HttpSystem(spec, setup, tag)
+def make_system(system: SystemConfig, setup: Setup, tag: str):
+    return FlameSystem(system, setup, tag) if system.kind == "flame" else HttpSystem(system, setup, tag)
 
 
 class FlameSystem:
-    def __init__(self, spec: SystemSpec, setup: Setup, tag: str):
-        self.spec, self.setup, self.tag = spec, setup, tag
+    def __init__(self, system: SystemConfig, setup: Setup, tag: str):
+        self.system, self.setup, self.tag = system, setup, tag
         self.service = self.client = None
         self._before: dict = {}
         self._loop = asyncio.new_event_loop()
@@ -94,7 +94,7 @@ class FlameSystem:
         cfg = ServiceConfig(model=s.model, load_format=s.load_format, engine=dict(s.engine),
                             num_shards=len(s.devices), cpu_shards=len(s.devices), cpu_per_shard=s.cpu_per_shard,
                             torch_threads=s.torch_threads, gpu_uuids=list(s.devices) if s.on_gpu else [],
-                            router_policy=self.spec.policy, spill_factor=s.spill_factor,
+                            router_policy=self.system.policy, spill_factor=s.spill_factor,
                             ray_address=s.ray_address, namespace=f"bench-{uuid.uuid4().hex[:10]}",
                             startup_timeout_s=s.startup_timeout_s)
         init_ray(cfg)
@@ -119,13 +119,10 @@ class FlameSystem:
         results = self._loop.run_until_complete(call)
         t_end = time.perf_counter()
         records = []
-        for req, r in zip(requests, results, strict=True):
+        for req, r in zip(requests, results, strict=True):  # the client's result dicts, plus the bench's fields
             done_at = r["timings"].get("done_at")  # per-request completion, when the client reports it
-            records.append({"id": req.rid, "shard": r["shard"], "gpu_uuid": r["gpu_uuid"], "node": r["node"],
-                            "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
-                            "cached_reported": r["error"] is None, "output_len": len(r["output_token_ids"]),
-                            "output_token_ids": r["output_token_ids"], "finish_reason": r["finish_reason"],
-                            "served_hash": r.get("prompt_hash"), "timings": r["timings"], "error": r["error"],
+            records.append({**r, "id": req.rid, "cached_reported": r["error"] is None,
+                            "output_len": len(r["output_token_ids"]),
                             "done_s": (done_at - t_release) if done_at is not None else t_end - t_release,
                             "done_source": "request" if done_at is not None else "burst"})
         return t_release, records
@@ -160,8 +157,8 @@ class FlameSystem:
 class HttpSystem:
     """engine or vllm: one server process per device, each in its own session (process group)."""
 
-    def __init__(self, spec: SystemSpec, setup: Setup, tag: str):
-        self.spec, self.setup, self.tag = spec, setup, tag
+    def __init__(self, system: SystemConfig, setup: Setup, tag: str):
+        self.system, self.setup, self.tag = system, setup, tag
         self.procs: list[subprocess.Popen] = []
         self.client: StickyHttpClient | None = None
         self.commands: list[list[str]] = []
@@ -171,9 +168,9 @@ class HttpSystem:
         s = self.setup
         env = dict(os.environ)
         if s.on_gpu:  # our server takes the UUID (and verifies it); vLLM parses indices only: PCI order index
-            env["CUDA_VISIBLE_DEVICES"] = device if self.spec.kind == "engine" else str(gpu_index(device))
+            env["CUDA_VISIBLE_DEVICES"] = device if self.system.kind == "engine" else str(gpu_index(device))
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        if self.spec.kind == "engine":
+        if self.system.kind == "engine":
             engine = {**s.engine, "device": "cuda" if s.on_gpu else "cpu"}
             cmd = [sys.executable, "-m", "flame_llm.serving.http_server", "--model", s.model, "--port", str(port),
                    "--served-model-name", "bench", "--load-format", s.load_format,
@@ -189,7 +186,7 @@ class HttpSystem:
                "--max-num-batched-tokens", str(e["max_num_batched_tokens"]), "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--gpu-memory-utilization", str(s.gpu_memory_utilization),
                "--seed", "0"]
-        cmd += list(VLLM_SEED_FLAGS) if self.spec.vllm_config == "seed" else []
+        cmd += list(VLLM_SEED_FLAGS) if self.system.vllm_config == "seed" else []
         cmd += list(s.vllm_args)
         if s.vllm_pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [s.vllm_pythonpath, env.get("PYTHONPATH", "")]))
@@ -214,14 +211,14 @@ class HttpSystem:
             self._wait_healthy(k, port)
         replicas = [Replica(k, f"http://127.0.0.1:{p}", d) for k, (p, d) in enumerate(zip(ports, s.devices,
                                                                                              strict=True))]
-        self.client = StickyHttpClient(replicas, s.model_revision, self.spec.policy, s.spill_factor,
-                                       return_token_ids=s.vllm_return_token_ids and self.spec.kind == "vllm",
+        self.client = StickyHttpClient(replicas, s.model_revision, self.system.policy, s.spill_factor,
+                                       return_token_ids=s.vllm_return_token_ids and self.system.kind == "vllm",
                                        timeout_s=s.burst_timeout_s)
         health = self._loop.run_until_complete(self.client.open())
         check = verify_processes(s.devices, [p.pid for p in self.procs], True) if s.on_gpu else {}
         for k, h in enumerate(health):  # our server reports the device it verified through torch
-            if "gpu_uuid" in h and h["gpu_uuid"] != s.devices[k]:
-                raise RuntimeError(f"replica {k} reports device {h['gpu_uuid']}; planned {s.devices[k]}")
+            if "device" in h and h["device"] != s.devices[k]:
+                raise RuntimeError(f"replica {k} reports device {h['device']}; planned {s.devices[k]}")
         return {"placement": list(s.devices), "health": health, "commands": self.commands, **check}
 
     def _wait_healthy(self, k: int, port: int) -> None:
@@ -229,7 +226,7 @@ class HttpSystem:
         proc = self.procs[k]
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.label} replica {k} exited with {proc.returncode} during startup; "
+                raise RuntimeError(f"{self.system.label} replica {k} exited with {proc.returncode} during startup; "
                                    f"log tail:\n{self._log_tail(k)}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
@@ -238,7 +235,7 @@ class HttpSystem:
             except OSError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"{self.spec.label} replica {k} not healthy after {self.setup.startup_timeout_s}s; "
+        raise RuntimeError(f"{self.system.label} replica {k} not healthy after {self.setup.startup_timeout_s}s; "
                            f"log tail:\n{self._log_tail(k)}")
 
     def _log_tail(self, k: int) -> str:

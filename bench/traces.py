@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import xxhash
 
-from flame_llm.protocol.wire import prompt_digest as input_hash  # the one digest: client, servers and bench agree
+from flame_llm.protocol.types import prompt_digest  # the one digest: client, servers and bench agree
 
 TRACE_NAMES = ("no-reuse", "reuse")
 
 
 @dataclass(slots=True)
-class TraceSpec:
+class TraceConfig:
     name: str = "reuse"  # "no-reuse": 1 question per document; "reuse": `questions` per document
     num_docs: int = 64
     questions: int = 4  # per document in the reuse trace
@@ -64,21 +64,21 @@ class TraceRequest:
     doc: int
     question: int
     token_ids: np.ndarray  # uint32
-    input_hash: str  # input_hash(token_ids)
+    prompt_digest: str  # prompt_digest(token_ids)
 
 
 @dataclass(slots=True)
 class Trace:
-    spec: TraceSpec
+    config: TraceConfig
     requests: list[TraceRequest]  # in release order (shuffled)
     shift: int = 0  # 0 for the measured trace; warmup round k uses a nonzero shift
 
     def describe(self) -> dict:
-        """What the report records about the trace: its spec, lengths, prefix relations and a digest."""
-        s = self.spec
+        """What the report records about the trace: its config, lengths, prefix relations and a digest."""
+        s = self.config
         digest = xxhash.xxh64()
         for r in self.requests:
-            digest.update(r.input_hash.encode())
+            digest.update(r.prompt_digest.encode())
         return {**asdict(s), "questions_per_doc": s.questions_per_doc, "num_requests": s.num_requests,
                 "prompt_tokens": s.doc_tokens + s.question_tokens, "shared_prefix_tokens": s.doc_tokens,
                 "prefix_relation": "the questions of one document share exactly its doc_tokens-token prefix; "
@@ -88,13 +88,13 @@ class Trace:
                 "order": "shuffled with the same seed", "shift": self.shift, "trace_digest": digest.hexdigest()}
 
 
-def make_trace(spec: TraceSpec, shift: int = 0, id_prefix: str = "") -> Trace:
+def make_trace(cfg: TraceConfig, shift: int = 0, id_prefix: str = "") -> Trace:
     """The seeded trace; shift != 0 maps every id t to low + (t - low + shift) mod (vocab - low)."""
-    rng = np.random.default_rng(spec.seed)
-    lo, hi, q = spec.token_low, spec.vocab_size, spec.questions_per_doc
-    docs = rng.integers(lo, hi, size=(spec.num_docs, spec.doc_tokens), dtype=np.int64)
-    questions = rng.integers(lo, hi, size=(spec.num_docs, q, spec.question_tokens), dtype=np.int64)
-    order = rng.permutation(spec.num_docs * q)
+    rng = np.random.default_rng(cfg.seed)
+    lo, hi, q = cfg.token_low, cfg.vocab_size, cfg.questions_per_doc
+    docs = rng.integers(lo, hi, size=(cfg.num_docs, cfg.doc_tokens), dtype=np.int64)
+    questions = rng.integers(lo, hi, size=(cfg.num_docs, q, cfg.question_tokens), dtype=np.int64)
+    order = rng.permutation(cfg.num_docs * q)
     if shift:
         docs = lo + (docs - lo + shift) % (hi - lo)
         questions = lo + (questions - lo + shift) % (hi - lo)
@@ -102,17 +102,17 @@ def make_trace(spec: TraceSpec, shift: int = 0, id_prefix: str = "") -> Trace:
     for k in order.tolist():
         d, j = divmod(k, q)
         ids = np.concatenate([docs[d], questions[d, j]]).astype(np.uint32)
-        requests.append(TraceRequest(f"{id_prefix}d{d}q{j}", d, j, ids, input_hash(ids)))
-    return Trace(spec, requests, shift)
+        requests.append(TraceRequest(f"{id_prefix}d{d}q{j}", d, j, ids, prompt_digest(ids)))
+    return Trace(cfg, requests, shift)
 
 
-def warmup_traces(spec: TraceSpec, rounds: int = 2) -> list[Trace]:
+def warmup_traces(cfg: TraceConfig, rounds: int = 2) -> list[Trace]:
     """`rounds` shifted copies of the trace, each with its own nonzero shift (distinct modulo the range)."""
     if not _int(rounds) or rounds < 0:
         raise ValueError(f"warmup rounds must be an integer >= 0; got {rounds!r}")
-    span = spec.vocab_size - spec.token_low
+    span = cfg.vocab_size - cfg.token_low
     step = max(1, span // (rounds + 1))
-    return [make_trace(spec, shift=k * step, id_prefix=f"w{k}-") for k in range(1, rounds + 1)]
+    return [make_trace(cfg, shift=k * step, id_prefix=f"w{k}-") for k in range(1, rounds + 1)]
 
 
 def _int(v: object) -> bool:

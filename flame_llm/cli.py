@@ -13,6 +13,7 @@ import sys
 import time
 
 from flame_llm.serving.http_server import ARGUMENTS as SERVE_HTTP_ARGS
+from flame_llm.serving.service_config import DEFAULT_NAMESPACE
 
 log = logging.getLogger("flame_llm.cli")
 
@@ -23,7 +24,8 @@ DEMO_CONFIG = {"model": "tiny", "num_shards": 2, "cpu_per_shard": 0.5, "torch_th
 
 ARGS = {
     "config": (("--config",), {"help": "service YAML (configs/service.yaml)"}),
-    "namespace": (("--namespace",), {"help": "Ray namespace of the service (default: the config's, or flame)"}),
+    "namespace": (("--namespace",), {"help": "Ray namespace of the service (default: the config's, or "
+                                             f"{DEFAULT_NAMESPACE})"}),
     "address": (("--address",), {"help": "Ray address (default: the config's, or auto)"}),
     "json": (("--json",), {"action": "store_true", "help": "print JSON instead of a table"}),
 }
@@ -52,7 +54,7 @@ def _attach(args) -> str:
 def _print_placement(health: list[dict]) -> None:
     print(f"{'shard':>5}  {'name':<6}  {'device':<40}  node")
     for h in health:
-        print(f"{h['shard']:>5}  {h['name']:<6}  {h['gpu_uuid']:<40}  {h['node']}")
+        print(f"{h['shard']:>5}  {h['name']:<6}  {h['device']:<40}  {h['node']}")
 
 
 def serve(args) -> int:
@@ -119,7 +121,7 @@ def _print_results(results: list[dict], elapsed: float) -> None:
         else:
             ids = r["output_token_ids"]
             out = f"{ids[:8]}{' ...' if len(ids) > 8 else ''} ({r['finish_reason']})"
-        print(f"{r['id'][-12:]:<12} {r['shard']:>5}  {r['gpu_uuid'][:12]:<12} {r['node'][:8]:<10} "
+        print(f"{r['id'][-12:]:<12} {r['shard']:>5}  {r['device'][:12]:<12} {r['node'][:8]:<10} "
               f"{r['prompt_tokens']:>6} {r['cached_tokens']:>6}  {out}")
     ok = [r for r in results if not r["error"]]
     prompt = sum(r["prompt_tokens"] for r in ok)
@@ -146,7 +148,7 @@ def status(args) -> int:
             print(f"{s['shard']:>5}  unavailable: {s['error']}")
             continue
         hit = s["cached_tokens"] / max(s["prompt_tokens"], 1)
-        print(f"{s['shard']:>5}  {s['name']:<6}  {s['gpu_uuid']:<40}  {s['node'][:8]:<10} "
+        print(f"{s['shard']:>5}  {s['name']:<6}  {s['device']:<40}  {s['node'][:8]:<10} "
               f"{s['inflight_requests']:>8} {s['queued']:>6} {s['rejected']:>8} {s['requests']:>8} "
               f"{100 * hit:>7.1f}%  {routed.get(s['shard'], {}).get('outstanding_work', 0.0):.0f}")
     return 0

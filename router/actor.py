@@ -7,13 +7,14 @@ Restarted by Ray if it dies; a restarted router starts with an empty map (every 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import ray
 
-from flame_llm.protocol.routing_key import DECODE_TOKEN_COST
-from router.policy import RouteItem, RouterPolicy
+from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem
+from router.policy import RouterPolicy
 
 ROUTER_NAME = "flame-router"
-DEFAULT_NAMESPACE = "flame"
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -25,12 +26,12 @@ class Router:
                         "max_entries": max_entries, "decode_cost": float(decode_cost)}
         self._policy = RouterPolicy(**self._config)
 
-    def route(self, items: list[RouteItem]) -> list[int]:
-        """Shard per (prefix chain, est_prefill_work, est_decode_tokens), in order."""
-        return self._policy.route_batch(items)
+    def route(self, items: list[RouteItem], avoid: Sequence[int] = ()) -> list[int]:
+        """Shard per RouteItem (prefix chain, est_prefill_work, est_decode_tokens), in order, none in avoid."""
+        return self._policy.route_batch(items, avoid)
 
-    def complete(self, completions: list[tuple[int, float, int, int, int]]) -> None:
-        """(shard, est_work, est_decode_tokens, prompt_tokens, cached_tokens) per finished request."""
+    def complete(self, completions: list[Completion]) -> None:
+        """One Completion per finished request."""
         self._policy.complete_many(completions)
 
     def drop_shard(self, shard: int) -> None:
@@ -44,7 +45,7 @@ class Router:
 
 
 def start_router(num_shards: int, policy: str = "cumulative", spill_factor: float = 1.25, *,
-                 name: str = ROUTER_NAME, namespace: str = DEFAULT_NAMESPACE, lifetime: str | None = None,
+                 name: str = ROUTER_NAME, namespace: str, lifetime: str | None = None,
                  max_entries: int = 100_000, decode_cost: float = DECODE_TOKEN_COST) -> ray.actor.ActorHandle:
     """The named router, created or, when one of that name already lives in the namespace, joined.
     Joining a router configured differently raises ValueError naming the differing fields.

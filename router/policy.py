@@ -1,8 +1,8 @@
 """Pure routing policy: which shard serves each request of a formed batch. No Ray here.
 
-Requests arrive as (prefix chain, estimated prefill work, estimated decode tokens); chains come from
-`flame_llm.protocol.routing_key.prefix_chain`, work from `estimate_prefill_work`. The policy sees only what it
-is given at routing time and the completions fed back; it never looks at labels or future requests.
+Requests arrive as RouteItems (prefix chain, estimated prefill work, estimated decode tokens) and come back
+as Completions, both from `flame_llm.protocol.routing_key`. The policy sees only what it is given at routing
+time and the completions fed back; it never looks at labels or future requests.
 
 Policies:
 - cumulative (the seed's): the longest known block-chain match goes to its shard; an unseen prefix
@@ -14,6 +14,9 @@ Policies:
   then it spills to the least-loaded shard. An unseen prefix goes to the least-loaded shard.
 - round_robin: plain alternation, ignoring prefixes (the baseline of the affinity A/B).
 
+A caller may name shards to avoid (draining, or lost): a prefix they own moves to the least-loaded shard
+of the others, and unseen prefixes go only to the others.
+
 Assignments are registered while routing, so a burst sharing a new prefix stays together even inside
 one batch. A spilled request does not move its prefix: the owner keeps the matched blocks, the spill
 shard gets only blocks nobody had. The chain -> shard map is an LRU bounded by max_entries.
@@ -21,12 +24,11 @@ shard gets only blocks nobody had. The chain -> shard map is an LRU bounded by m
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, estimate_prefill_work
+from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
 
 POLICIES = ("cumulative", "load_guarded", "round_robin")
-RouteItem = tuple[Sequence[int], float, int]  # (prefix chain, est. prefill work, est. decode tokens)
 
 
 class RouterPolicy:
@@ -58,11 +60,17 @@ class RouterPolicy:
         self._cached_tokens = [0] * num_shards
         self._actual_work = [0.0] * num_shards  # prefill work from the cached counts results report
         self._next_rr = 0
-        self.counters = {"hit": 0, "new": 0, "spill": 0, "round_robin": 0, "evicted": 0, "dropped": 0}
+        self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0}
 
-    def route_batch(self, items: Sequence[RouteItem]) -> list[int]:
-        """Shard per request of one formed batch, in order. Validates the whole batch first, so a bad
-        item leaves the policy unchanged."""
+    def route_batch(self, items: Sequence[RouteItem], avoid: Collection[int] = ()) -> list[int]:
+        """Shard per request of one formed batch, in order, never one in `avoid`. Validates the whole batch
+        first, so a bad item leaves the policy unchanged."""
+        avoid = set(avoid)
+        for s in avoid:
+            self._check_shard(s)
+        allowed = [s for s in range(self.num_shards) if s not in avoid]
+        if not allowed:
+            raise ValueError(f"avoid must leave at least one shard; got {sorted(avoid)} of {self.num_shards}")
         for i, item in enumerate(items):
             if len(item) != 3:
                 raise ValueError(f"item {i} must be (chain, est_prefill_work, est_decode_tokens); got {item!r:.80}")
@@ -78,24 +86,29 @@ class RouterPolicy:
         for chain, work, dec in items:
             if self.policy == "round_robin":
                 s = self._next_rr
+                while s in avoid:
+                    s = (s + 1) % n
                 self._next_rr = (s + 1) % n
                 counters["round_robin"] += 1
             else:
                 known = self._longest_match(chain)
-                if known is None:
-                    s = self._least(cum if self.policy == "cumulative" else out)
-                    counters["new"] += 1
+                moved = known in avoid
+                if known is None or moved:
+                    s = self._least(cum if self.policy == "cumulative" else out, allowed)
+                    counters["moved" if moved else "new"] += 1
                 elif self.policy == "load_guarded" and self._should_spill(known, work):
-                    s = self._least(out)
+                    s = self._least(out, allowed)
                     counters["spill"] += 1
                 else:
                     s = known
                     counters["hit"] += 1
-                for h in chain:  # refresh what is known, register the rest to s
-                    if h in owner:
-                        owner.move_to_end(h)
-                    else:
+                for h in chain:  # refresh what is known, register the rest to s (all of it when it moved)
+                    if h not in owner:
                         owner[h] = s
+                    else:
+                        if moved:
+                            owner[h] = s
+                        owner.move_to_end(h)
                 while len(owner) > self.max_entries:
                     owner.popitem(last=False)
                     counters["evicted"] += 1
@@ -127,10 +140,10 @@ class RouterPolicy:
                 return s
         return None
 
-    def _least(self, load: list[float]) -> int:
+    def _least(self, load: list[float], allowed: Sequence[int]) -> int:
         # ties go to the shard with less cumulative work, then the lower index
         cum = self._cumulative
-        return min(range(self.num_shards), key=lambda i: (load[i], cum[i]))
+        return min(allowed, key=lambda i: (load[i], cum[i]))
 
     def complete(self, shard: int, est_work: float, est_decode_tokens: int, prompt_tokens: int,
                  cached_tokens: int) -> None:
@@ -150,8 +163,9 @@ class RouterPolicy:
         self._cached_tokens[shard] += cached_tokens
         self._actual_work[shard] += estimate_prefill_work(prompt_tokens, cached_tokens)
 
-    def complete_many(self, completions: Sequence[tuple[int, float, int, int, int]]) -> None:
-        """complete() for each (shard, est_work, est_decode_tokens, prompt_tokens, cached_tokens)."""
+    def complete_many(self, completions: Sequence[Completion]) -> None:
+        """complete() for each Completion (shard, est_prefill_work, est_decode_tokens, prompt_tokens,
+        cached_tokens)."""
         for c in completions:
             self.complete(*c)
 

@@ -10,27 +10,27 @@ import pytest
 from bench import cli, pairs, report, systems
 from bench.runner import check_run
 from bench.systems import parse_system
-from bench.traces import TraceSpec, input_hash, make_trace, warmup_traces
+from bench.traces import TraceConfig, make_trace, warmup_traces
 
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
          "--question-tokens", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512",
          "--max-num-seqs", "16", "--engine-json", '{"cpu_kvcache_gib": 0.0625}', "--policy", "cumulative"]
 
 
-def _spec(**kw) -> TraceSpec:
-    return TraceSpec(**{"num_docs": 3, "questions": 2, "doc_tokens": 40, "question_tokens": 5, "vocab_size": 97,
+def _config(**kw) -> TraceConfig:
+    return TraceConfig(**{"num_docs": 3, "questions": 2, "doc_tokens": 40, "question_tokens": 5, "vocab_size": 97,
                         **kw})
 
 
 def test_traces_are_seeded_shuffled_and_warmups_keep_prefix_relations_with_unseen_ids():
-    spec = _spec()
-    t, again, other = make_trace(spec), make_trace(spec), make_trace(_spec(seed=1))
-    assert [r.input_hash for r in t.requests] == [r.input_hash for r in again.requests]
-    assert [r.input_hash for r in t.requests] != [r.input_hash for r in other.requests]
+    cfg = _config()
+    t, again, other = make_trace(cfg), make_trace(cfg), make_trace(_config(seed=1))
+    assert [r.prompt_digest for r in t.requests] == [r.prompt_digest for r in again.requests]
+    assert [r.prompt_digest for r in t.requests] != [r.prompt_digest for r in other.requests]
     assert len(t.requests) == 6 and all(len(r.token_ids) == 45 for r in t.requests)
     assert [r.rid for r in t.requests] != sorted(r.rid for r in t.requests)  # shuffled (seed 0)
-    assert make_trace(_spec(name="no-reuse")).spec.num_requests == 3
-    warm = warmup_traces(spec, 2)
+    assert make_trace(_config(name="no-reuse")).config.num_requests == 3
+    warm = warmup_traces(cfg, 2)
     assert len({w.shift for w in warm}) == 2 and all(w.shift % 97 for w in warm)
     docs = {r.doc: r.token_ids[:40] for r in t.requests}
     for w in warm:
@@ -41,7 +41,7 @@ def test_traces_are_seeded_shuffled_and_warmups_keep_prefix_relations_with_unsee
     d = t.describe()
     assert d["seed"] == 0 and d["prompt_tokens"] == 45 and "generated" in d["token_source"]
     with pytest.raises(ValueError, match="trace field 'num_docs' must be an integer >= 1; got 0"):
-        _spec(num_docs=0)
+        _config(num_docs=0)
 
 
 def test_system_labels():
@@ -53,24 +53,26 @@ def test_system_labels():
 
 
 def _records(trace, placement=("cpu-0", "cpu-1")):
-    return [{"id": r.rid, "shard": k % 2, "gpu_uuid": placement[k % 2], "prompt_tokens": len(r.token_ids),
-             "output_len": 16, "finish_reason": "length", "served_hash": r.input_hash, "error": None}
+    return [{"id": r.rid, "shard": k % 2, "device": placement[k % 2], "prompt_tokens": len(r.token_ids),
+             "output_len": 16, "finish_reason": "length", "prompt_digest": r.prompt_digest, "error": None}
             for k, r in enumerate(trace.requests)]
 
 
 def test_checks_catch_missing_duplicate_length_hash_and_placement():
-    trace = make_trace(_spec())
+    trace = make_trace(_config())
     assert check_run(trace, _records(trace), ["cpu-0", "cpu-1"])["ok"]
     recs = _records(trace)
     recs[1] = dict(recs[0])  # request 1 missing, request 0 answered twice
     recs[2]["output_len"] = 15
-    recs[3]["gpu_uuid"] = "cpu-1" if recs[3]["shard"] == 0 else "cpu-0"
-    recs[4]["served_hash"] = "0" * 16
+    recs[3]["device"] = "cpu-1" if recs[3]["shard"] == 0 else "cpu-0"
+    recs[4]["prompt_digest"] = "0" * 16
     recs[5]["error"] = {"code": "overloaded"}
     c = check_run(trace, recs, ["cpu-0", "cpu-1"])
     assert not c["ok"]
-    assert c["failures"] == {"missing": 1, "duplicate": 1, "output_len": 1, "placement": 1, "input_hash": 1,
+    assert c["failures"] == {"missing": 1, "duplicate": 1, "output_len": 1, "placement": 1, "prompt_digest": 1,
                              "error": 1}
+    unreported = [{**rec, "prompt_digest": ""} for rec in _records(trace)]  # vLLM does not report a digest
+    assert check_run(trace, unreported, ["cpu-0", "cpu-1"])["ok"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,9 @@ def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smok
             assert raw["checks"] == {"ok": True, "failures": {}, "examples": [], "requests": n, "expected": n}
             reqs = raw["requests"]
             assert sorted(r["id"] for r in reqs) == sorted({r["id"] for r in reqs}) and len(reqs) == n
-            assert all(r["gpu_uuid"] == ["cpu-0", "cpu-1"][r["shard"]] and r["output_len"] == 16 for r in reqs)
+            assert all(r["device"] == ["cpu-0", "cpu-1"][r["shard"]] and r["output_len"] == 16 for r in reqs)
+            # both systems report the digest of the prompt they served (the checks compared it with the trace's)
+            assert all(len(r["prompt_digest"]) == 16 for r in reqs)
             owner = {}
             for r in reqs:  # cumulative placement: every question of a document on its document's shard
                 assert owner.setdefault(r["doc"], r["shard"]) == r["shard"]
@@ -153,10 +157,10 @@ def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_p
         report.load_runs(str(tmp_path / "raw" / "none"))
 
 
-def test_input_hash_is_the_servers_digest():
-    ids = np.arange(10, dtype=np.uint32)
-    from flame_llm.protocol.wire import prompt_digest
-    assert input_hash(ids) == prompt_digest(ids.tolist()) != input_hash(ids[:-1])
+def test_trace_digest_is_the_protocols_prompt_digest():
+    from flame_llm.protocol.types import prompt_digest
+    (req,) = make_trace(_config(num_docs=1, name="no-reuse")).requests
+    assert req.prompt_digest == prompt_digest(req.token_ids.tolist()) != prompt_digest(req.token_ids[:-1])
 
 
 def _gpu_setup():

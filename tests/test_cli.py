@@ -31,7 +31,7 @@ def test_shipped_configs_load():
     ({"spill_factor": 0.5}, "'spill_factor' must be a number >= 1.0"),
     ({"max_batch_prompts": True}, "'max_batch_prompts' must be an integer >= 1"),
     ({"batch_window_ms": -1}, "'batch_window_ms' must be in"),
-    ({"max_batch_bytes": 10}, "'max_batch_bytes' must be an integer in"),
+    ({"max_payload_bytes": 10}, "'max_payload_bytes' must be an integer in"),
     ({"zstd_level": 30}, "'zstd_level' must be an integer in"),
     ({"max_inflight_tokens": 0}, "'max_inflight_tokens'"),
     ({"max_restarts": -2}, "'max_restarts' must be an integer >= -1"),

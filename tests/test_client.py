@@ -5,13 +5,14 @@ import time
 
 import numpy as np
 
+from flame_llm.protocol.types import Request
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending, ShardBatcher
 
 
 def _pending(loop, i, num_tokens=4):
-    return Pending(f"r{i}", np.zeros(num_tokens, dtype=np.uint32), SamplingParams(), [i], 1.0,
+    return Pending(Request(f"r{i}", np.zeros(num_tokens, dtype=np.uint32), SamplingParams()), [i], 1.0,
                    request_wire_size(num_tokens), loop.create_future(), shard=0)
 
 
@@ -20,7 +21,7 @@ class Recorder:
         self.batches = []
 
     async def __call__(self, shard, batch):
-        self.batches.append((shard, [p.rid for p in batch], time.perf_counter()))
+        self.batches.append((shard, [p.request.id for p in batch], time.perf_counter()))
 
 
 def test_flush_at_max_prompts_without_waiting():
@@ -70,7 +71,7 @@ def test_flush_before_decoded_budget_is_passed():
         rec = Recorder()
         per = request_wire_size(1000)
         budget = BATCH_OVERHEAD + 3 * per + per // 2  # room for three 1000-token requests, not four
-        b = ShardBatcher(0, rec, max_prompts=128, window_s=10.0, max_bytes=budget)
+        b = ShardBatcher(0, rec, max_prompts=128, window_s=10.0, max_payload_bytes=budget)
         for i in range(7):
             b.add(_pending(loop, i, 1000))
         await asyncio.sleep(0)

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from flame_llm import LLM, AsyncEngine, SamplingParams
-from flame_llm.protocol.wire import prompt_digest
+from flame_llm.protocol.types import prompt_digest
 from flame_llm.serving.http_server import build_app
 
 
@@ -54,7 +54,7 @@ def test_token_id_completion_matches_the_offline_engine(server):
     assert choice["token_ids"] == ref.output_token_ids and len(choice["token_ids"]) == 12
     assert choice["finish_reason"] == "length"
     assert out["usage"]["prompt_tokens"] == len(prompt) and out["usage"]["completion_tokens"] == 12
-    assert out["flame"]["prompt_hashes"] == [prompt_digest(prompt)] and out["flame"]["gpu_uuid"] == "cpu-7"
+    assert out["flame"]["prompt_digests"] == [prompt_digest(prompt)] and out["flame"]["device"] == "cpu-7"
     assert out["model"] == "tiny" and out["object"] == "text_completion"
 
 
@@ -84,7 +84,7 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     ({"prompt": [1, 2.5]}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
     ({"prompt": [[1, 2], [3, False]]}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
     ({"prompt": [[1, 2], "x", 3]}, "prompt", "field 'prompt'"),
-    ({"prompt": [1, 100000]}, "prompt", "vocab_size=512"),
+    ({"prompt": [1, 100000]}, "prompt", "token id 100000 at position 1 is >= vocab_size 512"),
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer >= 1"),
     ({"prompt": [1, 2], "max_tokens": "8"}, "max_tokens", "'max_tokens' must be an integer >= 1"),
     ({"prompt": [1, 2], "temperature": -1}, "temperature", "'temperature' must be a number in [0, 100]"),
@@ -92,6 +92,11 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     ({"prompt": [1, 2], "n": 3}, "n", "field 'n' must be 1"),
     ({"prompt": [1, 2], "ignore_eos": "yes"}, "ignore_eos", "field 'ignore_eos' must be true or false"),
     ({"prompt": [1] * 600}, "prompt", "the limit is 511 (max_model_len 512"),
+    ({"prompt": [1] * 512}, "prompt", "prompt has 512 tokens; the limit is 511"),
+    ({"prompt": "some text"}, "prompt", "text prompts need a tokenizer"),
+    ({"prompt": [1, 2], "top_p": 0}, "top_p", "'top_p' must be in (0, 1]"),
+    ({"prompt": [1, 2], "max_tokens": True}, "max_tokens", "field 'max_tokens' must be a number, not True"),
+    ({"prompt": [1, 2], "stop_token_ids": 5}, "stop_token_ids", "field 'stop_token_ids' must be a list of token ids"),
     (["not", "an", "object"], "body", "must be a JSON object"),
 ])
 def test_bad_input_answers_400_naming_the_field(server, body, param, words):
@@ -112,7 +117,8 @@ def test_invalid_json_is_a_400_and_the_server_keeps_serving(server):
 def test_health_and_models(server):
     url, model = server
     status, h = _call(f"{url}/health")
-    assert status == 200 and h["status"] == "ok" and h["gpu_uuid"] == "cpu-7"
+    assert status == 200 and h["status"] == "ok" and h["device"] == "cpu-7"
     assert h["vocab_size"] == 512 and h["model"] == model and "@" in h["model_revision"]
+    assert (h["max_model_len"], h["max_prompt_tokens"]) == (512, 511)
     status, m = _call(f"{url}/v1/models")
     assert status == 200 and m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == 512

@@ -81,6 +81,9 @@ def test_bad_items_raise_value_error_and_the_router_keeps_serving(router):
     with pytest.raises(ValueError, match="shard must be"):
         ray.get(r.drop_shard.remote(-1))
     assert len(ray.get(r.route.remote(_items([3, 4])))) == 2
+    assert ray.get(r.route.remote(_items([3, 4]), [0])) == [1, 1]  # a shard the caller avoids gets nothing
+    with pytest.raises(ValueError, match="avoid must leave at least one shard"):
+        ray.get(r.route.remote(_items([3]), [0, 1]))
 
 
 def test_detached_router_is_restarted_with_a_fresh_map(local_ray):

@@ -4,7 +4,7 @@ import pytest
 from flame_llm.prefix import hash_block, revision_seed
 from flame_llm.protocol.routing_key import (
     ATTN_CROSSOVER_TOKENS,
-    estimate_decode_work,
+    DECODE_TOKEN_COST,
     estimate_prefill_work,
     prefix_chain,
 )
@@ -72,7 +72,7 @@ def test_work_estimates():
     assert estimate_prefill_work(8192, 8192) == 0.0
     # the uncached second half attends over more keys than the first half did
     assert estimate_prefill_work(8192) / 2 < estimate_prefill_work(8192, 4096) < estimate_prefill_work(8192)
-    assert estimate_decode_work(16) > estimate_prefill_work(16)
+    assert DECODE_TOKEN_COST * 16 > estimate_prefill_work(16)  # a decoded token costs more than a prefilled one
     for n, c in [(-1, 0), (10, 11), (10, -1)]:
         with pytest.raises(ValueError, match=f"num_tokens={n}, cached_tokens={c}"):
             estimate_prefill_work(n, c)
@@ -238,6 +238,23 @@ def test_lru_map_is_bounded_and_refreshed_on_use():
     assert p.stats()["entries"] <= 8
 
 
+def test_avoided_shards_get_nothing_and_their_prefixes_move():
+    p = RouterPolicy(3)
+    assert p.route_batch([(_chain(1, 2), 10.0, 0), (_chain(3), 10.0, 0), (_chain(4), 10.0, 0)]) == [0, 1, 2]
+    # shard 0 drains: its prefix moves to the least-loaded other shard (a tie: the lower index), and stays
+    assert p.route_batch([(_chain(1, 2, 5), 1.0, 0)], avoid=[0]) == [1]
+    assert p.counters["moved"] == 1
+    assert p.route_batch([(_chain(1, 2), 1.0, 0)]) == [1]
+    assert set(p.route_batch([(_chain(100 + i), 0.0, 0) for i in range(6)], avoid=[0, 2])) == {1}
+    assert RouterPolicy(3, "round_robin").route_batch([(_chain(1), 1.0, 0)] * 4, avoid=[1]) == [0, 2, 0, 2]
+    before = p.stats()
+    with pytest.raises(ValueError, match="avoid must leave at least one shard; got \\[0, 1, 2\\] of 3"):
+        p.route_batch([(_chain(1), 1.0, 0)], avoid=[0, 1, 2])
+    with pytest.raises(ValueError, match="shard must be an integer in \\[0, 3\\); got 7"):
+        p.route_batch([(_chain(1), 1.0, 0)], avoid=[7])
+    assert p.stats() == before
+
+
 def test_round_robin_alternates_ignoring_prefixes():
     p = RouterPolicy(3, "round_robin")
     assert p.route_batch([(_chain(1), 1.0, 0)] * 4) == [0, 1, 2, 0]
@@ -249,4 +266,4 @@ def test_round_robin_alternates_ignoring_prefixes():
 def test_stats_shape():
     st = RouterPolicy(2, "load_guarded", spill_factor=1.5).stats()
     assert st["policy"] == "load_guarded" and st["spill_factor"] == 1.5 and len(st["shards"]) == 2
-    assert set(st["counters"]) == {"hit", "new", "spill", "round_robin", "evicted", "dropped"}
+    assert set(st["counters"]) == {"hit", "new", "spill", "moved", "round_robin", "evicted", "dropped"}

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import ray
 import zstandard
+from ray.exceptions import RayActorError
 
 from actors.admission import Admission, Overloaded
 from flame_llm import LLM, SamplingParams
 from flame_llm.protocol.routing_key import estimate_prefill_work
-from flame_llm.protocol.wire import WireRequest, decode_results, encode_requests, prompt_digest
+from flame_llm.protocol.types import Request, prompt_digest
+from flame_llm.protocol.wire import decode_results, encode_requests
 from flame_llm.serving.client import Client, make_client
 from flame_llm.serving.service import start_service
 from flame_llm.serving.service_config import ServiceConfig
@@ -101,7 +103,10 @@ def _prompts(n, length, seed, prefix=None):
 def test_health_placement_and_frozen_heap(service):
     svc, _ = service
     assert [h["name"] for h in svc.health] == ["cpu-0", "cpu-1"]
-    assert [h["gpu_uuid"] for h in svc.health] == ["cpu-0", "cpu-1"]
+    assert [h["device"] for h in svc.health] == ["cpu-0", "cpu-1"]
+    limits = {k: svc.health[0][k] for k in ("vocab_size", "max_model_len", "max_prompt_tokens", "max_payload_bytes")}
+    assert limits == {"vocab_size": 512, "max_model_len": 1024, "max_prompt_tokens": 1023,
+                      "max_payload_bytes": svc.cfg.max_payload_bytes}
     stats = ray.get(svc.actors[0].stats.remote())
     assert stats["frozen_objects"] > 0 and stats["model_revision"] == svc.health[0]["model_revision"]
 
@@ -125,7 +130,7 @@ def test_outputs_equal_llm_generate(service, tiny_llama):
     r = got_g[0]
     assert r["node"] == ray.get_runtime_context().get_node_id()
     assert set(r["timings"]) >= {"queue_s", "engine_s", "total_s", "client_s", "decode_s", "roundtrip_s", "done_at"}
-    assert [r["prompt_hash"] for r in got_g] == [prompt_digest(p) for p in prompts]  # what the shard served
+    assert [r["prompt_digest"] for r in got_g] == [prompt_digest(p) for p in prompts]  # what the shard served
     c = client.counters
     assert c["batches"] >= 2 and c["route_s"] > 0 and c["encode_s"] > 0 and c["result_decode_s"] > 0
     # tiny-vocabulary ids compress: the decoded payload (from the zstd header) is larger than what travels
@@ -204,11 +209,13 @@ def test_bad_inputs_get_their_errors_while_good_batch_completes(service):
     per_req = decode_results(ray.get(actor.submit.remote(request_errors)))
     for code, ref in refs.items():
         (rec,) = decode_results(ray.get(ref))
-        assert rec["id"] is None and rec["error"]["code"] == code, rec
-    codes = {r["id"]: (r["error"] or {}).get("code") for r in per_req}
+        assert rec.id is None and rec.error.code == code, rec
+    codes = {r.id: r.error.code if r.error else None for r in per_req}
+    # a prompt must leave room for one output token: the protocol's prompt_too_long, not the engine's error
     assert codes == {"oov": "token_out_of_range", "empty": "empty_prompt", "long": "prompt_too_long",
-                     "sampling": "bad_sampling", "ok": None, "full": "invalid_request"}
-    assert "top_p" in per_req[3]["error"]["message"]
+                     "sampling": "bad_sampling", "ok": None, "full": "prompt_too_long"}
+    assert "top_p" in per_req[3].error.message
+    assert "the limit is 1023 (max_model_len 1024" in per_req[5].error.message
     t.join(timeout=120)
     assert [r["error"] for r in out["res"]] == [None] * 12
 
@@ -216,9 +223,11 @@ def test_bad_inputs_get_their_errors_while_good_batch_completes(service):
 def test_client_side_errors_and_batch_level_error_fanout(service):
     _, client = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)
-    res = client.generate([[], [1, -3], [[1, 2]], [4, 5, 6], [600, 1]], sp)
+    res = client.generate([[], [1, -3], [[1, 2]], [4, 5, 6], [600, 1], [1] * 1024], sp)
     assert [(r["error"] or {}).get("code") for r in res] == ["empty_prompt", "bad_prompt", "bad_prompt", None,
-                                                             "token_out_of_range"]
+                                                             "token_out_of_range", "prompt_too_long"]
+    # checked against the shards' published limits before routing: no shard saw them
+    assert [r["shard"] for r in res if r["error"]] == [-1] * 5
     with pytest.raises(ValueError, match="sampling_params has 1 entries; prompts has 2"):
         client.generate([[1], [2]], [sp])
     with pytest.raises(ValueError, match="no usable tokenizer"):
@@ -281,6 +290,7 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     svc, client = service
     victim = svc.actors[0]
     old = ray.get(victim.health.remote())
+    dropped = ray.get(svc.router.stats.remote())["counters"]["dropped"]
     prompts = _prompts(32, 60, seed=14)
     out = {}
     t = threading.Thread(target=lambda: out.update(res=client.generate(prompts, SamplingParams(
@@ -297,9 +307,10 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     assert [r["error"] for r in res] == [None] * 32
     assert all(len(r["output_token_ids"]) == 24 for r in res)
     new = ray.get(victim.health.remote())
-    assert new["restarted"] and new["incarnation"] != old["incarnation"] and new["gpu_uuid"] == old["gpu_uuid"]
+    assert new["restarted"] and new["incarnation"] != old["incarnation"] and new["device"] == old["device"]
     assert client.counters["restarts_seen"] == 1
-    assert ray.get(svc.router.stats.remote())["counters"]["dropped"] >= 0
+    # the restarted shard's engine is cold: the router forgot the prefixes it owned (this burst's among them)
+    assert ray.get(svc.router.stats.remote())["counters"]["dropped"] > dropped
 
 
 def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(service):
@@ -317,23 +328,56 @@ def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(servic
         new = [ray.get(a.health.remote()) for a in svc.actors.values()]
         assert {r["shard"] for r in res} == {0, 1}  # six unseen prefixes balance: both broken shards served
         for o, n in zip(old, new):
-            assert not n["engine_failed"] and n["gpu_uuid"] == o["gpu_uuid"] and n["incarnation"] != o["incarnation"]
+            assert not n["engine_failed"] and n["device"] == o["device"] and n["incarnation"] != o["incarnation"]
         assert client.counters["restarts_seen"] >= 1
     finally:
         client.close()
 
 
-def test_drain_then_shutdown(service):
+def test_a_router_call_lost_with_a_restarting_router_is_made_again(service):
+    svc, _ = service
+
+    class LosesFirstCall:  # the router died under the first call; the restarted one answers the next
+        def __init__(self, real):
+            self.real, self.complete, self.drop_shard, self.lost = real, real.complete, real.drop_shard, 0
+            self.route = self
+
+        async def remote(self, items, avoid):
+            self.lost += 1
+            if self.lost == 1:
+                raise RayActorError()
+            return await self.real.route.remote(items, avoid)
+
+    client = make_client(svc.cfg, LosesFirstCall(svc.router), svc.actors)
+    try:
+        (res,) = client.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2))
+        assert res["error"] is None and len(res["output_token_ids"]) == 2
+        assert client.counters["route_retries"] == 1 and client.router.lost == 2
+    finally:
+        client.close()
+
+
+def test_draining_shard_requests_go_to_the_other_shard_then_shutdown(service):
+    """A draining shard answers `draining` (retryable): the client sends those requests to the other shard
+    instead of failing them, and routes around the draining shard from then on."""
     svc, client = service
     actor = svc.actors[1]
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    cum = [s["cumulative_work"] for s in ray.get(svc.router.stats.remote())["shards"]]
+    n = 2 + int(max(0.0, cum[1] - cum[0]) // estimate_prefill_work(300))  # enough unseen documents to reach shard 1
+    docs = _prompts(n, 300, seed=30)
+    doc = next(d for d, r in zip(docs, client.generate(docs, sp)) if r["shard"] == 1)
     assert ray.get(actor.drain.remote(5.0)) is True
-    res = client.generate(_prompts(1, 10, seed=15), SamplingParams(max_tokens=2))
-    if res[0]["shard"] == 1:
-        assert res[0]["error"]["code"] == "draining"
+    follow = [doc[:280] + q for q in _prompts(3, 20, seed=31)]  # the router's owner of doc's first block: 1
+    res = client.generate(follow, sp)
+    assert [r["error"] for r in res] == [None] * 3
+    assert [(r["shard"], r["timings"]["attempts"]) for r in res] == [(0, 2)] * 3  # 1 said draining, then 0
+    (again,) = client.generate([doc[:280] + [7, 8, 9]], sp)
+    assert again["error"] is None and (again["shard"], again["timings"]["attempts"]) == (0, 1)
     rev = svc.health[0]["model_revision"]
-    payload = encode_requests([WireRequest("d", [1, 2, 3], SamplingParams(max_tokens=2))], rev)
+    payload = encode_requests([Request("d", [1, 2, 3], SamplingParams(max_tokens=2))], rev)
     (rec,) = decode_results(ray.get(actor.submit.remote(payload)))
-    assert rec["error"]["code"] == "draining"
+    assert rec.error.code == "draining" and rec.error.code.retryable
     assert ray.get(actor.shutdown.remote(5.0)) is True
 
 

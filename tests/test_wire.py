@@ -8,14 +8,21 @@ import numpy as np
 import pytest
 import zstandard
 
+from flame_llm.protocol.types import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_ID_BYTES,
+    RESULT_FIELDS,
+    EngineLimits,
+    ErrorCode,
+    ErrorInfo,
+    Request,
+    RequestError,
+    Result,
+    WireError,
+)
 from flame_llm.protocol.wire import (
     BATCH_OVERHEAD,
-    MAX_ID_BYTES,
     MAX_REVISION_BYTES,
-    RESULT_FIELDS,
-    RequestError,
-    WireError,
-    WireRequest,
     decode_requests,
     decode_results,
     encode_requests,
@@ -28,9 +35,8 @@ VOCAB, MAX_LEN = 1000, 64
 GIB = 1 << 30
 
 
-def _decode(payload, **kw):
-    return decode_requests(payload, vocab_size=kw.pop("vocab_size", VOCAB),
-                           max_model_len=kw.pop("max_model_len", MAX_LEN), **kw)
+def _decode(payload, vocab_size=VOCAB, max_model_len=MAX_LEN, max_payload_bytes=DEFAULT_MAX_PAYLOAD_BYTES, **kw):
+    return decode_requests(payload, EngineLimits.of(vocab_size, max_model_len, max_payload_bytes), **kw)
 
 
 def _raw(obj, level=1) -> bytes:
@@ -48,9 +54,9 @@ def _batch(*reqs, version=1, revision="rev"):
 def test_round_trip_lists_and_arrays():
     sp = SamplingParams(temperature=0.0, top_k=5, top_p=0.9, max_tokens=7, ignore_eos=True,
                         stop_token_ids=(3, 4), seed=11)
-    reqs = [WireRequest("x", [1, 2, 3], sp),
-            WireRequest("y", np.array([999, 0], dtype=np.uint32), SamplingParams()),
-            WireRequest("z", np.arange(5, dtype=np.int64), SamplingParams(max_tokens=2))]
+    reqs = [Request("x", [1, 2, 3], sp),
+            Request("y", np.array([999, 0], dtype=np.uint32), SamplingParams()),
+            Request("z", np.arange(5, dtype=np.int64), SamplingParams(max_tokens=2))]
     batch = _decode(encode_requests(reqs, "rev-1", level=3))
     assert batch.model_revision == "rev-1"
     assert [r.id for r in batch.items] == ["x", "y", "z"]
@@ -68,8 +74,8 @@ def test_empty_batch():
 def test_big_batch_fits_the_default_budget():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128_000, 8000, dtype=np.uint32) for _ in range(128)]
-    payload = encode_requests([WireRequest(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)], "m")
-    batch = decode_requests(payload, vocab_size=128_000, max_model_len=32768)
+    payload = encode_requests([Request(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)], "m")
+    batch = _decode(payload, vocab_size=128_000, max_model_len=32768)
     assert len(batch.items) == 128
     assert all(np.array_equal(it.prompt_token_ids, p) for it, p in zip(batch.items, prompts, strict=True))
 
@@ -78,7 +84,7 @@ def test_request_wire_size_bounds_the_decoded_size():
     sp = SamplingParams(temperature=0.5, top_k=2**62, top_p=0.5, max_tokens=2**62, ignore_eos=True,
                         stop_token_ids=(2**62,) * 3, seed=2**63 - 1)
     counts = [1, 300, 70_000]
-    reqs = [WireRequest("é" * (MAX_ID_BYTES // 2 - i), np.zeros(n, np.uint32), sp)
+    reqs = [Request("é" * (MAX_ID_BYTES // 2 - i), np.zeros(n, np.uint32), sp)
             for i, n in enumerate(counts)]
     payload = encode_requests(reqs, "r" * MAX_REVISION_BYTES)
     decoded = zstandard.frame_content_size(payload)
@@ -92,7 +98,7 @@ def test_thread_local_codecs_round_trip_concurrently():
     def work(k):
         try:
             for j in range(20):
-                reqs = [WireRequest(f"{k}-{j}", [k, j, 1], SamplingParams())]
+                reqs = [Request(f"{k}-{j}", [k, j, 1], SamplingParams())]
                 assert _decode(encode_requests(reqs, "r", level=1 + k % 3)).items[0].id == f"{k}-{j}"
         except Exception as e:  # noqa: BLE001 - re-raised below in the main thread
             errors.append(e)
@@ -113,7 +119,7 @@ def test_thread_local_codecs_round_trip_concurrently():
 ])
 def test_encode_rejects_bad_token_ids(bad, where):
     with pytest.raises(ValueError, match=f"request 'q': prompt_token_ids.*{where}"):
-        encode_requests([WireRequest("q", bad, SamplingParams())], "r")
+        encode_requests([Request("q", bad, SamplingParams())], "r")
 
 
 def test_encode_rejects_bad_level_and_revision():
@@ -165,15 +171,15 @@ def test_batch_errors(payload, code, match):
 
 
 def test_wrong_revision_and_over_budget():
-    payload = encode_requests([WireRequest("a", [1] * 50, SamplingParams())], "rev-a")
+    payload = encode_requests([Request("a", [1] * 50, SamplingParams())], "rev-a")
     with pytest.raises(WireError, match="'rev-a' does not match the served model's 'rev-b'") as e:
         _decode(payload, expected_revision="rev-b")
     assert e.value.code == "wrong_revision"
     size = zstandard.frame_content_size(payload)
-    assert _decode(payload, max_decoded_bytes=size).items[0].id == "a"
-    with pytest.raises(WireError, match=f"declares {size} decoded bytes; max_decoded_bytes is {size - 1}$") \
+    assert _decode(payload, max_payload_bytes=size).items[0].id == "a"
+    with pytest.raises(WireError, match=f"declares {size} decoded bytes; max_payload_bytes is {size - 1}$") \
             as e:
-        _decode(payload, max_decoded_bytes=size - 1)
+        _decode(payload, max_payload_bytes=size - 1)
     assert e.value.code == "over_budget"
 
 
@@ -207,15 +213,16 @@ def bombs():
 def test_bomb_is_never_inflated(bombs, declared, decode):
     payload = bombs[declared]
     assert len(payload) < 64 << 10 and zstandard.frame_content_size(payload) == (GIB if declared else -1)
-    budget = 4 << 20
+    budget = DEFAULT_MAX_PAYLOAD_BYTES
+    assert budget == 4 << 20
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     tracemalloc.start()
     try:
-        with pytest.raises(WireError, match=f"max_decoded_bytes.*{budget}") as e:
+        with pytest.raises(WireError, match=f"max_payload_bytes.*{budget}") as e:
             if decode == "requests":
                 _decode(payload)  # the default budget is 4 MiB
             else:
-                decode_results(payload, max_decoded_bytes=budget)
+                decode_results(payload, max_payload_bytes=budget)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -231,8 +238,8 @@ def test_undeclared_size_within_budget_decodes():
     payload = obj.compress(raw) + obj.flush()
     assert zstandard.frame_content_size(payload) == -1
     assert list(_decode(payload).items[0].prompt_token_ids) == [5, 5, 5]
-    with pytest.raises(WireError, match=f"inflates past max_decoded_bytes {len(raw) - 1}"):
-        _decode(payload, max_decoded_bytes=len(raw) - 1)
+    with pytest.raises(WireError, match=f"inflates past max_payload_bytes {len(raw) - 1}"):
+        _decode(payload, max_payload_bytes=len(raw) - 1)
 
 
 # ---- per-request failures: the bad slot gets its error, the others proceed ----
@@ -252,8 +259,8 @@ _TOK = np.array([7, 8], "<u4").tobytes()
     (_req(rid="b", prompt="text"), "b", "bad_prompt", "must be bytes"),
     (_req(rid="b", prompt=b""), "b", "empty_prompt", "at least 1 token; got 0"),
     (_req(rid="b", prompt=b"\x01\x02\x03\x04\x05"), "b", "bad_prompt", "5 bytes is not a multiple of 4"),
-    (_req(rid="b", prompt=bytes(4 * (MAX_LEN + 1))), "b", "prompt_too_long",
-     "65 tokens; max_model_len is 64"),
+    (_req(rid="b", prompt=bytes(4 * MAX_LEN)), "b", "prompt_too_long",
+     "64 tokens; the limit is 63 \\(max_model_len 64, and a prompt must leave room for one output token\\)"),
     (_req(rid="b", prompt=np.array([1, VOCAB], "<u4").tobytes()), "b", "token_out_of_range",
      "token id 1000 at position 1 is >= vocab_size 1000"),
     (_req(rid="b", sampling=[1]), "b", "bad_sampling", "sampling must be a map"),
@@ -272,41 +279,58 @@ def test_request_errors_are_per_slot(bad, rid, code, match):
     assert isinstance(err, RequestError), err
     assert (err.id, err.code) == (rid, code)
     assert re.search(match, err.message), err.message
-    assert err.to_dict() == {"code": code, "message": err.message, "retry_after_s": None}
+    assert err.info().to_dict() == {"code": code, "message": err.message, "retry_after_s": None}
 
 
 def test_prompt_at_the_limits_is_accepted():
-    items = _decode(_batch(_req("a", np.array([VOCAB - 1] * MAX_LEN, "<u4").tobytes()))).items
-    assert isinstance(items[0].prompt_token_ids, np.ndarray) and len(items[0].prompt_token_ids) == MAX_LEN
+    """The engine's rule (flame_llm.config.max_prompt_tokens): a prompt leaves room for one output token."""
+    from flame_llm.config import max_prompt_tokens
+
+    assert EngineLimits.of(VOCAB, MAX_LEN).max_prompt_tokens == max_prompt_tokens(MAX_LEN) == MAX_LEN - 1
+    items = _decode(_batch(_req("a", np.array([VOCAB - 1] * (MAX_LEN - 1), "<u4").tobytes()))).items
+    assert isinstance(items[0].prompt_token_ids, np.ndarray) and len(items[0].prompt_token_ids) == MAX_LEN - 1
 
 
 # ---- results ----
 
 def test_results_round_trip_with_defaults_and_errors():
-    ok = {"id": "a", "output_token_ids": np.array([1, 2, 3], np.uint32), "finish_reason": "length",
-          "prompt_tokens": 9, "cached_tokens": 4, "shard": 1, "gpu_uuid": "GPU-x", "node": "n1",
-          "timings": {"queue_s": 0.5, "steps": 3}, "error": None}
-    err = {"id": "b", "shard": 0, "error": RequestError("b", "queue_full", "over 64 requests", 0.25)}
-    out = decode_results(encode_results([ok, err, {"id": None, "output_token_ids": [5]}], level=5))
-    assert out[0] == {**ok, "output_token_ids": [1, 2, 3], "prompt_hash": ""}  # a missing field takes its default
-    assert out[1]["error"] == {"code": "queue_full", "message": "over 64 requests", "retry_after_s": 0.25}
-    assert out[1]["output_token_ids"] == [] and out[1]["finish_reason"] is None and out[1]["shard"] == 0
-    assert out[2]["id"] is None and out[2]["output_token_ids"] == [5]
-    assert all(set(r) == set(RESULT_FIELDS) for r in out)
+    ok = Result("a", np.array([1, 2, 3], np.uint32), "length", prompt_tokens=9, cached_tokens=4, shard=1,
+                device="GPU-x", node="n1", timings={"queue_s": 0.5, "steps": 3}, prompt_digest="ab12")
+    err = Result("b", shard=0, error=ErrorInfo(ErrorCode.OVERLOADED, "over 64 requests", 0.25))
+    out = decode_results(encode_results([ok, err, Result(None, [5])], level=5))
+    assert out[0] == Result("a", [1, 2, 3], "length", 9, 4, 1, "GPU-x", "n1", {"queue_s": 0.5, "steps": 3}, None,
+                            "ab12")
+    assert out[0].to_dict() == {"id": "a", "output_token_ids": [1, 2, 3], "finish_reason": "length",
+                                "prompt_tokens": 9, "cached_tokens": 4, "shard": 1, "device": "GPU-x", "node": "n1",
+                                "timings": {"queue_s": 0.5, "steps": 3}, "error": None, "prompt_digest": "ab12"}
+    assert out[1].to_dict()["error"] == {"code": "overloaded", "message": "over 64 requests", "retry_after_s": 0.25}
+    assert out[1].error.code is ErrorCode.OVERLOADED
+    # a field left out takes its default
+    assert out[1].output_token_ids == [] and out[1].finish_reason is None and out[1].shard == 0
+    assert out[1].prompt_digest == "" and out[1].device == ""
+    assert out[2].id is None and out[2].output_token_ids == [5]
+    assert all(set(r.to_wire()) == set(RESULT_FIELDS) for r in out)
     assert decode_results(encode_results([])) == []
 
 
 def test_encode_results_rejects_unknown_fields_and_bad_tokens():
-    with pytest.raises(ValueError, match="result 'a' has unknown fields \\['tokens'\\]"):
-        encode_results([{"id": "a", "tokens": []}])
+    with pytest.raises(TypeError, match="tokens"):
+        Result("a", tokens=[])
     with pytest.raises(ValueError, match="result 'a': output_token_ids must be in"):
-        encode_results([{"id": "a", "output_token_ids": [-3]}])
+        encode_results([Result("a", [-3])])
+
+
+def test_retryable_codes():
+    assert {c.value for c in ErrorCode if c.retryable} == {"overloaded", "draining", "router_error",
+                                                           "shard_unavailable"}
+    assert not any(c.retryable for c in (ErrorCode.BAD_SAMPLING, ErrorCode.SHARD_DIED, ErrorCode.ENGINE_ERROR))
+    assert f"{ErrorCode.DRAINING}" == str(ErrorCode.DRAINING) == "draining" == ErrorCode.DRAINING
 
 
 def _result(**kw):
     return {"id": "a", "output_token_ids": b"", "finish_reason": "stop", "prompt_tokens": 1,
-            "cached_tokens": 0, "shard": 0, "gpu_uuid": "", "node": "", "timings": {}, "error": None,
-            "prompt_hash": "", **kw}
+            "cached_tokens": 0, "shard": 0, "device": "", "node": "", "timings": {}, "error": None,
+            "prompt_digest": "", **kw}
 
 
 @pytest.mark.parametrize("obj, code, match", [
@@ -319,6 +343,8 @@ def _result(**kw):
     ([_result(error={"code": "x"})], "bad_result", "error must be a map"),
     ([_result(error={"code": "x", "message": 1, "retry_after_s": None})], "bad_result",
      "error must be a map"),
+    ([_result(error={"code": "queue_full", "message": "m", "retry_after_s": None})], "bad_result",
+     "error code 'queue_full' is not one of the protocol's codes"),
 ])
 def test_decode_results_errors(obj, code, match):
     with pytest.raises(WireError, match=match) as e:
@@ -327,7 +353,7 @@ def test_decode_results_errors(obj, code, match):
 
 
 def test_decode_results_over_budget():
-    payload = encode_results([_result(output_token_ids=[1] * 100)])
-    with pytest.raises(WireError, match="max_decoded_bytes is 100") as e:
-        decode_results(payload, max_decoded_bytes=100)
+    payload = encode_results([Result("a", [1] * 100)])
+    with pytest.raises(WireError, match="max_payload_bytes is 100") as e:
+        decode_results(payload, max_payload_bytes=100)
     assert e.value.code == "over_budget"

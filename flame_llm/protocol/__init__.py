@@ -1,2 +1,3 @@
-"""The protocol between client, router, actors, HTTP and bench: request/result/error types, the wire
-codec, prompt-prefix identity for routing."""
+"""The protocol between client, router, actors, HTTP and bench: `types` (requests, results, error codes, the
+limits engines publish, the checks at entry), `wire` (the zstd+msgpack codec), `routing_key` (prompt-prefix
+identity, work estimates and the router's records)."""

@@ -1,4 +1,5 @@
-"""Prompt-prefix identity for routing, and the work estimates the router balances.
+"""Prompt-prefix identity for routing, the work estimates the router balances, and the router's request
+and completion records.
 
 A prompt's routing identity is the chain of `flame_llm.prefix.hash_block` hashes over its first
 `max_tokens` tokens in blocks of `block` tokens, the chain seeded with the model revision. Two
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,6 +67,18 @@ def estimate_prefill_work(num_tokens: int, cached_tokens: int = 0) -> float:
     return new + attended / ATTN_CROSSOVER_TOKENS
 
 
-def estimate_decode_work(num_tokens: int) -> float:
-    """Decode cost of num_tokens output tokens, in the same units as estimate_prefill_work."""
-    return DECODE_TOKEN_COST * num_tokens
+
+class RouteItem(NamedTuple):
+    """One request as the router sees it."""
+    chain: list[int]  # prefix_chain(prompt, model_revision)
+    est_prefill_work: float  # estimate_prefill_work(prompt tokens)
+    est_decode_tokens: int  # the request's max_tokens
+
+
+class Completion(NamedTuple):
+    """One finished request fed back to the router: its routing-time estimates and what it cost."""
+    shard: int
+    est_prefill_work: float
+    est_decode_tokens: int
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the shard's prefix cache (0 for a failed request)

@@ -1,22 +1,19 @@
 """Per-shard request queues of the client: a formed batch leaves when it reaches max_prompts, its
-window runs out, the next request would pass the decoded byte budget, or the client says the batch is
-formed."""
+window runs out, the next request would pass the decoded payload budget, or the client says the batch
+is formed."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
-import numpy as np
-
+from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, Request
 from flame_llm.protocol.wire import BATCH_OVERHEAD
-from flame_llm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class Pending:
-    rid: str
-    tokens: np.ndarray  # uint32
-    sampling: SamplingParams
+    """A request in the client's hands: routed, queued, in flight or waiting to be retried."""
+    request: Request  # prompt_token_ids: uint32 array
     chain: list[int]
     est_work: float
     wire_bytes: int
@@ -27,14 +24,14 @@ class Pending:
 
 class ShardBatcher:
     """One shard's queue: flushes at max_prompts, after window_s from its first request, before the
-    decoded payload would pass max_bytes, or when the client says a generate() call's batch is formed,
-    whichever comes first. `send(shard, batch)` is awaited in
-    its own task, so batches to one shard overlap."""
+    decoded payload would pass max_payload_bytes, or when the client says a generate() call's batch is
+    formed, whichever comes first. `send(shard, batch)` is awaited in its own task, so batches to one
+    shard overlap."""
 
     def __init__(self, shard: int, send, max_prompts: int = 128, window_s: float = 0.010,
-                 max_bytes: int = 4 << 20):
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
         self.shard, self.send = shard, send
-        self.max_prompts, self.window_s, self.max_bytes = max_prompts, window_s, max_bytes
+        self.max_prompts, self.window_s, self.max_payload_bytes = max_prompts, window_s, max_payload_bytes
         self.items: list[Pending] = []
         self.nbytes = BATCH_OVERHEAD
         self.timer: asyncio.TimerHandle | None = None
@@ -42,8 +39,8 @@ class ShardBatcher:
         self.flushes = {"prompts": 0, "window": 0, "bytes": 0, "formed": 0}
 
     def add(self, p: Pending) -> None:
-        assert p.wire_bytes + BATCH_OVERHEAD <= self.max_bytes, "oversized requests are refused before batching"
-        if self.nbytes + p.wire_bytes > self.max_bytes:
+        assert p.wire_bytes + BATCH_OVERHEAD <= self.max_payload_bytes, "oversized requests are refused before batching"
+        if self.nbytes + p.wire_bytes > self.max_payload_bytes:
             self.flush("bytes")
         self.items.append(p)
         self.nbytes += p.wire_bytes

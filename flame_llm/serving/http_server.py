@@ -3,8 +3,9 @@ system and the reference the service is measured against).
 
 POST /v1/completions takes token-id prompts (a list of ids, or a list of such lists) or text when the
 model dir has a tokenizer, and answers with each choice's `token_ids`, `usage.prompt_tokens_details.
-cached_tokens` and a `flame` block (device, prompt hash, engine timings). GET /health and /v1/models.
-Bad input answers 400 with an OpenAI-style error naming the field. Started by
+cached_tokens` and a `flame` block (device, prompt digests, engine timings). GET /health (with the
+engine's limits) and /v1/models. Requests are checked against the engine's limits on entry (the protocol's
+checks); bad input answers 400 with an OpenAI-style error whose `param` names the field. Started by
 `flame-llm serve-http --model DIR --port N [--gpu-uuid GPU-...]` or `python -m flame_llm.serving.http_server`.
 """
 from __future__ import annotations
@@ -21,18 +22,14 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from flame_llm.protocol.wire import prompt_digest
+from flame_llm.protocol.types import EngineLimits, ErrorCode, RequestError, prompt_digest, sampling_from_map
+from flame_llm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20
 ENGINE = web.AppKey("engine", object)
 INFO = web.AppKey("info", dict)
-
-
-class BadRequest(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+LIMITS = web.AppKey("limits", EngineLimits)
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -40,10 +37,12 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return web.json_response(body, status=status)
 
 
-def parse_request(body: object) -> tuple[list, dict]:
-    """(prompts, sampling kwargs) from a completions body; BadRequest names the offending field."""
+def parse_request(body: object, limits: EngineLimits, tokenize=None) -> tuple[list[np.ndarray], SamplingParams]:
+    """(prompts as token-id arrays, sampling) from a completions body, checked against the engine's limits;
+    RequestError names the offending field. `tokenize(text) -> ids` serves text prompts."""
     if not isinstance(body, dict):
-        raise BadRequest("body", f"the request body must be a JSON object; got {type(body).__name__}")
+        raise RequestError(ErrorCode.BAD_REQUEST, f"the request body must be a JSON object; got "
+                                                  f"{type(body).__name__}", "body")
     prompt = body.get("prompt")
     one = prompt if isinstance(prompt, str) else _token_array(prompt)
     if one is not None:
@@ -53,27 +52,29 @@ def parse_request(body: object) -> tuple[list, dict]:
     else:
         prompts = [None]
     if any(p is None for p in prompts):
-        raise BadRequest("prompt", "field 'prompt' must be a non-empty list of token ids (integers >= 0), a list "
-                                   f"of such lists, or text; got {json.dumps(prompt)[:80]}")
+        raise RequestError(ErrorCode.BAD_PROMPT, "field 'prompt' must be a non-empty list of token ids (integers "
+                           f">= 0), a list of such lists, or text; got {json.dumps(prompt)[:80]}", "prompt")
     for name, want in (("n", 1), ("best_of", 1), ("stream", False), ("echo", False)):
         if body.get(name) not in (None, want):
-            raise BadRequest(name, f"field {name!r} must be {json.dumps(want)} (not supported otherwise); "
-                                   f"got {json.dumps(body[name])[:40]}")
-    sp: dict = {"max_tokens": body.get("max_tokens", 16)}
-    for name in ("temperature", "top_p", "top_k", "ignore_eos", "seed"):
-        if body.get(name) is not None:
-            sp[name] = body[name]
-    if body.get("stop_token_ids") is not None:
-        if not isinstance(body["stop_token_ids"], list):
-            raise BadRequest("stop_token_ids", "field 'stop_token_ids' must be a list of token ids")
-        sp["stop_token_ids"] = tuple(body["stop_token_ids"])
-    if "ignore_eos" in sp and not isinstance(sp["ignore_eos"], bool):
-        raise BadRequest("ignore_eos", f"field 'ignore_eos' must be true or false; got {sp['ignore_eos']!r}")
-    if isinstance(sp["max_tokens"], bool) or not isinstance(sp["max_tokens"], int):
-        raise BadRequest("max_tokens", f"field 'max_tokens' must be an integer >= 1; got {sp['max_tokens']!r}")
-    return prompts, sp
+            raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {json.dumps(want)} (not supported "
+                                                      f"otherwise); got {json.dumps(body[name])[:40]}", name)
+    sp = {"max_tokens": body.get("max_tokens", 16)}
+    sp.update({k: body[k] for k in ("temperature", "top_p", "top_k", "ignore_eos", "seed", "stop_token_ids")
+               if body.get(k) is not None})
+    sampling = sampling_from_map(sp)
+    ids = [_tokenized(p, tokenize) if isinstance(p, str) else p for p in prompts]
+    for p in ids:
+        limits.check_prompt(p)
+    return ids, sampling
 
 
+def _tokenized(text: str, tokenize) -> np.ndarray:
+    try:
+        if tokenize is None:
+            raise ValueError("this server takes token-id prompts only")
+        return np.asarray(tokenize(text), dtype=np.int64)
+    except ValueError as e:
+        raise RequestError(ErrorCode.BAD_PROMPT, f"field 'prompt': {e}", "prompt") from None
 
 
 def _token_array(p: object) -> np.ndarray | None:
@@ -85,26 +86,20 @@ def _token_array(p: object) -> np.ndarray | None:
 
 
 async def completions(request: web.Request) -> web.Response:
-    from flame_llm.sampling_params import SamplingParams
-
-    engine, info = request.app[ENGINE], request.app[INFO]
+    engine = request.app[ENGINE]
     t0 = time.perf_counter()
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return _error(400, f"the request body is not valid JSON: {e}", "body")
     try:
-        prompts, sp_kwargs = parse_request(body)
-        try:
-            sp = SamplingParams(**sp_kwargs)
-        except ValueError as e:  # "sampling parameter 'x' must be ..."
-            raise BadRequest(str(e).split("'")[1] if "'" in str(e) else "body", str(e)) from None
-        if len(prompts) > 1:  # check all before admitting any; a single prompt is checked as it is submitted
+        prompts, sp = parse_request(body, request.app[LIMITS], engine.engine.to_token_ids)
+        if len(prompts) > 1:  # the engine's own checks (KV pool) for all before admitting any
             for p in prompts:
-                engine.engine.check_request(engine.engine.to_token_ids(p), sp)
-    except BadRequest as e:
-        return _error(400, str(e), e.param)
-    except ValueError as e:  # the engine's own checks: vocabulary range, length, KV pool, tokenizer
+                engine.engine.check_request(p, sp)
+    except RequestError as e:
+        return _error(400, str(e), e.field)
+    except ValueError as e:  # the engine's own checks: the request needs more KV blocks than the pool has
         return _error(400, f"field 'prompt': {e}", "prompt")
     rid = f"cmpl-{uuid.uuid4().hex[:16]}"
     try:
@@ -116,24 +111,22 @@ async def completions(request: web.Request) -> web.Response:
     except Exception as e:
         log.exception("request %s failed", rid)
         return _error(500, f"{type(e).__name__}: {e}", None, "server_error")
-    t1 = time.perf_counter()
-    choices, n_prompt, n_out, n_cached, digests = [], 0, 0, 0, []
-    for k, o in enumerate(outs):
-        finish = "length" if o.finish_reason == "length" else o.finish_reason
-        choices.append({"index": k, "text": o.text or "", "token_ids": o.output_token_ids, "logprobs": None,
-                        "finish_reason": finish})
-        n_prompt += o.num_prompt_tokens
-        n_out += len(o.output_token_ids)
-        n_cached += o.num_cached_tokens
-        digests.append(prompt_digest(prompts[k] if isinstance(prompts[k], np.ndarray) else o.prompt_token_ids))
+    return web.json_response(_response(rid, request.app[INFO], prompts, outs, time.perf_counter() - t0))
+
+
+def _response(rid: str, info: dict, prompts: list[np.ndarray], outs: list, server_s: float) -> dict:
+    choices = [{"index": k, "text": o.text or "", "token_ids": o.output_token_ids, "logprobs": None,
+                "finish_reason": o.finish_reason} for k, o in enumerate(outs)]
+    n_prompt = sum(o.num_prompt_tokens for o in outs)
+    n_out = sum(len(o.output_token_ids) for o in outs)
     metrics = outs[0].metrics if len(outs) == 1 else {}
-    resp = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": info["model_name"],
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": info["model_name"],
             "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-                      "prompt_tokens_details": {"cached_tokens": n_cached}},
-            "flame": {"gpu_uuid": info["gpu_uuid"], "node": info["node"], "prompt_hashes": digests,
-                      "server_s": t1 - t0, "ttft": metrics.get("ttft"), "tpot": metrics.get("tpot")}}
-    return web.json_response(resp)
+                      "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}},
+            "flame": {"device": info["device"], "node": info["node"],
+                      "prompt_digests": [prompt_digest(p) for p in prompts], "server_s": server_s,
+                      "ttft": metrics.get("ttft"), "tpot": metrics.get("tpot")}}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -156,14 +149,15 @@ async def stats(request: web.Request) -> web.Response:
 
 def build_app(engine, gpu_uuid: str | None = None, device_name: str = "cpu",
               model_name: str | None = None) -> web.Application:
-    """The aiohttp app around a running AsyncEngine (the caller owns the engine's life)."""
+    """The aiohttp app around a running AsyncEngine (the caller owns the engine's life). Its device is the
+    GPU UUID it is pinned to, else device_name."""
     mc = engine.config.model_config
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    app[LIMITS] = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len)
     app[INFO] = {"model": mc.model, "model_name": model_name or os.path.basename(os.path.normpath(mc.model)),
-                 "model_revision": mc.model_revision, "gpu_uuid": gpu_uuid or device_name,
-                 "node": os.uname().nodename, "pid": os.getpid(), "vocab_size": mc.hf_config.vocab_size,
-                 "max_model_len": mc.max_model_len}
+                 "model_revision": mc.model_revision, "device": gpu_uuid or device_name,
+                 "node": os.uname().nodename, "pid": os.getpid(), **app[LIMITS].to_dict()}
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
@@ -177,7 +171,7 @@ ARGUMENTS = [
     (("--host",), {"default": "127.0.0.1"}),
     (("--port",), {"type": int, "default": 8000}),
     (("--gpu-uuid",), {"default": None, "help": "pin to this GPU (CUDA_VISIBLE_DEVICES=UUID, verified)"}),
-    (("--device-name",), {"default": "cpu", "help": "what responses report as gpu_uuid without a GPU"}),
+    (("--device-name",), {"default": "cpu", "help": "what responses report as device without a GPU"}),
     (("--served-model-name",), {"default": None}),
     (("--load-format",), {"default": "auto", "choices": ("auto", "dummy")}),
     (("--engine-json",), {"default": "{}", "help": "extra flame_llm.config.Config fields as a JSON object"}),

@@ -96,7 +96,7 @@ def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
             max_task_retries=0, max_concurrency=MAX_CONCURRENCY,
             scheduling_strategy=NodeAffinitySchedulingStrategy(p.node_id, soft=False), **res,
         ).remote(k, p.name, p.gpu_uuid, model, cfg.engine_kwargs(), cfg.max_inflight_tokens,
-                 cfg.max_inflight_requests, cfg.max_queued_requests, cfg.max_batch_bytes, cfg.zstd_level,
+                 cfg.max_inflight_requests, cfg.max_queued_requests, cfg.max_payload_bytes, cfg.zstd_level,
                  cfg.torch_threads)
     refs = {k: a.health.remote() for k, a in actors.items()}
     health = []
@@ -109,7 +109,7 @@ def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
             raise RuntimeError(f"shard {p.name} on node {p.node_id} ({p.gpu_uuid or 'CPU'}) failed to start: "
                                f"{e}") from e
     log.info("service up in namespace %r: %s", ns,
-             ", ".join(f"{h['name']}@{h['gpu_uuid']}/{h['node'][:8]}" for h in health))
+             ", ".join(f"{h['name']}@{h['device']}/{h['node'][:8]}" for h in health))
     return Service(cfg, placements, router, actors, health)
 
 

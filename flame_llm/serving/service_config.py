@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES
 from router.policy import POLICIES as ROUTER_POLICIES
+
+DEFAULT_NAMESPACE = "flame"  # the Ray namespace of a service, unless configured
 
 
 @dataclass(slots=True)
@@ -23,7 +26,7 @@ class ServiceConfig:
     spill_factor: float = 1.25
     max_batch_prompts: int = 128
     batch_window_ms: float = 10.0
-    max_batch_bytes: int = 4 << 20  # decoded payload budget of one batch
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded payload budget of one batch
     zstd_level: int = 1
     # per shard: prompt + max output tokens of admitted requests; above the seed reuse trace's 1.06M per shard
     max_inflight_tokens: int = 1 << 22
@@ -32,7 +35,7 @@ class ServiceConfig:
     max_restarts: int = 3  # per engine actor (-1: unlimited)
     max_retries: int = 20  # client resubmissions of one request (overloaded or dead shard)
     ray_address: str | None = None  # None: start a local Ray; "auto" or "host:port": join
-    namespace: str = "flame"
+    namespace: str = DEFAULT_NAMESPACE
     ray_num_cpus: int | None = None  # for a locally started Ray only
     startup_timeout_s: float = 600.0
 
@@ -61,7 +64,7 @@ class ServiceConfig:
              "an integer >= 1"),
             ("batch_window_ms", _num(self.batch_window_ms) and 0 <= self.batch_window_ms <= 10_000,
              "in [0, 10000]"),
-            ("max_batch_bytes", _int(self.max_batch_bytes) and 1024 <= self.max_batch_bytes <= 1 << 30,
+            ("max_payload_bytes", _int(self.max_payload_bytes) and 1024 <= self.max_payload_bytes <= 1 << 30,
              "an integer in [1024, 2**30]"),
             ("zstd_level", _int(self.zstd_level) and 1 <= self.zstd_level <= 22, "an integer in [1, 22]"),
             ("max_inflight_tokens", _int(self.max_inflight_tokens) and self.max_inflight_tokens >= 1,

@@ -1,0 +1,320 @@
+"""The protocol's one set of types: requests, results, error codes and the limits an engine publishes,
+with their wire maps (see flame_llm.protocol.wire) and the plain dicts the client returns. The client,
+its batcher, the engine actor, the router, the HTTP server and the bench all use these.
+
+Requests are checked against the EngineLimits the engines publish in health(), by the same checks wherever
+they enter (the client, the wire decoder, the HTTP server); an invalid request is a RequestError naming its
+field. ErrorCode.retryable says which failures the client retries, and the caller may.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from flame_llm.sampling_params import SamplingParams
+
+DEFAULT_MAX_PAYLOAD_BYTES = 4 << 20  # decoded bytes of one request batch
+MAX_RESULT_PAYLOAD_BYTES = 256 << 20  # decoded bytes of one result payload a client accepts
+MAX_ID_BYTES = 256  # UTF-8 bytes of a request id
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+class ErrorCode(str, Enum):
+    """Every way a request or a batch can fail; the value is what travels and what callers see."""
+    # the whole payload is unusable (WireError)
+    BAD_ZSTD = "bad_zstd"
+    OVER_BUDGET = "over_budget"
+    BAD_MSGPACK = "bad_msgpack"
+    BAD_SCHEMA = "bad_schema"
+    BAD_VERSION = "bad_version"
+    WRONG_REVISION = "wrong_revision"
+    BAD_RESULT = "bad_result"
+    # one request is invalid at entry (RequestError)
+    BAD_REQUEST = "bad_request"
+    BAD_ID = "bad_id"
+    DUPLICATE_ID = "duplicate_id"
+    EMPTY_PROMPT = "empty_prompt"
+    BAD_PROMPT = "bad_prompt"
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    BAD_SAMPLING = "bad_sampling"
+    # from the engine actor
+    OVERLOADED = "overloaded"  # the admission queue is full; retry_after_s says when to come back
+    DRAINING = "draining"  # the shard takes no new requests; another shard can serve them
+    INVALID_REQUEST = "invalid_request"  # the engine's own checks (e.g. the request needs more KV than the pool)
+    ENGINE_ERROR = "engine_error"
+    # from the client
+    ROUTER_ERROR = "router_error"  # the router did not answer (it restarts on its own: Ray max_restarts=-1)
+    SHARD_UNAVAILABLE = "shard_unavailable"  # its shard died and did not come back, and no other shard took it
+    SHARD_DIED = "shard_died"  # shards died under this request more than max_retries times
+    CLIENT_ERROR = "client_error"
+    # the bench's HTTP client
+    HTTP_ERROR = "http_error"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @property
+    def retryable(self) -> bool:
+        """The request itself was fine: sent again (later, or to another shard) it can succeed."""
+        return self in RETRYABLE
+
+
+RETRYABLE = frozenset({ErrorCode.OVERLOADED, ErrorCode.DRAINING, ErrorCode.ROUTER_ERROR,
+                       ErrorCode.SHARD_UNAVAILABLE})
+
+
+class WireError(ValueError):
+    """A whole payload is unusable; `code` is one of the payload-level codes."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class RequestError(ValueError):
+    """One request is invalid: its `code`, the request `field` at fault and a message naming the field and
+    the limit; `id` is the request's id when it is known."""
+
+    def __init__(self, code: ErrorCode, message: str, field: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.field, self.id = code, message, field, request_id
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(self.code, self.message)
+
+
+@dataclass(slots=True)
+class ErrorInfo:
+    """The error of a result record."""
+    code: ErrorCode
+    message: str
+    retry_after_s: float | None = None
+
+    def to_dict(self) -> dict:
+        """The error map, on the wire and in the client's result dicts."""
+        return {"code": self.code.value, "message": self.message, "retry_after_s": self.retry_after_s}
+
+    @classmethod
+    def from_dict(cls, m: Any, where: str) -> ErrorInfo:
+        ok = (isinstance(m, dict) and set(m) == {"code", "message", "retry_after_s"} and isinstance(m["code"], str)
+              and isinstance(m["message"], str) and isinstance(m["retry_after_s"], (int, float, type(None))))
+        if not ok:
+            raise WireError(ErrorCode.BAD_RESULT, f"{where} error must be a map {{code: str, message: str, "
+                                                  f"retry_after_s: number or None}}; got {m!r:.120}")
+        try:
+            code = ErrorCode(m["code"])
+        except ValueError:
+            raise WireError(ErrorCode.BAD_RESULT, f"{where} error code {m['code']!r:.40} is not one of the "
+                                                  "protocol's codes") from None
+        return cls(code, m["message"], m["retry_after_s"])
+
+
+def prompt_digest(token_ids: list[int] | np.ndarray) -> str:
+    """xxh64 over a prompt's little-endian uint32 ids: what served it, compared with what was sent."""
+    return xxhash.xxh64(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
+
+
+def token_bytes(token_ids: list[int] | np.ndarray, where: str) -> bytes:
+    """Token ids as little-endian uint32 bytes; ValueError unless they are a flat sequence in [0, 2**32)."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32:
+        return token_ids.astype("<u4", copy=False).tobytes()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{where} must be a flat sequence of integers; got dtype {arr.dtype}, shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
+        raise ValueError(f"{where} must be in [0, 2**32); got min {arr.min()}, max {arr.max()}")
+    return arr.astype("<u4").tobytes()
+
+
+def fits_utf8(s: Any, max_bytes: int) -> bool:
+    """s is a str of at most max_bytes UTF-8 bytes (encoded only when its length leaves a doubt)."""
+    if not isinstance(s, str) or len(s) > max_bytes:
+        return False
+    return len(s) * 4 <= max_bytes or len(s.encode()) <= max_bytes
+
+
+@dataclass(slots=True, frozen=True)
+class EngineLimits:
+    """What an engine accepts, published in its health(); every entry checks requests against these."""
+    vocab_size: int
+    max_model_len: int
+    max_prompt_tokens: int  # flame_llm.config.max_prompt_tokens(max_model_len): room for one output token
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+
+    @classmethod
+    def of(cls, vocab_size: int, max_model_len: int,
+           max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> EngineLimits:
+        from flame_llm.config import max_prompt_tokens  # the engine's own rule; config imports torch
+
+        return cls(vocab_size, max_model_len, max_prompt_tokens(max_model_len), max_payload_bytes)
+
+    @classmethod
+    def tightest(cls, published: list[dict]) -> EngineLimits:
+        """What every shard accepts, from their health() dicts."""
+        return cls(**{f.name: min(h[f.name] for h in published) for f in fields(cls)})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def check_prompt(self, tokens: np.ndarray) -> None:
+        """Raise RequestError (field 'prompt') unless the prompt is 1..max_prompt_tokens ids in the vocabulary."""
+        n = len(tokens)
+        if n == 0:
+            raise RequestError(ErrorCode.EMPTY_PROMPT, "prompt must hold at least 1 token; got 0", "prompt")
+        if n > self.max_prompt_tokens:
+            raise RequestError(ErrorCode.PROMPT_TOO_LONG,
+                               f"prompt has {n} tokens; the limit is {self.max_prompt_tokens} (max_model_len "
+                               f"{self.max_model_len}, and a prompt must leave room for one output token)", "prompt")
+        lo, hi = int(tokens.min()) if tokens.dtype.kind == "i" else 0, int(tokens.max())
+        if lo < 0:
+            raise RequestError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {lo} at position {int(tokens.argmin())} is < 0",
+                               "prompt")
+        if hi >= self.vocab_size:
+            raise RequestError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {hi} at position {int(tokens.argmax())} is >= "
+                                                             f"vocab_size {self.vocab_size}", "prompt")
+
+
+def sampling_from_map(m: Any) -> SamplingParams:
+    """SamplingParams from a map of its fields; RequestError (bad_sampling) naming the field at fault."""
+    if not isinstance(m, dict):
+        raise RequestError(ErrorCode.BAD_SAMPLING, f"sampling must be a map; got {type(m).__name__}", "sampling")
+    unknown = set(m) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(ErrorCode.BAD_SAMPLING, f"unknown sampling fields {sorted(map(str, unknown))}; "
+                                                   f"known: {', '.join(SAMPLING_FIELDS)}", "sampling")
+    for name, v in m.items():
+        if name == "ignore_eos" and not isinstance(v, bool):
+            raise RequestError(ErrorCode.BAD_SAMPLING, f"field 'ignore_eos' must be true or false; got {v!r:.40}",
+                               name)
+        if name != "ignore_eos" and isinstance(v, bool):
+            raise RequestError(ErrorCode.BAD_SAMPLING, f"field {name!r} must be a number, not {v}", name)
+        if name == "stop_token_ids" and not isinstance(v, (list, tuple)):
+            raise RequestError(ErrorCode.BAD_SAMPLING, f"field 'stop_token_ids' must be a list of token ids; "
+                                                       f"got {type(v).__name__}", name)
+    try:
+        return SamplingParams(**m)
+    except (TypeError, ValueError) as e:
+        name = getattr(e, "field", None) or _culprit(m)
+        msg = str(e) if isinstance(e, ValueError) else f"field {name!r}: {e}"
+        raise RequestError(ErrorCode.BAD_SAMPLING, msg, name) from None
+
+
+def _culprit(m: dict) -> str:
+    """The field SamplingParams refuses, found by trying each field alone (only on the error path)."""
+    for name, v in m.items():
+        try:
+            SamplingParams(**{name: v})
+        except (TypeError, ValueError):
+            return name
+    return "sampling"
+
+
+@dataclass(slots=True)
+class Request:
+    id: str
+    prompt_token_ids: list[int] | np.ndarray  # decoded requests carry a read-only uint32 array
+    sampling: SamplingParams
+
+    def to_wire(self) -> dict:
+        prompt = token_bytes(self.prompt_token_ids, f"request {self.id!r}: prompt_token_ids")
+        return {"id": self.id, "prompt": prompt, "sampling": asdict(self.sampling)}
+
+    @classmethod
+    def from_wire(cls, r: Any, limits: EngineLimits, seen: set[str]) -> Request | RequestError:
+        """One request map of a batch, checked against the engine's limits; an invalid one comes back as its
+        RequestError (the batch's other requests proceed). `seen`: the ids before it in its batch."""
+        rid = r.get("id") if isinstance(r, dict) else None
+        if not rid or not fits_utf8(rid, MAX_ID_BYTES):
+            return RequestError(ErrorCode.BAD_ID, f"id must be a non-empty str of at most {MAX_ID_BYTES} UTF-8 "
+                                                  f"bytes; got {rid!r:.80}", "id")
+        try:
+            if rid in seen:
+                raise RequestError(ErrorCode.DUPLICATE_ID, f"id {rid!r} appears more than once in the batch", "id")
+            seen.add(rid)
+            if set(r) != {"id", "prompt", "sampling"}:
+                raise RequestError(ErrorCode.BAD_REQUEST, "request keys must be exactly id, prompt, sampling; "
+                                                          f"got {sorted(map(str, r))}", "request")
+            prompt = r["prompt"]
+            if not isinstance(prompt, bytes):
+                raise RequestError(ErrorCode.BAD_PROMPT, "prompt must be bytes (little-endian uint32 token ids); "
+                                                         f"got {type(prompt).__name__}", "prompt")
+            if len(prompt) % 4:
+                raise RequestError(ErrorCode.BAD_PROMPT, f"prompt length {len(prompt)} bytes is not a multiple "
+                                                         "of 4 (uint32 token ids)", "prompt")
+            tokens = np.frombuffer(prompt, dtype="<u4")
+            limits.check_prompt(tokens)
+            return cls(rid, tokens, sampling_from_map(r["sampling"]))
+        except RequestError as e:
+            e.id = rid
+            return e
+
+
+RESULT_FIELDS = ("id", "output_token_ids", "finish_reason", "prompt_tokens", "cached_tokens", "shard", "device",
+                 "node", "timings", "error", "prompt_digest")
+_WIRE_TYPES: dict[str, tuple[type, ...]] = {
+    "id": (str, type(None)), "output_token_ids": (bytes,), "finish_reason": (str, type(None)),
+    "prompt_tokens": (int,), "cached_tokens": (int,), "shard": (int,), "device": (str,), "node": (str,),
+    "timings": (dict,), "error": (dict, type(None)), "prompt_digest": (str,),
+}
+
+
+@dataclass(slots=True)
+class Result:
+    """One request's outcome. device: the GPU UUID or cpu-k that served it; cached_tokens: prompt tokens
+    served from the prefix cache; prompt_digest: the digest of the prompt as served."""
+    id: str | None
+    output_token_ids: list[int] | np.ndarray = ()
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    shard: int = -1
+    device: str = ""
+    node: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    error: ErrorInfo | None = None
+    prompt_digest: str = ""
+    text: str | None = None  # the decoded output, added by a client with a tokenizer (never on the wire)
+
+    def to_wire(self) -> dict:
+        rec = {k: getattr(self, k) for k in RESULT_FIELDS}
+        rec["output_token_ids"] = token_bytes(self.output_token_ids, f"result {self.id!r}: output_token_ids")
+        rec["error"] = None if self.error is None else self.error.to_dict()
+        return rec
+
+    @classmethod
+    def from_wire(cls, rec: Any, i: int) -> Result:
+        """Result i of a payload; WireError (bad_result) unless it is a well-formed result map."""
+        if not isinstance(rec, dict) or set(rec) != set(RESULT_FIELDS):
+            got = sorted(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
+            raise WireError(ErrorCode.BAD_RESULT, f"result {i} must be a map with keys {', '.join(RESULT_FIELDS)}; "
+                                                  f"got {got}")
+        for key, types in _WIRE_TYPES.items():
+            if not isinstance(rec[key], types):
+                raise WireError(ErrorCode.BAD_RESULT, f"result {i} field {key!r} must be "
+                                                      f"{' or '.join(t.__name__ for t in types)}; "
+                                                      f"got {type(rec[key]).__name__}")
+        out = rec["output_token_ids"]
+        if len(out) % 4:
+            raise WireError(ErrorCode.BAD_RESULT,
+                            f"result {i} output_token_ids is {len(out)} bytes, not a multiple of 4")
+        if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in rec["timings"].items()):
+            raise WireError(ErrorCode.BAD_RESULT, f"result {i} timings must map str to numbers; "
+                                                  f"got {rec['timings']!r:.120}")
+        err = None if rec["error"] is None else ErrorInfo.from_dict(rec["error"], f"result {i}")
+        return cls(**{**rec, "output_token_ids": np.frombuffer(out, dtype="<u4").tolist(), "error": err})
+
+    def to_dict(self) -> dict:
+        """The plain dict the client returns (and the bench records)."""
+        out = {k: getattr(self, k) for k in RESULT_FIELDS}
+        ids = self.output_token_ids
+        out["output_token_ids"] = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        out["error"] = None if self.error is None else self.error.to_dict()
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+

@@ -1,0 +1,80 @@
+"""What a client knows of its shards' lives: their incarnations, the shards it routes around and why, and the
+waits for a restarted shard. Lives on the client's event loop.
+
+A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait). A
+shard that answers as a new incarnation has a cold engine: the router drops its prefixes. A shard that is
+draining, or that did not come back, is avoided: routing leaves it out, and a watcher probes its health
+until it serves again."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+from ray.exceptions import RayActorError
+
+from flame_llm.protocol.types import ErrorInfo
+
+WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
+PROBE_TIMEOUT_S = 10.0
+
+
+class ShardWatch:
+    def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle, health: list[dict],
+                 restart_timeout_s: float, counters: dict) -> None:
+        self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
+        self.incarnation = {s: h["incarnation"] for s, h in zip(actors, health, strict=True)}
+        self.avoid: dict[int, ErrorInfo] = {}  # shard -> why requests are routed around it
+        self._recovering: dict[int, asyncio.Future] = {}
+        self._watchers: dict[int, asyncio.Task] = {}
+
+    def avoid_shard(self, shard: int, why: ErrorInfo) -> None:
+        """Route around the shard until its health says it serves again."""
+        self.avoid[shard] = why
+        if shard not in self._watchers:
+            self._watchers[shard] = asyncio.get_running_loop().create_task(self._watch(shard))
+
+    async def await_restart(self, shard: int) -> bool:
+        """Wait until the shard's actor answers again; False when it did not within restart_timeout_s."""
+        fut = self._recovering.get(shard)
+        if fut is None:
+            fut = self._recovering[shard] = asyncio.ensure_future(self._restart_once(shard))
+            fut.add_done_callback(lambda _: self._recovering.pop(shard, None))
+        return await asyncio.shield(fut)
+
+    async def stop(self) -> None:
+        tasks = list(self._watchers.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _health(self, shard: int) -> dict | None:
+        """The shard's health, or None when it does not answer; a new incarnation's prefixes are dropped."""
+        try:
+            h = await asyncio.wait_for(self.actors[shard].health.remote(), timeout=PROBE_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError):
+            return None
+        if h["incarnation"] != self.incarnation[shard]:
+            self.incarnation[shard] = h["incarnation"]
+            self.counters["restarts_seen"] += 1
+            await self.router.drop_shard.remote(shard)
+        return h
+
+    async def _restart_once(self, shard: int) -> bool:
+        deadline = time.monotonic() + self.restart_timeout_s
+        while time.monotonic() < deadline:
+            if await self._health(shard) is not None:
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    async def _watch(self, shard: int) -> None:
+        try:
+            while True:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                h = await self._health(shard)
+                if h is not None and not h["draining"]:
+                    self.avoid.pop(shard, None)
+                    return
+        finally:
+            self._watchers.pop(shard, None)
