@@ -98,7 +98,7 @@ def check(name, seq_lens, q_lens, fresh_prefill_backend="triton", num_splits=Non
     ref = paged_attention(q[:n].float(), kr.float(), vr.float(), meta.cu_seqlens_q[:n_real + 1],
                           meta.seq_lens[:n_real], meta.block_tables[:n_real], scale)
     if num_splits is None:
-        out = ta.triton_attention_forward(q, k, v, kc, vc, meta, scale, fresh_backend=fresh_prefill_backend)
+        out = ta.triton_attention_forward(q, k, v, kc, vc, meta, scale, fresh_prefill_backend=fresh_prefill_backend)
     else:
         ta.store_kv(k, v, kc, vc, meta.slot_mapping)
         out = ta.paged_attention_triton(q, kc, vc, meta, scale, num_splits=num_splits)

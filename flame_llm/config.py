@@ -190,12 +190,6 @@ class Config:
         return sp.speculative_model is not None or sp.num_speculative_tokens != 0
 
 
-def max_prompt_tokens(max_model_len: int) -> int:
-    """The longest prompt an engine of this max_model_len accepts: it must leave room for one output token.
-    The one rule: the engine, the wire decoder and the HTTP front door all apply it."""
-    return max_model_len - 1
-
-
 def default_model_revision(model: str) -> str:
     """A stable name of the weights: the directory's basename plus its config.json contents hash."""
     import xxhash

@@ -36,6 +36,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class SamplingParamsError(ValueError):
+    """A sampling parameter outside its limits; `field` names it (front doors report it without parsing)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _need(ok: bool, name: str, limit: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"sampling parameter {name!r} must be {limit}; got {value!r}")
+        raise SamplingParamsError(name, f"sampling parameter {name!r} must be {limit}; got {value!r}")

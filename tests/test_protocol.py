@@ -3,7 +3,7 @@ limits engines publish with the engine's own length rule, results convert to the
 import numpy as np
 import pytest
 
-from flame_llm.config import max_prompt_tokens
+from flame_llm.limits import max_prompt_tokens
 from flame_llm.protocol.types import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     EngineLimits,

@@ -284,7 +284,7 @@ def test_request_errors_are_per_slot(bad, rid, code, match):
 
 def test_prompt_at_the_limits_is_accepted():
     """The engine's rule (flame_llm.config.max_prompt_tokens): a prompt leaves room for one output token."""
-    from flame_llm.config import max_prompt_tokens
+    from flame_llm.limits import max_prompt_tokens
 
     assert EngineLimits.of(VOCAB, MAX_LEN).max_prompt_tokens == max_prompt_tokens(MAX_LEN) == MAX_LEN - 1
     items = _decode(_batch(_req("a", np.array([VOCAB - 1] * (MAX_LEN - 1), "<u4").tobytes()))).items

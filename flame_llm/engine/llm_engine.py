@@ -7,13 +7,14 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from tqdm.auto import tqdm
 
-from flame_llm.config import Config, max_prompt_tokens
+from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.model_runner import ModelRunner, StepHandle
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.speculative.decoder import SpecDecoder
 from flame_llm.engine.speculative.draft_runner import DraftRunner
+from flame_llm.limits import max_prompt_tokens
 from flame_llm.outputs import RequestOutput
 from flame_llm.sampling_params import SamplingParams
 

@@ -37,10 +37,6 @@ DECODE_CONFIG = TileConfig(16, 64, 4, 3)  # block_m is raised to the padded GQA 
 SMALL_Q_ROWS = 64  # segments with at most this many (token, head) rows use the decode-style config
 MIN_SPLIT_KEYS = 256  # split-KV never gives a split fewer keys than this (by max_seqlen_k)
 MAX_SPLITS = 64
-# Fresh-only (no cached prefix) prefill steps: "triton" (our kernel, as every other step) or torch's dense
-# attention on the fresh k/v: "sdpa" (torch picks), "cudnn", "flash", "efficient" (SDPA restricted to
-# that backend), "varlen" (torch.nn.attention.varlen.varlen_attn). The GPU benchmark decides the default.
-FRESH_PREFILL_BACKEND = "triton"  # the engine passes Config.fresh_prefill_backend explicitly
 
 
 @functools.cache
@@ -169,14 +165,15 @@ def _sdpa_backend(backend: str):
 
 def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                             fresh_backend: str | None = None) -> torch.Tensor:
+                             fresh_prefill_backend: str = "triton") -> torch.Tensor:
     """Store k/v [T, Hkv, D] at meta.slot_mapping, then return the attention output [T, H, D] of q.
 
-    fresh_backend: path for fresh-only prefill steps (default: the module's FRESH_PREFILL_BACKEND)."""
-    fresh_backend = fresh_backend or FRESH_PREFILL_BACKEND
-    if fresh_backend not in FRESH_PREFILL_BACKENDS:
-        raise ValueError(f"fresh_backend {fresh_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
+    fresh_prefill_backend: the path of fresh-only prefill steps: "triton" (our kernel, as every other step) or
+    torch's dense attention on the fresh k/v: "sdpa" (torch picks), "cudnn", "flash", "efficient" (SDPA
+    restricted to that backend), "varlen" (torch.nn.attention.varlen.varlen_attn)."""
+    if fresh_prefill_backend not in FRESH_PREFILL_BACKENDS:
+        raise ValueError(f"fresh_prefill_backend {fresh_prefill_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if fresh_backend != "triton" and meta.fresh_only and not meta.is_decode:
-        return dense_prefill(q, k, v, meta, scale, fresh_backend)
+    if fresh_prefill_backend != "triton" and meta.fresh_only and not meta.is_decode:
+        return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)

@@ -14,7 +14,7 @@ def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
         import functools
 
         from flame_llm.kernels.triton_attention import triton_attention_forward
-        return functools.partial(triton_attention_forward, fresh_backend=fresh_prefill_backend)
+        return functools.partial(triton_attention_forward, fresh_prefill_backend=fresh_prefill_backend)
     if name == "flash_attn":
         from flame_llm.kernels.flash_backend import flash_attention_forward
         return flash_attention_forward

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from flame_llm.limits import max_prompt_tokens
 from flame_llm.sampling_params import SamplingParams
 
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 20  # decoded bytes of one request batch
@@ -143,13 +144,12 @@ class EngineLimits:
     """What an engine accepts, published in its health(); every entry checks requests against these."""
     vocab_size: int
     max_model_len: int
-    max_prompt_tokens: int  # flame_llm.config.max_prompt_tokens(max_model_len): room for one output token
+    max_prompt_tokens: int  # flame_llm.limits.max_prompt_tokens(max_model_len): room for one output token
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
 
     @classmethod
     def of(cls, vocab_size: int, max_model_len: int,
            max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> EngineLimits:
-        from flame_llm.config import max_prompt_tokens  # the engine's own rule; config imports torch
 
         return cls(vocab_size, max_model_len, max_prompt_tokens(max_model_len), max_payload_bytes)
 
@@ -199,19 +199,8 @@ def sampling_from_map(m: Any) -> SamplingParams:
     try:
         return SamplingParams(**m)
     except (TypeError, ValueError) as e:
-        name = getattr(e, "field", None) or _culprit(m)
-        msg = str(e) if isinstance(e, ValueError) else f"field {name!r}: {e}"
-        raise RequestError(ErrorCode.BAD_SAMPLING, msg, name) from None
-
-
-def _culprit(m: dict) -> str:
-    """The field SamplingParams refuses, found by trying each field alone (only on the error path)."""
-    for name, v in m.items():
-        try:
-            SamplingParams(**{name: v})
-        except (TypeError, ValueError):
-            return name
-    return "sampling"
+        name = getattr(e, "field", "sampling")  # SamplingParamsError names its field; a TypeError does not
+        raise RequestError(ErrorCode.BAD_SAMPLING, str(e), name) from None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,8 @@
+"""Limits shared by the engine and its front doors, in a light module (no torch) the protocol can import."""
+from __future__ import annotations
+
+
+def max_prompt_tokens(max_model_len: int) -> int:
+    """The longest prompt an engine of this max_model_len accepts: it must leave room for one output token.
+    The one rule: the engine, the wire decoder and the HTTP front doors all apply it."""
+    return max_model_len - 1
