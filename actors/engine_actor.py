@@ -7,18 +7,20 @@ them. Ray creates the class with `ray.remote(EngineActor).options(...)` in flame
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 
 import ray
 
 from actors.admission import Admission, Overloaded
-from actors.pinning import pin_visible_device, verify_device
+from actors.host import EngineHost
+from actors.pinning import ShardPlacement
 from flame_llm.protocol.types import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_ZSTD_LEVEL,
     EngineLimits,
     ErrorCode,
     ErrorInfo,
@@ -36,54 +38,46 @@ CONTROL_GROUP = "control"
 CONCURRENCY_GROUPS = {CONTROL_GROUP: 4}
 
 
-def resolve_model(model: str) -> str:
-    if model == "tiny":
-        from flame_llm.models.tiny import ensure_tiny_default
-        return ensure_tiny_default()
-    return model
+@dataclass(slots=True)
+class ShardOptions:
+    """What every engine actor runs with besides its model (the service YAML's `shard` section)."""
+    torch_threads: int = 1  # intra-op threads of a CPU shard
+    # admission bounds; the token bound is above a shard's half of the seed reuse trace (1.06M tokens)
+    max_inflight_tokens: int = 1 << 22  # prompt + max output tokens of the requests admitted
+    max_inflight_requests: int = 1024  # requests admitted
+    max_queued_requests: int = 4096  # requests waiting for admission; past this one is rejected (overloaded)
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
+    zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("torch_threads", 1, 1 << 10), ("max_inflight_tokens", 1, 1 << 40),
+                                ("max_inflight_requests", 1, 1 << 30), ("max_queued_requests", 0, 1 << 30),
+                                ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", 1, 19)):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and low <= v <= high):
+                raise ValueError(f"shard field {name!r} must be an integer in [{low}, {high}]; got {v!r}")
 
 
 class EngineActor:
-    def __init__(self, shard: int, name: str, gpu_uuid: str | None, model: str, engine_kwargs: dict,
-                 max_inflight_tokens: int, max_inflight_requests: int, max_queued_requests: int,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, zstd_level: int = 1, torch_threads: int = 1):
-        pin_visible_device(gpu_uuid)  # before anything touches CUDA
-        import torch
-
-        from flame_llm import AsyncEngine
-
-        self.shard, self.name, self.gpu_uuid = shard, name, gpu_uuid
-        self.device = gpu_uuid or name  # what results and health report: the GPU UUID, or "cpu-k"
-        kwargs = dict(engine_kwargs)
-        if gpu_uuid is not None:
-            verify_device(gpu_uuid, name)
-            kwargs.setdefault("device", "cuda")
-        else:
-            torch.set_num_threads(torch_threads)
-            kwargs.setdefault("device", "cpu")
+    def __init__(self, placement: ShardPlacement, model: str, engine_kwargs: dict, options: ShardOptions) -> None:
+        self.shard, self.name, self.gpu_uuid = placement.shard, placement.name, placement.gpu_uuid
+        self.host = EngineHost.start(model, engine_kwargs, placement.gpu_uuid, placement.name, options.torch_threads)
+        self.engine, self.model, self.device = self.host.engine, self.host.model, self.host.device
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
         self.restarted = ctx.was_current_actor_reconstructed
         self.incarnation = uuid.uuid4().hex  # lets the client tell a restarted actor from the old one
-        t0 = time.perf_counter()
-        self.model = resolve_model(model)
-        self.engine = AsyncEngine.from_args(self.model, **kwargs)
-        cfg = self.engine.config
-        self.model_revision = cfg.model_config.model_revision
-        self.limits = EngineLimits.of(cfg.model_config.hf_config.vocab_size, cfg.model_config.max_model_len,
-                                      max_payload_bytes)
-        self.load_s = time.perf_counter() - t0
-        self.zstd_level = zstd_level
-        self.admission = Admission(max_inflight_tokens, max_inflight_requests, max_queued_requests)
+        mc = self.engine.config.model_config
+        self.model_revision = mc.model_revision
+        self.limits = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len, options.max_payload_bytes)
+        self.zstd_level = options.zstd_level
+        self.admission = Admission(options.max_inflight_tokens, options.max_inflight_requests,
+                                   options.max_queued_requests)
         self.draining = False
         self.counters = {"batches": 0, "requests": 0, "bad_batches": 0, "errors": 0, "cached_tokens": 0,
                          "prompt_tokens": 0, "output_tokens": 0, "decode_s": 0.0, "encode_s": 0.0}
-        # Everything allocated so far lives as long as the actor: keep the collector off it.
-        gc.collect()
-        gc.freeze()
-        self.frozen_objects = gc.get_freeze_count()
-        log.info("shard %s on %s (node %s): model loaded in %.1fs, %d objects frozen%s", name, self.device,
-                 self.node_id, self.load_s, self.frozen_objects, " (restarted)" if self.restarted else "")
+        log.info("shard %s on %s (node %s)%s", self.name, self.device, self.node_id,
+                 " (restarted)" if self.restarted else "")
 
     def _result(self, request_id: str | None, **fields) -> Result:
         return Result(request_id, shard=self.shard, device=self.device, node=self.node_id, **fields)
@@ -177,8 +171,8 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
-        return {**self.health(), **self.counters, **self.admission.stats(), "load_s": self.load_s,
-                "frozen_objects": self.frozen_objects, "engine": self.engine.stats()}
+        return {**self.health(), **self.counters, **self.admission.stats(), "load_s": self.host.load_s,
+                "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats()}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def drain(self, timeout_s: float = 60.0) -> bool:
@@ -194,6 +188,5 @@ class EngineActor:
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def shutdown(self, timeout_s: float = 60.0) -> bool:
         drained = await self.drain(timeout_s)
-        gc.unfreeze()
-        self.engine.shutdown()
+        self.host.stop()
         return drained

@@ -19,9 +19,40 @@ import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PlacementConfig:
+    """Where shards go (the service YAML's `placement` section)."""
+    num_shards: int | str = "auto"  # "auto": one per GPU on every node, or cpu_shards without GPUs
+    cpu_shards: int = 2  # shards on a cluster without GPUs
+    cpu_per_shard: float = 0.5  # Ray CPUs reserved by each CPU shard (two fit on a 2-CPU machine)
+    gpu_uuids: list[str] = field(default_factory=list)  # restrict to these GPUs (empty: all)
+    max_restarts: int = 3  # per engine actor (-1: unlimited); a restarted actor returns to its GPU
+
+    def __post_init__(self) -> None:
+        n = self.num_shards
+        _need(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1), "num_shards",
+              "'auto' or an integer >= 1", n)
+        _need(_int(self.cpu_shards) and self.cpu_shards >= 1, "cpu_shards", "an integer >= 1", self.cpu_shards)
+        _need(isinstance(self.cpu_per_shard, (int, float)) and not isinstance(self.cpu_per_shard, bool)
+              and self.cpu_per_shard >= 0, "cpu_per_shard", "a number >= 0", self.cpu_per_shard)
+        _need(isinstance(self.gpu_uuids, list) and all(isinstance(u, str) for u in self.gpu_uuids), "gpu_uuids",
+              "a list of GPU UUID strings", self.gpu_uuids)
+        _need(_int(self.max_restarts) and self.max_restarts >= -1, "max_restarts", "an integer >= -1",
+              self.max_restarts)
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _need(ok: bool, name: str, limit: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"placement field {name!r} must be {limit}; got {value!r}")
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,7 +18,7 @@ import aiohttp
 from bench.traces import TraceRequest
 from flame_llm.protocol.routing_key import RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
-from router.policy import RouterPolicy
+from router.policy import RouterConfig, RouterPolicy
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class StickyHttpClient:
             raise ValueError(f"replicas must be shards 0..{len(replicas) - 1} in order; got "
                              f"{[r.shard for r in replicas]}")
         self.replicas, self.model_revision, self.model_name = replicas, model_revision, model_name
-        self.policy = RouterPolicy(len(replicas), policy, spill_factor)
+        self.policy = RouterPolicy(len(replicas), RouterConfig(policy, spill_factor))
         self.return_token_ids, self.timeout_s = return_token_ids, timeout_s
         self.session: aiohttp.ClientSession | None = None
 

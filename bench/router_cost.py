@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from router.actor import Router
-from router.policy import RouterPolicy
+from router.policy import RouterConfig, RouterPolicy
 
 log = logging.getLogger("bench.router_cost")
 REVISION = "bench-router-cost"
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     shard_counts = [int(x) for x in args.shards.split(",")]
     policies = args.policies.split(",")
     for p in policies + [args.actor_policy]:
-        RouterPolicy(1, p)  # an unknown policy fails here, before any work
+        RouterPolicy(1, RouterConfig(p))  # an unknown policy fails here, before any work
     num_batches = max(args.batches, args.actor_batches)
     num_requests = num_batches * args.batch_size
     docs, order = make_workload(num_requests, args.prompt_tokens, args.reuse, 50_000, args.seed)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for path, n, policy in tqdm(combos, desc="router cost"):
             if path == "policy":
-                pol = RouterPolicy(n, policy)
+                pol = RouterPolicy(n, RouterConfig(policy))
                 route, complete = pol.route_batch, pol.complete_many
                 k = args.batches
             else:
@@ -159,7 +159,7 @@ def _start_actors(shard_counts: list[int], policy: str) -> dict:
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     ns = f"router-cost-{uuid.uuid4().hex[:8]}"
-    actors = {n: Router.options(name=f"router-{n}", namespace=ns).remote(n, policy) for n in shard_counts}
+    actors = {n: Router.options(name=f"router-{n}", namespace=ns).remote(n, RouterConfig(policy)) for n in shard_counts}
     ray.get([a.config.remote() for a in actors.values()])
     return actors
 

@@ -91,12 +91,11 @@ class FlameSystem:
         from flame_llm.serving.service_config import ServiceConfig
 
         s = self.setup
-        cfg = ServiceConfig(model=s.model, load_format=s.load_format, engine=dict(s.engine),
-                            num_shards=len(s.devices), cpu_shards=len(s.devices), cpu_per_shard=s.cpu_per_shard,
-                            torch_threads=s.torch_threads, gpu_uuids=list(s.devices) if s.on_gpu else [],
-                            router_policy=self.system.policy, spill_factor=s.spill_factor,
-                            ray_address=s.ray_address, namespace=f"bench-{uuid.uuid4().hex[:10]}",
-                            startup_timeout_s=s.startup_timeout_s)
+        cfg = ServiceConfig.from_kwargs(
+            model=s.model, load_format=s.load_format, engine=dict(s.engine), num_shards=len(s.devices),
+            cpu_shards=len(s.devices), cpu_per_shard=s.cpu_per_shard, torch_threads=s.torch_threads,
+            gpu_uuids=list(s.devices) if s.on_gpu else [], policy=self.system.policy, spill_factor=s.spill_factor,
+            address=s.ray_address, namespace=f"bench-{uuid.uuid4().hex[:10]}", startup_timeout_s=s.startup_timeout_s)
         init_ray(cfg)
         self.service = start_service(cfg)
         placed = [p.gpu_uuid or p.name for p in self.service.placements]
@@ -105,7 +104,7 @@ class FlameSystem:
         self.client = make_client(cfg, self.service.router, self.service.actors)
         health = self.service.health
         check = verify_processes(s.devices, [h["pid"] for h in health], False) if s.on_gpu else {}
-        return {"placement": placed, "health": health, "namespace": cfg.namespace, **check,
+        return {"placement": placed, "health": health, "namespace": cfg.ray.namespace, **check,
                 "actor_check": "each actor compares torch's cuda:0 UUID with its planned UUID at start"}
 
     def run_burst(self, requests: list[TraceRequest], max_tokens: int) -> tuple[float, list[dict]]:

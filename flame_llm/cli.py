@@ -17,10 +17,10 @@ from flame_llm.serving.service_config import DEFAULT_NAMESPACE
 
 log = logging.getLogger("flame_llm.cli")
 
-DEMO_CONFIG = {"model": "tiny", "num_shards": 2, "cpu_per_shard": 0.5, "torch_threads": 1, "ray_num_cpus": 2,
-               "namespace": "flame-demo", "router_policy": "cumulative",
-               "engine": {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
-                          "cpu_kvcache_gib": 0.0625}}
+DEMO_CONFIG = {"model": "tiny", "engine": {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
+                                            "cpu_kvcache_gib": 0.0625},
+               "placement": {"num_shards": 2, "cpu_per_shard": 0.5}, "shard": {"torch_threads": 1},
+               "router": {"policy": "cumulative"}, "ray": {"num_cpus": 2, "namespace": "flame-demo"}}
 
 ARGS = {
     "config": (("--config",), {"help": "service YAML (configs/service.yaml)"}),
@@ -32,12 +32,12 @@ ARGS = {
 
 
 def _config(args):
-    from flame_llm.serving.service_config import ServiceConfig, load_service_config
+    from flame_llm.serving.service_config import ServiceConfig, load_service_config, with_ray
 
-    overrides = {"namespace": getattr(args, "namespace", None), "ray_address": getattr(args, "address", None)}
+    namespace, address = getattr(args, "namespace", None), getattr(args, "address", None)
     if args.config:
-        return load_service_config(args.config, **overrides)
-    return ServiceConfig(**{k: v for k, v in overrides.items() if v is not None})
+        return load_service_config(args.config, namespace, address)
+    return with_ray(ServiceConfig(), namespace, address)
 
 
 def _attach(args) -> str:
@@ -46,9 +46,9 @@ def _attach(args) -> str:
 
     cfg = _config(args)
     if not ray.is_initialized():
-        ray.init(address=cfg.ray_address or "auto", namespace=cfg.namespace, logging_level=logging.WARNING,
+        ray.init(address=cfg.ray.address or "auto", namespace=cfg.ray.namespace, logging_level=logging.WARNING,
                  log_to_driver=False)
-    return cfg.namespace
+    return cfg.ray.namespace
 
 
 def _print_placement(health: list[dict]) -> None:
@@ -61,13 +61,13 @@ def serve(args) -> int:
     from flame_llm.serving.service import start_service
 
     cfg = _config(args)
-    if args.detach and cfg.ray_address is None:
-        raise SystemExit("serve --detach needs ray_address (a local Ray started here ends with this process)")
+    if args.detach and cfg.ray.address is None:
+        raise SystemExit("serve --detach needs ray.address (a local Ray started here ends with this process)")
     svc = start_service(cfg, detached=args.detach)
     import ray
 
-    print(f"flame-llm service in namespace {cfg.namespace!r}: {len(svc.actors)} shards, "
-          f"router policy {cfg.router_policy}; ray address: {ray.get_runtime_context().gcs_address}")
+    print(f"flame-llm service in namespace {cfg.ray.namespace!r}: {len(svc.actors)} shards, "
+          f"router policy {cfg.router.policy}; ray address: {ray.get_runtime_context().gcs_address}")
     _print_placement(svc.health)
     if os.environ.get("RAY_AUTH_MODE") == "token":  # Ray turned token auth on for the cluster it started
         print("other processes connect with RAY_AUTH_MODE=token set (Ray's token file is ~/.ray/auth_token)")
@@ -171,7 +171,7 @@ def demo(args) -> int:
     from flame_llm.serving.service_config import config_from_dict, load_service_config
 
     cfg = load_service_config(args.config) if args.config else config_from_dict(dict(DEMO_CONFIG), "demo")
-    print(f"starting local Ray with {cfg.num_shards} CPU shards of model {cfg.model!r} ...", flush=True)
+    print(f"starting local Ray with {cfg.placement.num_shards} CPU shards of model {cfg.model!r} ...", flush=True)
     client = start_local(cfg)
     try:
         _print_placement(client.service.health)
@@ -196,7 +196,7 @@ def serve_http(args) -> int:
 # name: (function, help, arguments)
 COMMANDS = {
     "serve": (serve, "start or join Ray, create the router and one engine actor per GPU",
-              ["config", (("--detach",), {"action": "store_true", "help": "return once up (needs ray_address)"})]),
+              ["config", (("--detach",), {"action": "store_true", "help": "return once up (needs ray.address)"})]),
     "submit": (submit, "submit prompts (a JSONL file of token-id lists or strings, or random ones)",
                ["config", "namespace", "address",
                 (("--prompts",), {"help": "JSONL file, one prompt per line"}),

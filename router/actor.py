@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import ray
 
-from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem
-from router.policy import RouterPolicy
+from flame_llm.protocol.routing_key import Completion, RouteItem
+from router.policy import RouterConfig, RouterPolicy
 
 ROUTER_NAME = "flame-router"
 
@@ -20,11 +20,8 @@ ROUTER_NAME = "flame-router"
 @ray.remote(num_cpus=0, max_restarts=-1)
 class Router:
 
-    def __init__(self, num_shards: int, policy: str = "cumulative", spill_factor: float = 1.25,
-                 max_entries: int = 100_000, decode_cost: float = DECODE_TOKEN_COST) -> None:
-        self._config = {"num_shards": num_shards, "policy": policy, "spill_factor": float(spill_factor),
-                        "max_entries": max_entries, "decode_cost": float(decode_cost)}
-        self._policy = RouterPolicy(**self._config)
+    def __init__(self, num_shards: int, config: RouterConfig) -> None:
+        self._policy = RouterPolicy(num_shards, config)
 
     def route(self, items: list[RouteItem], avoid: Sequence[int] = ()) -> list[int]:
         """Shard per RouteItem (prefix chain, est_prefill_work, est_decode_tokens), in order, none in avoid."""
@@ -37,27 +34,30 @@ class Router:
     def drop_shard(self, shard: int) -> None:
         self._policy.drop_shard(shard)
 
-    def config(self) -> dict:
-        return dict(self._config)
+    def config(self) -> tuple[int, RouterConfig]:
+        return self._policy.num_shards, self._policy.config
 
     def stats(self) -> dict:
         return self._policy.stats()
 
 
-def start_router(num_shards: int, policy: str = "cumulative", spill_factor: float = 1.25, *,
-                 name: str = ROUTER_NAME, namespace: str, lifetime: str | None = None,
-                 max_entries: int = 100_000, decode_cost: float = DECODE_TOKEN_COST) -> ray.actor.ActorHandle:
+def start_router(num_shards: int, config: RouterConfig | None = None, *, name: str = ROUTER_NAME, namespace: str,
+                 lifetime: str | None = None) -> ray.actor.ActorHandle:
     """The named router, created or, when one of that name already lives in the namespace, joined.
     Joining a router configured differently raises ValueError naming the differing fields.
     lifetime="detached" keeps it alive after the creating driver exits."""
-    config = {"num_shards": num_shards, "policy": policy, "spill_factor": float(spill_factor),
-              "max_entries": max_entries, "decode_cost": float(decode_cost)}
-    RouterPolicy(**config)  # bad values raise here, in the caller, not in a dead actor
+    config = RouterConfig() if config is None else config
+    if not isinstance(config, RouterConfig):
+        raise ValueError(f"config must be a RouterConfig; got {config!r:.80}")
+    RouterPolicy(num_shards, config)  # bad values raise here, in the caller, not in a dead actor
     if lifetime not in (None, "detached", "non_detached"):
         raise ValueError(f"lifetime must be None, 'detached' or 'non_detached'; got {lifetime!r}")
-    handle = Router.options(name=name, namespace=namespace, get_if_exists=True, lifetime=lifetime).remote(**config)
-    running = ray.get(handle.config.remote())
-    diff = {k: (running[k], v) for k, v in config.items() if running[k] != v}
+    handle = Router.options(name=name, namespace=namespace, get_if_exists=True, lifetime=lifetime).remote(
+        num_shards, config)
+    running_shards, running = ray.get(handle.config.remote())
+    diff = {"num_shards": (running_shards, num_shards)} if running_shards != num_shards else {}
+    diff.update({f: (getattr(running, f), getattr(config, f)) for f in RouterConfig.__dataclass_fields__
+                 if getattr(running, f) != getattr(config, f)})
     if diff:
         raise ValueError(f"router {name!r} in namespace {namespace!r} already runs with a different "
                          "configuration: " + ", ".join(f"{k}={a!r} (asked {b!r})" for k, (a, b) in diff.items()))

@@ -25,31 +25,48 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
 
 POLICIES = ("cumulative", "load_guarded", "round_robin")
 
 
+@dataclass(slots=True, frozen=True)
+class RouterConfig:
+    """The router's settings (the service YAML's `router` section); each checked, naming the field."""
+    policy: str = "cumulative"  # cumulative | load_guarded | round_robin (module doc)
+    spill_factor: float = 1.25  # load_guarded: spill when the owner's outstanding work exceeds this x the mean
+    max_entries: int = 100_000  # prefix chain hashes remembered (LRU)
+    decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router field 'policy' must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if not _num(self.spill_factor) or self.spill_factor < 1.0:
+            raise ValueError(f"router field 'spill_factor' must be a number >= 1.0; got {self.spill_factor!r}")
+        if not isinstance(self.max_entries, int) or isinstance(self.max_entries, bool) or self.max_entries < 1:
+            raise ValueError(f"router field 'max_entries' must be an integer >= 1; got {self.max_entries!r}")
+        if not _num(self.decode_cost) or self.decode_cost < 0:
+            raise ValueError(f"router field 'decode_cost' must be a number >= 0; got {self.decode_cost!r}")
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 class RouterPolicy:
 
-    def __init__(self, num_shards: int, policy: str = "cumulative", spill_factor: float = 1.25,
-                 max_entries: int = 100_000, decode_cost: float = DECODE_TOKEN_COST) -> None:
+    def __init__(self, num_shards: int, config: RouterConfig | None = None) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an integer >= 1; got {num_shards!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        if not isinstance(spill_factor, (int, float)) or spill_factor < 1.0:
-            raise ValueError(f"spill_factor must be a number >= 1.0; got {spill_factor!r}")
-        if not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"max_entries must be an integer >= 1; got {max_entries!r}")
-        if not isinstance(decode_cost, (int, float)) or decode_cost < 0:
-            raise ValueError(f"decode_cost must be a number >= 0; got {decode_cost!r}")
+        config = config or RouterConfig()
         self.num_shards = num_shards
-        self.policy = policy
-        self.spill_factor = float(spill_factor)
-        self.max_entries = max_entries
-        self.decode_cost = float(decode_cost)
+        self.config = config
+        self.policy = config.policy
+        self.spill_factor = float(config.spill_factor)
+        self.max_entries = config.max_entries
+        self.decode_cost = float(config.decode_cost)
         self._owner: OrderedDict[int, int] = OrderedDict()  # chain hash -> shard, LRU order
         self._outstanding = [0.0] * num_shards  # estimated work routed, not yet completed
         self._total_outstanding = 0.0

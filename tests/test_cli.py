@@ -9,38 +9,57 @@ import time
 import pytest
 import yaml
 
-from flame_llm.cli import COMMANDS, build_parser, main
-from flame_llm.serving.service_config import ServiceConfig, config_from_dict, load_service_config
+from flame_llm.cli import COMMANDS, DEMO_CONFIG, build_parser, main
+from flame_llm.serving.service_config import ServiceConfig, config_from_dict, load_service_config, reference_yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_shipped_configs_load():
     svc = load_service_config(os.path.join(REPO, "configs", "service.yaml"))
-    assert svc.load_format == "dummy" and svc.engine["max_model_len"] == 32768 and svc.num_shards == "auto"
+    assert svc.load_format == "dummy" and svc.engine["max_model_len"] == 32768
+    assert svc.placement.num_shards == "auto"
     demo = load_service_config(os.path.join(REPO, "configs", "demo.yaml"))
-    assert demo.model == "tiny" and demo.num_shards == 2
-    assert load_service_config(os.path.join(REPO, "configs", "demo.yaml"), namespace="x").namespace == "x"
+    assert demo.model == "tiny" and demo.placement.num_shards == 2
+    assert load_service_config(os.path.join(REPO, "configs", "demo.yaml"), namespace="x").ray.namespace == "x"
+
+
+def test_demo_yaml_is_the_built_in_demo_config():
+    with open(os.path.join(REPO, "configs", "demo.yaml")) as f:
+        assert yaml.safe_load(f) == DEMO_CONFIG
+
+
+def test_reference_yaml_is_generated_from_the_dataclasses():
+    """configs/service.reference.yaml lists every field with its default: it cannot drift from the code."""
+    with open(os.path.join(REPO, "configs", "service.reference.yaml")) as f:
+        text = f.read()
+    assert text == reference_yaml(), "regenerate: python -m flame_llm.serving.service_config > " \
+                                     "configs/service.reference.yaml"
+    assert config_from_dict(yaml.safe_load(text), "reference") == ServiceConfig()
 
 
 @pytest.mark.parametrize("raw, match", [
     ({"modle": "tiny"}, r"unknown field\(s\) \['modle'\]"),
-    ({"num_shards": 0}, "'num_shards' must be 'auto' or an integer >= 1; got 0"),
-    ({"num_shards": "all"}, "'num_shards' must be"),
-    ({"router_policy": "random"}, "'router_policy' must be one of"),
-    ({"spill_factor": 0.5}, "'spill_factor' must be a number >= 1.0"),
-    ({"max_batch_prompts": True}, "'max_batch_prompts' must be an integer >= 1"),
-    ({"batch_window_ms": -1}, "'batch_window_ms' must be in"),
-    ({"max_payload_bytes": 10}, "'max_payload_bytes' must be an integer in"),
-    ({"zstd_level": 30}, "'zstd_level' must be an integer in"),
-    ({"max_inflight_tokens": 0}, "'max_inflight_tokens'"),
-    ({"max_restarts": -2}, "'max_restarts' must be an integer >= -1"),
-    ({"engine": {"max_num_seq": 4}}, r"'engine' must be Config fields only .*\['max_num_seq'\]"),
+    ({"num_shards": 2}, r"unknown field\(s\) \['num_shards'\] \(num_shards belongs in section 'placement'\)"),
+    ({"placement": {"num_shards": 0}}, "'placement' field 'num_shards' must be 'auto' or an integer >= 1; got 0|"
+                                      "placement field 'num_shards' must be 'auto' or an integer >= 1; got 0"),
+    ({"placement": {"num_shards": "all"}}, "placement field 'num_shards' must be"),
+    ({"placement": {"num_shard": 2}}, r"unknown field\(s\) \['num_shard'\] in section 'placement'"),
+    ({"placement": [1]}, "section 'placement' must be a mapping of its fields"),
+    ({"router": {"policy": "random"}}, "router field 'policy' must be one of"),
+    ({"router": {"spill_factor": 0.5}}, "router field 'spill_factor' must be a number >= 1.0"),
+    ({"client": {"max_batch_prompts": True}}, "'client.max_batch_prompts' must be an integer >= 1"),
+    ({"client": {"batch_window_ms": -1}}, "'client.batch_window_ms' must be a number in"),
+    ({"shard": {"max_payload_bytes": 10}}, "shard field 'max_payload_bytes' must be an integer in"),
+    ({"shard": {"zstd_level": 30}}, "shard field 'zstd_level' must be an integer in"),
+    ({"shard": {"max_inflight_tokens": 0}}, "shard field 'max_inflight_tokens'"),
+    ({"placement": {"max_restarts": -2}}, "placement field 'max_restarts' must be an integer >= -1"),
+    ({"engine": {"max_num_seq": 4}}, r"'engine' must be a mapping of flame_llm Config fields .*\['max_num_seq'\]"),
     ({"engine": ["x"]}, "'engine' must be a mapping"),
-    ({"namespace": "a b"}, "'namespace' must be"),
-    ({"gpu_uuids": "GPU-1"}, "'gpu_uuids' must be a list"),
+    ({"ray": {"namespace": "a b"}}, "'ray.namespace' must be"),
+    ({"placement": {"gpu_uuids": "GPU-1"}}, "placement field 'gpu_uuids' must be a list"),
     ({"load_format": "pt"}, "'load_format' must be one of"),
-    ({"ray_address": ""}, "'ray_address' must be"),
+    ({"ray": {"address": ""}}, "'ray.address' must be"),
 ])
 def test_config_errors_name_the_field(raw, match):
     with pytest.raises(ValueError, match=match):
@@ -55,11 +74,19 @@ def test_yaml_file_errors(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_service_config(str(bad))
-    bad.write_text("zstd_level: 0\n")
-    with pytest.raises(ValueError, match=r"bad.yaml: service config field 'zstd_level'"):
+    bad.write_text("shard:\n  zstd_level: 0\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: shard field 'zstd_level'"):
         load_service_config(str(bad))
     bad.write_text("")
     assert load_service_config(str(bad)) == ServiceConfig()
+
+
+def test_flat_keywords_build_the_sections():
+    cfg = ServiceConfig.from_kwargs(model="m", num_shards=3, policy="round_robin", namespace="ns", max_retries=2)
+    assert (cfg.placement.num_shards, cfg.router.policy, cfg.ray.namespace, cfg.client.max_retries) == \
+        (3, "round_robin", "ns", 2)
+    with pytest.raises(ValueError, match="unknown service config field 'shards'"):
+        ServiceConfig.from_kwargs(shards=3)
 
 
 def test_installed_command_adds_the_benchmarks_on_top():
@@ -87,7 +114,7 @@ def test_cli_reports_user_errors(tmp_path, capsys):
     assert "No such file" in capsys.readouterr().err
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: tiny\n")
-    with pytest.raises(SystemExit, match="--detach needs ray_address"):
+    with pytest.raises(SystemExit, match="--detach needs ray.address"):
         main(["serve", "--config", str(cfg), "--detach"])
 
 
@@ -106,7 +133,8 @@ def test_demo_runs(tmp_path):
 
 def test_serve_submit_status_stop(tmp_path, tiny_llama):
     cfg = tmp_path / "svc.yaml"
-    cfg.write_text(yaml.safe_dump({"model": tiny_llama, "num_shards": 2, "namespace": "cli-test", "ray_num_cpus": 2,
+    cfg.write_text(yaml.safe_dump({"model": tiny_llama, "placement": {"num_shards": 2},
+                                   "ray": {"namespace": "cli-test", "num_cpus": 2},
                                    "engine": {"max_model_len": 512, "max_num_batched_tokens": 512,
                                               "cpu_kvcache_gib": 0.03125}}))
     serve = subprocess.Popen([sys.executable, "-m", "flame_llm.cli", "serve", "--config", str(cfg)], cwd=tmp_path,

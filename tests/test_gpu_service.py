@@ -63,7 +63,7 @@ def test_service_shards_on_their_gpus_match_the_engine(tiny_llama):
     torch.cuda.empty_cache()
     uuids = local_gpu_uuids()
     os.environ.pop("RAY_ADDRESS", None)
-    cfg = ServiceConfig(model=tiny_llama, engine=engine, num_shards="auto", namespace="test-gpu-service")
+    cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=engine, num_shards="auto", namespace="test-gpu-service")
     svc = start_service(cfg)
     try:
         assert [p.gpu_uuid for p in svc.placements] == uuids  # one shard per GPU, in index order

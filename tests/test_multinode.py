@@ -35,8 +35,8 @@ def cluster():
 def test_shards_on_both_nodes_and_results_name_them(cluster, tiny_llama):
     nodes = discover_nodes()
     assert len(nodes) == 2 and all(n.gpu_uuids == () for n in nodes)
-    cfg = ServiceConfig(model=tiny_llama, num_shards=2, cpu_per_shard=0.5, namespace="multinode",
-                        router_policy="round_robin", ray_address=cluster.address,
+    cfg = ServiceConfig.from_kwargs(model=tiny_llama, num_shards=2, cpu_per_shard=0.5, namespace="multinode",
+                        policy="round_robin", address=cluster.address,
                         engine={"max_model_len": 512, "max_num_batched_tokens": 512, "cpu_kvcache_gib": 0.03125})
     svc = start_service(cfg)
     client = Client.for_service(svc)

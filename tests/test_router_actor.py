@@ -7,6 +7,7 @@ from ray.exceptions import RayActorError
 
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.actor import ROUTER_NAME, Router, start_router
+from router.policy import RouterConfig
 
 NS = "test-router"
 
@@ -24,7 +25,7 @@ def local_ray():
 @pytest.fixture(scope="module")
 def router(local_ray):
     name = f"router-{uuid.uuid4().hex[:8]}"
-    handle = start_router(2, "cumulative", name=name, namespace=NS)
+    handle = start_router(2, RouterConfig("cumulative"), name=name, namespace=NS)
     yield name, handle
     ray.kill(handle)
 
@@ -57,12 +58,12 @@ def test_joining_reuses_state_and_refuses_a_different_config(router):
     assert ray.get(again.route.remote(_items([7]))) == first
     with pytest.raises(ValueError, match="already runs with a different configuration: num_shards=2 \\(asked 3\\), "
                                          "policy='cumulative' \\(asked 'load_guarded'\\)"):
-        start_router(3, "load_guarded", name=name, namespace=NS)
+        start_router(3, RouterConfig("load_guarded"), name=name, namespace=NS)
 
 
 @pytest.mark.parametrize("args, kw, match", [
     ((0,), {}, "num_shards must be an integer >= 1"),
-    ((2, "nope"), {}, "policy must be one of"),
+    ((2,), {"config": "nope"}, "config must be a RouterConfig; got 'nope'"),
     ((2,), {"lifetime": "forever"}, "lifetime must be None, 'detached' or 'non_detached'"),
 ])
 def test_bad_config_raises_in_the_caller(local_ray, args, kw, match):

@@ -8,7 +8,7 @@ from flame_llm.protocol.routing_key import (
     estimate_prefill_work,
     prefix_chain,
 )
-from router.policy import RouterPolicy
+from router.policy import RouterConfig, RouterPolicy
 
 rng = np.random.default_rng(0)
 
@@ -87,14 +87,15 @@ def _chain(*blocks):
 @pytest.mark.parametrize("kw, match", [
     ({"num_shards": 0}, "num_shards must be an integer >= 1; got 0"),
     ({"num_shards": 2.0}, "num_shards"),
-    ({"policy": "random"}, "policy must be one of cumulative, load_guarded, round_robin; got 'random'"),
-    ({"spill_factor": 0.9}, "spill_factor must be a number >= 1.0; got 0.9"),
-    ({"max_entries": 0}, "max_entries must be an integer >= 1; got 0"),
-    ({"decode_cost": -1}, "decode_cost must be a number >= 0"),
+    ({"policy": "random"}, "router field 'policy' must be one of cumulative, load_guarded, round_robin; got 'random'"),
+    ({"spill_factor": 0.9}, "router field 'spill_factor' must be a number >= 1.0; got 0.9"),
+    ({"max_entries": 0}, "router field 'max_entries' must be an integer >= 1; got 0"),
+    ({"decode_cost": -1}, "router field 'decode_cost' must be a number >= 0"),
 ])
 def test_policy_rejects_bad_config(kw, match):
+    num_shards = kw.pop("num_shards", 2)
     with pytest.raises(ValueError, match=match):
-        RouterPolicy(**{"num_shards": 2, **kw})
+        RouterPolicy(num_shards, RouterConfig(**kw))
 
 
 @pytest.mark.parametrize("items, match", [
@@ -144,7 +145,7 @@ def test_cumulative_never_spills_a_hot_prefix():
 
 
 def test_load_guarded_spills_a_hot_prefix_and_returns_when_load_drops():
-    p = RouterPolicy(2, "load_guarded", spill_factor=1.25)
+    p = RouterPolicy(2, RouterConfig("load_guarded", spill_factor=1.25))
     shards = p.route_batch([(_chain(5, 6), 100.0, 0)] * 20)
     owner = shards[0]
     assert p.counters["spill"] > 0 and shards.count(owner) > shards.count(1 - owner)
@@ -157,7 +158,7 @@ def test_load_guarded_spills_a_hot_prefix_and_returns_when_load_drops():
 
 
 def test_load_guarded_longest_match_beats_a_shorter_one():
-    p = RouterPolicy(2, "load_guarded")
+    p = RouterPolicy(2, RouterConfig("load_guarded"))
     assert p.route_batch([(_chain(1, 2), 1000.0, 0)]) == [0]
     assert p.route_batch([(_chain(1, 3), 100.0, 0)]) == [1]  # owner 0 overloaded by more than 100: spill
     assert p.counters["spill"] == 1
@@ -170,7 +171,7 @@ def test_load_guarded_keeps_the_start_of_a_burst_on_a_new_prefix_together():
     """Two shards, questions on one new document: moving the second question would recompute the
     whole document elsewhere, which costs more than the imbalance it would fix. (Hits are charged
     full work, so a longer burst does spill: the documented limit.)"""
-    p = RouterPolicy(2, "load_guarded")
+    p = RouterPolicy(2, RouterConfig("load_guarded"))
     doc_work = estimate_prefill_work(8256)
     assert len(set(p.route_batch([(_chain(7, 8), doc_work, 16)] * 2))) == 1
     assert p.counters["spill"] == 0
@@ -179,13 +180,13 @@ def test_load_guarded_keeps_the_start_of_a_burst_on_a_new_prefix_together():
 
 def test_load_guarded_counts_decode_work():
     for policy, expect in [("load_guarded", 1), ("cumulative", 0)]:
-        p = RouterPolicy(2, policy, decode_cost=10.0)
+        p = RouterPolicy(2, RouterConfig(policy, decode_cost=10.0))
         assert p.route_batch([(_chain(1), 1.0, 1000), (_chain(2), 100.0, 0)]) == [0, 1]
         assert p.route_batch([(_chain(3), 1.0, 0)]) == [expect], policy
 
 
 def test_complete_lowers_outstanding_and_records_cache_hits():
-    p = RouterPolicy(2, "load_guarded", decode_cost=2.0)
+    p = RouterPolicy(2, RouterConfig("load_guarded", decode_cost=2.0))
     p.route_batch([(_chain(1), 10.0, 5)])
     assert p.stats()["shards"][0]["outstanding_work"] == 20.0
     p.complete(0, 10.0, 5, prompt_tokens=1000, cached_tokens=750)
@@ -224,7 +225,7 @@ def test_drop_shard_forgets_its_prefixes_and_load():
 
 
 def test_lru_map_is_bounded_and_refreshed_on_use():
-    p = RouterPolicy(3, max_entries=8)
+    p = RouterPolicy(3, RouterConfig(max_entries=8))
     p.route_batch([(_chain(1, 2, 3, 4), 1.0, 0), (_chain(5, 6, 7, 8), 1.0, 0)])
     p.route_batch([(_chain(1, 2, 3, 4), 1.0, 0)])  # refresh prefix A
     p.route_batch([(_chain(9, 10, 11, 12), 1.0, 0)])  # evicts B, the least recently used
@@ -246,7 +247,8 @@ def test_avoided_shards_get_nothing_and_their_prefixes_move():
     assert p.counters["moved"] == 1
     assert p.route_batch([(_chain(1, 2), 1.0, 0)]) == [1]
     assert set(p.route_batch([(_chain(100 + i), 0.0, 0) for i in range(6)], avoid=[0, 2])) == {1}
-    assert RouterPolicy(3, "round_robin").route_batch([(_chain(1), 1.0, 0)] * 4, avoid=[1]) == [0, 2, 0, 2]
+    rr = RouterPolicy(3, RouterConfig("round_robin"))
+    assert rr.route_batch([(_chain(1), 1.0, 0)] * 4, avoid=[1]) == [0, 2, 0, 2]
     before = p.stats()
     with pytest.raises(ValueError, match="avoid must leave at least one shard; got \\[0, 1, 2\\] of 3"):
         p.route_batch([(_chain(1), 1.0, 0)], avoid=[0, 1, 2])
@@ -256,7 +258,7 @@ def test_avoided_shards_get_nothing_and_their_prefixes_move():
 
 
 def test_round_robin_alternates_ignoring_prefixes():
-    p = RouterPolicy(3, "round_robin")
+    p = RouterPolicy(3, RouterConfig("round_robin"))
     assert p.route_batch([(_chain(1), 1.0, 0)] * 4) == [0, 1, 2, 0]
     assert p.route_batch([(_chain(1), 1.0, 0)] * 2) == [1, 2]
     st = p.stats()
@@ -264,6 +266,6 @@ def test_round_robin_alternates_ignoring_prefixes():
 
 
 def test_stats_shape():
-    st = RouterPolicy(2, "load_guarded", spill_factor=1.5).stats()
+    st = RouterPolicy(2, RouterConfig("load_guarded", spill_factor=1.5)).stats()
     assert st["policy"] == "load_guarded" and st["spill_factor"] == 1.5 and len(st["shards"]) == 2
     assert set(st["counters"]) == {"hit", "new", "spill", "moved", "round_robin", "evicted", "dropped"}

@@ -80,8 +80,8 @@ def test_admission_oversized_request_runs_alone_and_cancel_leaves_queue():
 @pytest.fixture(scope="module")
 def service(tiny_llama):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cfg = ServiceConfig(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
-                        router_policy="cumulative", namespace="test-service", max_inflight_requests=8,
+    cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
+                        policy="cumulative", namespace="test-service", max_inflight_requests=8,
                         max_queued_requests=8)
     svc = start_service(cfg)
     client = Client.for_service(svc)
@@ -106,7 +106,7 @@ def test_health_placement_and_frozen_heap(service):
     assert [h["device"] for h in svc.health] == ["cpu-0", "cpu-1"]
     limits = {k: svc.health[0][k] for k in ("vocab_size", "max_model_len", "max_prompt_tokens", "max_payload_bytes")}
     assert limits == {"vocab_size": 512, "max_model_len": 1024, "max_prompt_tokens": 1023,
-                      "max_payload_bytes": svc.cfg.max_payload_bytes}
+                      "max_payload_bytes": svc.cfg.shard.max_payload_bytes}
     stats = ray.get(svc.actors[0].stats.remote())
     assert stats["frozen_objects"] > 0 and stats["model_revision"] == svc.health[0]["model_revision"]
 
@@ -251,12 +251,12 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
     sp = SamplingParams(temperature=0.0, max_tokens=2)
     with pytest.raises(RuntimeError, match="namespace 'test-service' already runs a service"):
         start_service(svc.cfg)
-    bad = ServiceConfig(model=tiny_qwen3, num_shards=1, cpu_per_shard=0.25, namespace="test-bad", max_restarts=0,
-                        engine={**ENGINE, "device": "cuda"})  # valid config, but this machine has no CUDA
+    bad = ServiceConfig.from_kwargs(model=tiny_qwen3, num_shards=1, cpu_per_shard=0.25, namespace="test-bad",
+                                    max_restarts=0, engine={**ENGINE, "device": "cuda"})  # valid, but no CUDA here
     with pytest.raises(RuntimeError, match=r"shard cpu-0 on node \w+ \(CPU\) failed to start"):
         start_service(bad)
-    other = start_service(ServiceConfig(model=tiny_qwen3, num_shards=1, cpu_per_shard=0.25,
-                                        namespace="test-other", engine=ENGINE))
+    other = start_service(ServiceConfig.from_kwargs(model=tiny_qwen3, num_shards=1, cpu_per_shard=0.25,
+                                                    namespace="test-other", engine=ENGINE))
     try:
         with pytest.raises(RuntimeError, match="shards serve different model revisions"):
             make_client(None, svc.router, {0: svc.actors[0], 1: other.actors[0]})
@@ -279,6 +279,13 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
         (res,) = client.generate([[5, 6, 7]], sp)
         assert res["error"]["code"] == "shard_unavailable" and "did not come back" in res["error"]["message"]
         ray.kill(other.router, no_restart=True)
+        deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone
+        while time.monotonic() < deadline:
+            try:
+                ray.get(other.router.stats.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+            time.sleep(0.05)
         (res,) = client.generate([[5, 6, 7]], sp)
         assert res["error"]["code"] == "router_error"
         client.close()

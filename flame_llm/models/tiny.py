@@ -55,6 +55,11 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed:
     return path
 
 
+def resolve_model(model: str) -> str:
+    """A model directory: `model` itself, or for "tiny" the embedded default (created on first use)."""
+    return ensure_tiny_default() if model == "tiny" else model
+
+
 def ensure_tiny_default() -> str:
     """The demo's embedded default model, created once on first use."""
     if not os.path.isfile(os.path.join(TINY_DEFAULT_DIR, "config.json")):

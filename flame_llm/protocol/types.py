@@ -19,6 +19,7 @@ from flame_llm.limits import max_prompt_tokens
 from flame_llm.sampling_params import SamplingParams
 
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 20  # decoded bytes of one request batch
+DEFAULT_ZSTD_LEVEL = 1  # zstd level of request and result payloads
 MAX_RESULT_PAYLOAD_BYTES = 256 << 20  # decoded bytes of one result payload a client accepts
 MAX_ID_BYTES = 256  # UTF-8 bytes of a request id
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))

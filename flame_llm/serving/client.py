@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError
 
 from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_ZSTD_LEVEL,
     EngineLimits,
     ErrorCode,
     ErrorInfo,
@@ -39,7 +39,7 @@ from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, encode_reque
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending, ShardBatcher
 from flame_llm.serving.service import Service, attach, find_service, start_service
-from flame_llm.serving.service_config import DEFAULT_NAMESPACE, ServiceConfig
+from flame_llm.serving.service_config import DEFAULT_NAMESPACE, ClientConfig, ServiceConfig
 from flame_llm.serving.shard_watch import ShardWatch
 
 log = logging.getLogger(__name__)
@@ -48,20 +48,18 @@ ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router 
 
 class Client:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str,
-                 max_batch_prompts: int = 128, batch_window_ms: float = 10.0,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, zstd_level: int = 1, max_retries: int = 20,
-                 restart_timeout_s: float = 300.0, model_dir: str | None = None, service=None,
-                 flush_formed: bool = True):
+                 config: ClientConfig | None = None, zstd_level: int = DEFAULT_ZSTD_LEVEL,
+                 model_dir: str | None = None, service=None):
         assert actors, "a service has at least one shard"
+        config = config or ClientConfig()
+        self.config = config
         self.router, self.actors, self.model_revision = router, dict(actors), model_revision
         health = ray.get([a.health.remote() for a in self.actors.values()])
         self.limits = EngineLimits.tightest(health)  # what every shard accepts
-        self.max_payload_bytes = min(max_payload_bytes, self.limits.max_payload_bytes)
-        self.zstd_level, self.max_retries = zstd_level, max_retries
-        self.restart_timeout_s, self.model_dir, self.service = restart_timeout_s, model_dir, service
-        # a generate() call hands over a formed batch: send what it queued without waiting out the
-        # window (False: only the 128-prompt / window / byte-budget rules flush, as in the seed)
-        self.flush_formed = flush_formed
+        self.max_payload_bytes = self.limits.max_payload_bytes
+        self.zstd_level, self.max_retries = zstd_level, config.max_retries
+        self.restart_timeout_s, self.model_dir, self.service = config.restart_timeout_s, model_dir, service
+        self.flush_formed = config.flush_formed
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._tokenizer = None
         self.counters = {"batches": 0, "route_calls": 0, "route_retries": 0, "retries": 0, "restarts_seen": 0,
@@ -69,11 +67,11 @@ class Client:
                          # in routing calls, request encoding and result decoding
                          "payload_raw_bytes": 0, "payload_wire_bytes": 0, "route_s": 0.0, "encode_s": 0.0,
                          "result_decode_s": 0.0}
-        self.shards = ShardWatch(self.actors, router, health, restart_timeout_s, self.counters)
+        self.shards = ShardWatch(self.actors, router, health, config.restart_timeout_s, self.counters)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
         self._thread.start()
-        self.batchers = {s: ShardBatcher(s, self._send, max_batch_prompts, batch_window_ms / 1000.0,
+        self.batchers = {s: ShardBatcher(s, self._send, config.max_batch_prompts, config.batch_window_ms / 1000.0,
                                          self.max_payload_bytes) for s in self.actors}
 
     @classmethod
@@ -314,20 +312,17 @@ class Client:
 
 
 def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
-                service: Service | None = None, **kwargs) -> Client:
-    """A client for the router and shards given; `cfg` supplies the batching options, the shards' health
-    their model revision and limits. With `service`, closing the client stops that service."""
+                service: Service | None = None, **overrides) -> Client:
+    """A client for the router and shards given, with cfg's client section (defaults without cfg) and
+    `overrides` of its fields; the shards' health gives the model revision and limits. With `service`,
+    closing the client stops that service."""
     health = ray.get([a.health.remote() for a in actors.values()])
     revisions = {h["model_revision"] for h in health}
     if len(revisions) != 1:
         raise RuntimeError(f"shards serve different model revisions: {sorted(revisions)}")
-    opts = {}
-    if cfg is not None:
-        opts = {"max_batch_prompts": cfg.max_batch_prompts, "batch_window_ms": cfg.batch_window_ms,
-                "max_payload_bytes": cfg.max_payload_bytes, "zstd_level": cfg.zstd_level,
-                "max_retries": cfg.max_retries}
-    opts.update(kwargs)
-    return Client(router, actors, revisions.pop(), model_dir=health[0]["model"], service=service, **opts)
+    config = dataclasses.replace(cfg.client if cfg is not None else ClientConfig(), **overrides)
+    zstd_level = cfg.shard.zstd_level if cfg is not None else DEFAULT_ZSTD_LEVEL
+    return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0]["model"], service=service)
 
 
 def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -186,12 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Load the engine (pinned and verified when --gpu-uuid is given) and serve until SIGINT/SIGTERM."""
-    from actors.pinning import pin_visible_device, verify_device
-
-    pin_visible_device(args.gpu_uuid)  # before anything initialises CUDA
-    import torch
-
-    from flame_llm.engine.async_engine import AsyncEngine
+    from actors.host import EngineHost
 
     try:
         kwargs = json.loads(args.engine_json)
@@ -199,25 +193,12 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"--engine-json is not valid JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise SystemExit(f"--engine-json must be a JSON object of Config fields; got {args.engine_json[:80]!r}")
-    if args.gpu_uuid:
-        verify_device(args.gpu_uuid, f"http:{args.port}")
-        kwargs.setdefault("device", "cuda")
-    elif args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    model = args.model
-    if model == "tiny":
-        from flame_llm.models.tiny import ensure_tiny_default
-        model = ensure_tiny_default()
-    t0 = time.perf_counter()
-    engine = AsyncEngine.from_args(model, load_format=args.load_format, **kwargs)
-    log.info("engine loaded in %.1fs on %s", time.perf_counter() - t0, args.gpu_uuid or args.device_name)
-    gc.collect()
-    gc.freeze()  # like the engine actor: keep the collector off the long-lived startup heap
-    app = build_app(engine, args.gpu_uuid, args.device_name, args.served_model_name)
+    host = EngineHost.start(args.model, {"load_format": args.load_format, **kwargs}, args.gpu_uuid,
+                            args.device_name, args.torch_threads)
+    app = build_app(host.engine, args.gpu_uuid, args.device_name, args.served_model_name)
 
     async def _close(_app: web.Application) -> None:
-        gc.unfreeze()
-        await asyncio.to_thread(engine.shutdown)
+        await asyncio.to_thread(host.stop)
 
     app.on_cleanup.append(_close)
     web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handle_signals=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.engine_actor import CONCURRENCY_GROUPS, EngineActor, resolve_model
+from actors.engine_actor import CONCURRENCY_GROUPS, EngineActor
 from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards
 from flame_llm.serving.service_config import ServiceConfig
 
@@ -33,19 +33,19 @@ class Service:
 
 
 def init_ray(cfg: ServiceConfig) -> bool:
-    """Join cfg.ray_address, or start a local Ray when it is None. True when this call started Ray."""
+    """Join cfg.ray.address, or start a local Ray when it is None. True when this call started Ray."""
     if ray.is_initialized():
         return False
-    kwargs = {"namespace": cfg.namespace, "logging_level": logging.WARNING, "log_to_driver": False}
-    if cfg.ray_address is None:
+    kwargs = {"namespace": cfg.ray.namespace, "logging_level": logging.WARNING, "log_to_driver": False}
+    if cfg.ray.address is None:
         # workers of a local Ray inherit this environment: let them import our packages from a checkout
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
         if root not in paths:
             os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
-        ray.init(num_cpus=cfg.ray_num_cpus, include_dashboard=False, **kwargs)
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs)
         return True
-    ray.init(address=cfg.ray_address, **kwargs)
+    ray.init(address=cfg.ray.address, **kwargs)
     return False
 
 
@@ -68,41 +68,40 @@ def discover_nodes() -> list[NodeGPUs]:
 def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
     """Create the router and the engine actors and wait until every shard answers health."""
     from flame_llm.config import Config
+    from flame_llm.models.tiny import resolve_model
 
-    init_ray(cfg)
-    model = cfg.model
-    if model == "tiny":
-        # creates the tiny model here once; checks the engine fields before any actor starts
-        Config.from_kwargs(resolve_model(model), **cfg.engine_kwargs())
-    elif os.path.isdir(model):
+    # the model and the engine fields are checked here, before Ray or any actor starts (a model directory
+    # that only the nodes of a joined cluster have is left to the shards to check)
+    model = resolve_model(cfg.model)
+    if os.path.isdir(model) or cfg.ray.address is None:
         model = os.path.abspath(model)
         Config.from_kwargs(model, **cfg.engine_kwargs())
-    placements = plan_shards(discover_nodes(), cfg.num_shards, cfg.cpu_shards, tuple(cfg.gpu_uuids))
+    init_ray(cfg)
+    pc = cfg.placement
+    placements = plan_shards(discover_nodes(), pc.num_shards, pc.cpu_shards, tuple(pc.gpu_uuids))
     lifetime = "detached" if detached else None
-    ns = cfg.namespace
+    ns = cfg.ray.namespace
     for name in ray.util.list_named_actors(all_namespaces=True):
         if name["namespace"] == ns and name["name"].startswith(SHARD_PREFIX):
             raise RuntimeError(f"namespace {ns!r} already runs a service ({name['name']}); stop it first "
                                "or choose another namespace")
     from router.actor import start_router
-    router = start_router(len(placements), cfg.router_policy, cfg.spill_factor, namespace=ns, lifetime=lifetime)
+    router = start_router(len(placements), cfg.router, namespace=ns, lifetime=lifetime)
     remote_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(EngineActor)
     actors = {}
     for k, p in enumerate(placements):
         assert p.shard == k
-        res = {"num_gpus": 1, "num_cpus": 1} if p.gpu_uuid else {"num_cpus": cfg.cpu_per_shard}
+        res = {"num_gpus": 1, "num_cpus": 1} if p.gpu_uuid else {"num_cpus": pc.cpu_per_shard}
         actors[k] = remote_cls.options(
-            name=f"{SHARD_PREFIX}{k}", namespace=ns, lifetime=lifetime, max_restarts=cfg.max_restarts,
+            name=f"{SHARD_PREFIX}{k}", namespace=ns, lifetime=lifetime, max_restarts=pc.max_restarts,
             max_task_retries=0, max_concurrency=MAX_CONCURRENCY,
             scheduling_strategy=NodeAffinitySchedulingStrategy(p.node_id, soft=False), **res,
-        ).remote(k, p.name, p.gpu_uuid, model, cfg.engine_kwargs(), cfg.max_inflight_tokens,
-                 cfg.max_inflight_requests, cfg.max_queued_requests, cfg.max_payload_bytes, cfg.zstd_level,
-                 cfg.torch_threads)
+        ).remote(p, model, cfg.engine_kwargs(), cfg.shard)
     refs = {k: a.health.remote() for k, a in actors.items()}
     health = []
     for k, ref in refs.items():
         try:
-            health.append(ray.get(ref, timeout=cfg.startup_timeout_s))
+            health.append(ray.get(ref, timeout=cfg.ray.startup_timeout_s))
         except Exception as e:
             stop_actors(list(actors.values()), router, 5.0)
             p = placements[k]
