@@ -19,6 +19,7 @@ import sys
 import time
 
 from bench.traces import TRACE_NAMES, TraceConfig, make_trace, warmup_traces
+from flame_llm.config import engine_fields_from_json
 
 LIMITS = dict(max_model_len=32768, max_num_seqs=64, max_num_batched_tokens=8192)
 GEMM_WORDS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "gemv", "matmul", "splitk", "cublas")
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one system in this process
     a = p.parse_args(argv)
     traces = [t for t in a.traces.split(",") if t]
-    engine_json = json.loads(a.engine_json)
+    engine_json = engine_fields_from_json(a.engine_json)
     if a.one:
         res = run_one(a.one, a.model, traces, a.warmup_rounds, engine_json)
         res["label"] = a.label

@@ -89,12 +89,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(a: argparse.Namespace) -> RunOptions:
+    from flame_llm.config import engine_fields_from_json
+
     try:
-        extra = json.loads(a.engine_json)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--engine-json is not valid JSON: {e}") from None
-    if not isinstance(extra, dict):
-        raise SystemExit("--engine-json must be a JSON object of flame_llm Config fields")
+        extra = engine_fields_from_json(a.engine_json)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     names = [f for f in RunOptions.__dataclass_fields__ if f not in ("gpu_uuids", "engine_json", "vllm_args")]
     return RunOptions(**{n: getattr(a, n) for n in names}, engine_json=extra, vllm_args=shlex.split(a.vllm_args),
                       gpu_uuids=[u.strip() for u in a.gpu_uuids.split(",") if u.strip()])

@@ -190,6 +190,21 @@ class Config:
         return sp.speculative_model is not None or sp.num_speculative_tokens != 0
 
 
+def engine_fields_from_json(text: str, flag: str = "--engine-json") -> dict:
+    """A JSON object of Config fields (flat names), as command lines take it; ValueError names the flag and,
+    for an unknown field, the known ones. The values are checked when a Config is built from them."""
+    try:
+        fields_ = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(fields_, dict):
+        raise ValueError(f"{flag} must be a JSON object of flame_llm Config fields; got {text[:80]!r}")
+    unknown = sorted(k for k in fields_ if k not in FIELD_NAMES or k == "model")
+    if unknown:
+        raise ValueError(f"{flag}: unknown config field(s) {unknown}; known: {', '.join(sorted(FIELD_NAMES))}")
+    return fields_
+
+
 def default_model_revision(model: str) -> str:
     """A stable name of the weights: the directory's basename plus its config.json contents hash."""
     import xxhash

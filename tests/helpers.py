@@ -91,17 +91,21 @@ def make_workload(seed: int = 0, n: int = 40) -> list[tuple[int, list[int], Samp
     return work
 
 
-def replay(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max_steps: int = 5000):
-    """Drive sched like LLMEngine does; return the per-step schedule and each request's output."""
+def replay(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max_steps: int = 5000,
+           asynchronous: bool = False):
+    """Drive sched like LLMEngine does; return the per-step schedule and each request's output.
+    asynchronous: as with async_scheduling, launch step N+1 (its pending tokens fed from step N's
+    outputs), then complete step N."""
     runner = FakeRunner(sched.block_manager.block_size)
-    pending = sorted(((a, i, p, sp) for i, (a, p, sp) in enumerate(workload)), key=lambda x: (x[0], x[1]))
+    arrivals = sorted(((a, i, p, sp) for i, (a, p, sp) in enumerate(workload)), key=lambda x: (x[0], x[1]))
     seqs: dict[str, Sequence] = {}
     trace = []
+    inflight = None
     step = 0
-    while pending or not sched.is_finished():
+    while arrivals or not sched.is_finished() or inflight is not None:
         assert step < max_steps, "the schedule does not make progress"
-        while pending and pending[0][0] <= step:
-            _, i, prompt, sp = pending.pop(0)
+        while arrivals and arrivals[0][0] <= step:
+            _, i, prompt, sp = arrivals.pop(0)
             seq = Sequence(prompt, sp, sched.block_manager.block_size, request_id=f"r{i}")
             seqs[seq.request_id] = seq
             sched.add(seq)
@@ -110,13 +114,27 @@ def replay(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max
         batch, num_tokens = sched.schedule()
         assert sum(num_tokens) <= sched.max_num_batched_tokens and len(batch) <= sched.max_num_seqs
         trace.append([(s.request_id, n) for s, n in zip(batch, num_tokens)])
-        if batch:
-            sched.postprocess(batch, num_tokens, runner.run(batch, num_tokens))
-        partial = [s for s in sched.running if s.num_tokens - s.num_computed_tokens > 1]
-        assert not partial or partial == [sched.running[-1]], "decode-first: only the newest may be mid-prefill"
+        if not asynchronous:
+            if batch:
+                sched.postprocess(batch, num_tokens, runner.run(batch, num_tokens))
+            partial = [s for s in sched.running if s.num_tokens - s.num_computed_tokens > 1]
+            assert not partial or partial == [sched.running[-1]], "decode-first: only the newest may be mid-prefill"
+        else:
+            launched = None
+            if batch:
+                prev = {} if inflight is None else {s.seq_id: t for s, t in zip(*inflight[:2]) if t is not None}
+                tokens = runner.run(batch, num_tokens, prev)
+                info = sched.step_info()
+                sched.launched(batch, num_tokens)
+                launched = (batch, tokens, info)
+            if inflight is not None:
+                sched.complete(*inflight)
+            sched.release_retired()
+            inflight = launched
         step += 1
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert all(s.num_pending_tokens == 0 for s in seqs.values())
     outputs = {rid: (s.completion_token_ids, s.finish_reason, s.num_cached_tokens) for rid, s in seqs.items()}
     return trace, outputs
 

@@ -14,7 +14,6 @@ import torch
 from helpers import (
     BS,
     MAX_TOKENS,
-    FakeRunner,
     expected_outputs,
     make_prompts,
     make_scheduler,
@@ -30,43 +29,8 @@ from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import build_step_inputs
 
 
-def replay_async(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max_steps: int = 5000):
-    """Drive sched as LLMEngine does with async_scheduling: launch step N+1, then complete step N."""
-    runner = FakeRunner(sched.block_manager.block_size)
-    arrivals = sorted(((a, i, p, sp) for i, (a, p, sp) in enumerate(workload)), key=lambda x: (x[0], x[1]))
-    seqs: dict[str, Sequence] = {}
-    trace = []
-    inflight = None
-    step = 0
-    while arrivals or not sched.is_finished() or inflight is not None:
-        assert step < max_steps, "the schedule does not make progress"
-        while arrivals and arrivals[0][0] <= step:
-            _, i, prompt, sp = arrivals.pop(0)
-            seq = Sequence(prompt, sp, BS, request_id=f"r{i}")
-            seqs[seq.request_id] = seq
-            sched.add(seq)
-        if aborts and step in aborts:
-            sched.abort(aborts[step])
-        batch, num_tokens = sched.schedule()
-        assert sum(num_tokens) <= sched.max_num_batched_tokens and len(batch) <= sched.max_num_seqs
-        trace.append([(s.request_id, n) for s, n in zip(batch, num_tokens)])
-        launched = None
-        if batch:
-            prev = {} if inflight is None else {s.seq_id: t for s, t in zip(inflight[0], inflight[1]) if t is not None}
-            tokens = runner.run(batch, num_tokens, prev)
-            info = sched.step_info()
-            sched.launched(batch, num_tokens)
-            launched = (batch, tokens, info)
-        if inflight is not None:
-            sched.complete(*inflight)
-        sched.release_retired()
-        inflight = launched
-        step += 1
-    bm = sched.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-    assert all(s.num_pending_tokens == 0 for s in seqs.values())
-    outputs = {rid: (s.completion_token_ids, s.finish_reason, s.num_cached_tokens) for rid, s in seqs.items()}
-    return trace, outputs
+def replay_async(sched: Scheduler, workload, aborts: dict[int, str] | None = None):
+    return replay(sched, workload, aborts, asynchronous=True)
 
 
 def length_only(workload):

@@ -118,6 +118,17 @@ def test_cli_reports_user_errors(tmp_path, capsys):
         main(["serve", "--config", str(cfg), "--detach"])
 
 
+@pytest.mark.parametrize("engine_json, words", [
+    ('{"nonsense": 1}', "--engine-json: unknown config field(s) ['nonsense']; known: "),
+    ("[1, 2]", "--engine-json must be a JSON object of flame_llm Config fields"),
+    ("{not json", "--engine-json is not valid JSON"),
+])
+def test_serve_http_names_a_bad_engine_field_in_one_line(capsys, engine_json, words):
+    assert main(["serve-http", "--model", "tiny", "--engine-json", engine_json]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_demo_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO}
     out = subprocess.run([sys.executable, "-m", "flame_llm.cli", "demo"], cwd=tmp_path, env=env,

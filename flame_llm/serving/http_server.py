@@ -186,13 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Load the engine (pinned and verified when --gpu-uuid is given) and serve until SIGINT/SIGTERM."""
     from actors.host import EngineHost
+    from flame_llm.config import engine_fields_from_json
 
-    try:
-        kwargs = json.loads(args.engine_json)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--engine-json is not valid JSON: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise SystemExit(f"--engine-json must be a JSON object of Config fields; got {args.engine_json[:80]!r}")
+    kwargs = engine_fields_from_json(args.engine_json)
     host = EngineHost.start(args.model, {"load_format": args.load_format, **kwargs}, args.gpu_uuid,
                             args.device_name, args.torch_threads)
     app = build_app(host.engine, args.gpu_uuid, args.device_name, args.served_model_name)
