@@ -17,10 +17,11 @@ import time
 
 import torch
 
+from bench.traces import SEED_LIMITS as TRACE_SEED_LIMITS
 from flame_llm import LLM, SamplingParams
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "llama-3.1-8b")
-SEED_LIMITS = dict(max_model_len=32768, max_num_seqs=64, max_num_batched_tokens=8192, enable_prefix_caching=True)
+SEED_LIMITS = dict(TRACE_SEED_LIMITS, enable_prefix_caching=True)
 
 
 def ceilings() -> dict:

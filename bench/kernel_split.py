@@ -18,10 +18,9 @@ import subprocess
 import sys
 import time
 
-from bench.traces import TRACE_NAMES, TraceConfig, make_trace, warmup_traces
+from bench.traces import SEED_LIMITS, TRACE_NAMES, TraceConfig, make_trace, warmup_traces
 from flame_llm.config import engine_fields_from_json
 
-LIMITS = dict(max_model_len=32768, max_num_seqs=64, max_num_batched_tokens=8192)
 GEMM_WORDS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "gemv", "matmul", "splitk", "cublas")
 ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "combine_splits")
 
@@ -56,7 +55,7 @@ def _make_generate(system: str, model: str, engine_json: dict):
         from flame_llm import LLM, SamplingParams
 
         llm = LLM(model, load_format="dummy", enable_prefix_caching=True, enable_chunked_prefill=True,
-                  **(LIMITS | engine_json))
+                  **(SEED_LIMITS | engine_json))
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         info = {k: v for k, v in llm.engine.stats().items() if k in ("attention_backend", "cuda_graphs",
                                                                       "async_scheduling")}
@@ -66,7 +65,7 @@ def _make_generate(system: str, model: str, engine_json: dict):
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=True,
-              gpu_memory_utilization=0.9, seed=0, **LIMITS)
+              gpu_memory_utilization=0.9, seed=0, **SEED_LIMITS)
     sp = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, detokenize=False)
     import vllm
     info = {"vllm": vllm.__version__}

@@ -1,8 +1,11 @@
-"""Fresh interleaved pairs: for each trace, `--pairs` pairs; inside pair p the systems run one after the
-other, each started fresh, in an order rotated by p (A B, B A, ...). Then the paired report.
+"""Two modes. burst (default): fresh interleaved pairs: for each trace, `--pairs` pairs; inside pair p the
+systems run one after the other, each started fresh, in an order rotated by p (A B, B A, ...). Then the
+paired report. load: each system fresh in turn under a Poisson stream of the document-QA mix at each of
+`--rates` for `--duration-s` (bench/load.py), then the load report (latency against offered load).
 
     ray job submit --working-dir . -- python -m bench.pairs --systems flame,engine --pairs 5 --out DIR
     flame-llm bench --systems flame,engine --pairs 5 --out DIR        (the same, without a job)
+    flame-llm bench --mode load --systems flame,engine,vllm --rates 0.5,1,2,4 --duration-s 60 --out DIR
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # (flags, add_argument kwargs): the `flame-llm bench` options
 ARGUMENTS = [
+    (("--mode",), {"default": "burst", "choices": ("burst", "load"),
+                   "help": "burst: the paired burst report; load: sustained Poisson load at each of --rates"}),
     (("--systems",), {"default": "flame,engine", "help": "comma-separated labels: flame, engine, vllm, vllm-seed, "
                       "each optionally -rr; the first is the subject of the report's ratios"}),
     (("--traces",), {"default": ",".join(TRACE_NAMES), "help": "comma-separated: no-reuse, reuse"}),
@@ -33,6 +38,12 @@ ARGUMENTS = [
     (("--pair-start",), {"type": int, "default": 0, "help": "index of the first pair (to split the pairs of one "
                          "report over several commands writing to the same --out)"}),
     *RUN_ARGUMENTS,
+    (("--rates",), {"default": "0.5,1,2,4", "help": "load mode: offered requests per second, comma-separated"}),
+    (("--duration-s",), {"type": float, "default": 60.0, "help": "load mode: seconds of each rate's window"}),
+    (("--drain-s",), {"type": float, "default": 120.0, "help": "load mode: wait for running requests after a window"}),
+    (("--warmup-requests",), {"type": int, "default": 8, "help": "load mode: requests on other documents first"}),
+    (("--slo-ttft-s",), {"type": float, "default": 2.0, "help": "load mode: goodput's time-to-first-token bound"}),
+    (("--slo-tpot-s",), {"type": float, "default": 0.1, "help": "load mode: goodput's time-per-output-token bound"}),
 ]
 
 
@@ -42,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.mode == "load":
+        return run_load(a)
     o = options_from_args(a)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     traces = [t.strip() for t in a.traces.split(",") if t.strip()]
@@ -76,8 +89,28 @@ def run(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def run_load(a: argparse.Namespace) -> int:
+    from bench.load import load_config, run_system, write_load_report
+    from bench.runner import model_dir
+
+    o = options_from_args(a)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    for s in systems:
+        parse_system(s, o.policy)
+    with open(os.path.join(model_dir(o), "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    cfg = load_config(a, vocab)
+    os.makedirs(o.out, exist_ok=True)
+    with local_ray_scope():
+        records = [run_system(label, o, cfg, o.out, a.warmup_requests) for label in systems]
+    print(write_load_report(o.out, records))
+    failed = [r["system"] for r in records if not any(w["completed"] for w in r["windows"])]
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="flame-llm bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="flame-llm bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(p)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(p.parse_args(argv))

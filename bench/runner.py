@@ -22,11 +22,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from bench.systems import Setup, make_system, parse_system
-from bench.traces import TRACE_NAMES, Trace, TraceConfig, make_trace, warmup_traces
+from bench.traces import SEED_LIMITS, TRACE_NAMES, Trace, TraceConfig, make_trace, warmup_traces
 from flame_llm.protocol.types import prompt_digest
 
 log = logging.getLogger(__name__)
 RAW_FORMAT = "flame-bench-raw/1"
+
+
+_T = TraceConfig()  # the trace defaults
 
 
 @dataclass(slots=True)
@@ -37,16 +40,16 @@ class RunOptions:
     num_shards: int = 0  # 0: every visible GPU (or 2 CPU shards without GPUs)
     gpu_uuids: list[str] = field(default_factory=list)
     policy: str = "cumulative"  # the seed's sticky placement; a "-rr" system label uses round_robin
-    docs: int = 64
-    questions: int = 4
-    doc_tokens: int = 8192
-    question_tokens: int = 64
-    output_tokens: int = 16
-    seed: int = 0
+    docs: int = _T.num_docs
+    questions: int = _T.questions
+    doc_tokens: int = _T.doc_tokens
+    question_tokens: int = _T.question_tokens
+    output_tokens: int = _T.output_tokens
+    seed: int = _T.seed
     warmup_rounds: int = 2
-    max_model_len: int = 32768
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
+    max_model_len: int = SEED_LIMITS["max_model_len"]
+    max_num_seqs: int = SEED_LIMITS["max_num_seqs"]
+    max_num_batched_tokens: int = SEED_LIMITS["max_num_batched_tokens"]
     enforce_eager: bool = False
     engine_json: dict = field(default_factory=dict)  # more Config fields for flame and engine
     torch_threads: int = 1
@@ -75,7 +78,7 @@ RUN_ARGUMENTS = [
     (("--engine-json",), {"default": "{}", "help": "more flame_llm Config fields (flame and engine)"}),
     (("--startup-timeout-s",), {"type": float, "default": _D.startup_timeout_s}),
     (("--burst-timeout-s",), {"type": float, "default": _D.burst_timeout_s}),
-    (("--vllm-bin",), {"default": _D.vllm_bin, "help": "the vllm executable (e.g. /tmp/vsite/site/bin/vllm)"}),
+    (("--vllm-bin",), {"default": _D.vllm_bin, "help": "the vllm executable"}),
     (("--vllm-pythonpath",), {"default": "", "help": "prepended to PYTHONPATH of vllm replicas only"}),
     (("--vllm-args",), {"default": "", "help": "extra flags for every `vllm serve`, one string"}),
     (("--vllm-return-token-ids",), {"action": "store_true", "help": "ask vLLM to echo token ids (prompt echo "
@@ -118,14 +121,15 @@ def plan_devices(o: RunOptions) -> list[str]:
     return [p.gpu_uuid or p.name for p in places]
 
 
+def model_dir(o: RunOptions) -> str:
+    from flame_llm.models.tiny import resolve_model
+    return os.path.abspath(resolve_model(o.model))
+
+
 def build_setup(o: RunOptions, log_dir: str) -> Setup:
     from flame_llm.config import default_model_revision
 
-    model = o.model
-    if model == "tiny":
-        from flame_llm.models.tiny import ensure_tiny_default
-        model = ensure_tiny_default()
-    model = os.path.abspath(model)
+    model = model_dir(o)
     addr = os.environ.get("RAY_ADDRESS") or None  # set by `ray job submit`; empty or unset: a local Ray
     return Setup(model=model, model_revision=default_model_revision(model), devices=plan_devices(o),
                  engine=engine_config(o), load_format=o.load_format, log_dir=log_dir, ray_address=addr,

@@ -220,6 +220,10 @@ class HttpSystem:
                 raise RuntimeError(f"replica {k} reports device {h['device']}; planned {s.devices[k]}")
         return {"placement": list(s.devices), "health": health, "commands": self.commands, **check}
 
+    def http_replicas(self) -> list[Replica]:
+        """The started replicas' OpenAI endpoints (load mode drives them with its own sessions)."""
+        return list(self.client.replicas)
+
     def _wait_healthy(self, k: int, port: int) -> None:
         deadline = time.monotonic() + self.setup.startup_timeout_s
         proc = self.procs[k]

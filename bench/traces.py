@@ -18,6 +18,8 @@ import xxhash
 from flame_llm.protocol.types import prompt_digest  # the one digest: client, servers and bench agree
 
 TRACE_NAMES = ("no-reuse", "reuse")
+# the seed's engine limits, the same for every system of a comparison (flame, engine, vLLM)
+SEED_LIMITS = {"max_model_len": 32768, "max_num_seqs": 64, "max_num_batched_tokens": 8192}
 
 
 @dataclass(slots=True)

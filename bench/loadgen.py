@@ -1,0 +1,195 @@
+"""Sustained load: the seed's document-QA mix as a Poisson stream at a series of rates, against any
+OpenAI-compatible completions endpoint that streams (the flame front door, our serve-http, `vllm serve`).
+
+Each rate runs for a fixed duration: requests are released at exponential inter-arrival times (seeded),
+each streams its tokens (`stream: true`), and the stream is timed on arrival of every chunk. A request is
+placed on its replica by the same sticky-prefix policy as the burst client (the router's own policy over
+the one prefix chain), so a document's questions meet their cached prefix. Nothing is sent after the
+window closes; requests still running are awaited (bounded by `drain_s`) and counted.
+
+Per rate: offered and achieved throughput, TTFT / TPOT / ITL / end-to-end percentiles, rejected and failed
+requests, and goodput: completed requests per second that met the SLO (TTFT and TPOT bounds)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+import numpy as np
+
+from bench.http_client import Replica
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
+from router.policy import RouterConfig, RouterPolicy
+
+
+@dataclass(slots=True)
+class LoadConfig:
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)  # offered requests per second, one window each
+    duration_s: float = 60.0  # of each window (arrivals stop at its end)
+    drain_s: float = 120.0  # how long requests still running at the window's end may take
+    num_docs: int = 64  # documents of the mix; a request asks about one, uniformly drawn
+    doc_tokens: int = 8192
+    question_tokens: int = 64
+    output_tokens: int = 16
+    vocab_size: int = 128256
+    seed: int = 0
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.1
+    policy: str = "cumulative"  # placement over several replicas ("round_robin": the affinity A/B)
+
+    def __post_init__(self) -> None:
+        checks = [("rates", len(self.rates) > 0 and all(r > 0 for r in self.rates), "positive numbers"),
+                  ("duration_s", self.duration_s > 0, "> 0"), ("drain_s", self.drain_s >= 0, ">= 0"),
+                  ("num_docs", self.num_docs >= 1, ">= 1"), ("doc_tokens", self.doc_tokens >= 1, ">= 1"),
+                  ("question_tokens", self.question_tokens >= 1, ">= 1"),
+                  ("output_tokens", self.output_tokens >= 1, ">= 1"), ("vocab_size", self.vocab_size >= 4, ">= 4"),
+                  ("slo_ttft_s", self.slo_ttft_s > 0, "> 0"), ("slo_tpot_s", self.slo_tpot_s > 0, "> 0")]
+        for name, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"load field {name!r} must be {limit}; got {getattr(self, name)!r}")
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request: times in seconds from its release; error is None when it completed."""
+    sent_s: float
+    doc: int
+    replica: int
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    chunk_s: list[float] = field(default_factory=list)  # arrival of every chunk that carried tokens
+    output_tokens: int = 0
+    status: int = 0
+    error: str | None = None
+
+
+def make_documents(cfg: LoadConfig) -> np.ndarray:
+    rng = np.random.default_rng(cfg.seed)
+    return rng.integers(0, cfg.vocab_size, size=(cfg.num_docs, cfg.doc_tokens), dtype=np.int64)
+
+
+def arrivals(rate: float, duration_s: float, seed: int) -> np.ndarray:
+    """Release times in [0, duration_s) of a Poisson stream of `rate` per second."""
+    rng = np.random.default_rng(seed)
+    n = int(rate * duration_s * 2 + 20)
+    times = np.cumsum(rng.exponential(1.0 / rate, size=n))
+    while times[-1] < duration_s:  # very unlikely: draw more
+        times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate, size=n))])
+    return times[times < duration_s]
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
+                     out: Outcome, t0: float, model: str) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            out.status = resp.status
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = str(chunk["error"])[:200]
+                    return
+                n = _chunk_tokens(chunk)
+                if n:
+                    now = time.perf_counter() - t0
+                    out.chunk_s.append(now)
+                    out.output_tokens += n
+                    if out.ttft_s is None:
+                        out.ttft_s = now
+        out.e2e_s = time.perf_counter() - t0
+        if out.output_tokens == 0:
+            out.error = "the stream carried no tokens"
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+        out.error = f"{type(e).__name__}: {e}"[:200]
+
+
+def _chunk_tokens(chunk: dict) -> int:
+    """Tokens a streamed completion chunk carries: its token ids when given, else one per non-empty text."""
+    n = 0
+    for c in chunk.get("choices") or []:
+        ids = c.get("token_ids")
+        n += len(ids) if ids is not None else (1 if c.get("text") else 0)
+    return n
+
+
+async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: np.ndarray, model_revision: str,
+                   model: str = "bench", window_seed: int = 0) -> list[Outcome]:
+    """One window at `rate`: every release on time, each request streamed; the outcomes in release order."""
+    rng = np.random.default_rng(cfg.seed * 1_000_003 + window_seed)
+    times = arrivals(rate, cfg.duration_s, cfg.seed * 7919 + window_seed)
+    policy = RouterPolicy(len(replicas), RouterConfig(cfg.policy))
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
+    timeout = aiohttp.ClientTimeout(total=cfg.duration_s + cfg.drain_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        tasks, outcomes = [], []
+        t0 = time.perf_counter()
+        for t in times:
+            delay = t - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            d = int(rng.integers(cfg.num_docs))
+            prompt = np.concatenate([docs[d], rng.integers(0, cfg.vocab_size, cfg.question_tokens)]).tolist()
+            work = estimate_prefill_work(len(prompt))
+            (k,) = policy.route_batch([(prefix_chain(prompt, model_revision), work, cfg.output_tokens)])
+            sent = time.perf_counter()
+            out = Outcome(sent - t0, d, k)
+            outcomes.append(out)
+            tasks.append(asyncio.ensure_future(stream_one(session, replicas[k].url, prompt, cfg.output_tokens,
+                                                          out, sent, model)))
+        done, pending = await asyncio.wait(tasks, timeout=cfg.drain_s) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        for out in outcomes:
+            if out.e2e_s is None and out.error is None:
+                out.error = f"still running {cfg.drain_s}s after the window closed"
+    return outcomes
+
+
+def summarize(outcomes: list[Outcome], rate: float, cfg: LoadConfig) -> dict:
+    """The window's figures, all from its outcomes."""
+    ok = [o for o in outcomes if o.error is None]
+    span = max([cfg.duration_s] + [o.sent_s + o.e2e_s for o in ok])  # until the last completion
+    tpot = [(o.e2e_s - o.ttft_s) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    itl = [b - a for o in ok for a, b in zip(o.chunk_s, o.chunk_s[1:])]
+    good = [o for o in ok if o.ttft_s <= cfg.slo_ttft_s
+            and (o.output_tokens <= 1 or (o.e2e_s - o.ttft_s) / (o.output_tokens - 1) <= cfg.slo_tpot_s)]
+    rejected = [o for o in outcomes if o.status in (413, 429, 503)]
+    return {"offered_rps": rate, "sent": len(outcomes), "completed": len(ok), "rejected": len(rejected),
+            "failed": len(outcomes) - len(ok) - len(rejected), "window_s": cfg.duration_s, "span_s": span,
+            "achieved_rps": len(ok) / span, "output_tok_s": sum(o.output_tokens for o in ok) / span,
+            "goodput_rps": len(good) / span, "slo_met_pct": 100.0 * len(good) / len(outcomes) if outcomes else 0.0,
+            "ttft_s": percentiles([o.ttft_s for o in ok]), "tpot_s": percentiles(tpot), "itl_s": percentiles(itl),
+            "e2e_s": percentiles([o.e2e_s for o in ok]),
+            "errors": sorted({o.error for o in outcomes if o.error})[:5]}
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    a = np.asarray(xs, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "n": int(a.size)}
+
+
+def saturation(windows: list[dict]) -> float:
+    """The highest achieved throughput of any window (requests per second)."""
+    return max((w["achieved_rps"] for w in windows), default=0.0)
+
+
+def record(system: str, cfg: LoadConfig, windows: list[dict], outcomes: list[list[Outcome]], info: dict) -> dict:
+    """The raw record of one system's series: config, per-window summaries and every request's outcome."""
+    return {"format": "flame-load-raw/1", "system": system, "config": asdict(cfg), "info": info,
+            "windows": windows, "saturation_rps": saturation(windows),
+            "outcomes": [[asdict(o) for o in window] for window in outcomes]}
