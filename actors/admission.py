@@ -1,34 +1,68 @@
 """Admission gate of one engine actor: bounds in-flight tokens and requests, FIFO waiting, rejection
-with a retry hint past the queue limit. Lives on one asyncio loop (the actor's submit group)."""
+with a retry hint past the queue limit. Lives on one asyncio loop (the actor's submit group).
+
+Retry hints track when capacity frees, not when everything drains: a queue slot frees each time the
+queue's head is admitted, which takes a release (or, for a head too big for the free tokens, enough
+released tokens). Recent releases measure how long a request holds its slot; the requests in flight now
+free slots at that pace. The first rejection gets the time until the head gets in; each further one is
+promised the next slot after that, one slot interval later (a slot clock), so a batch's rejected
+requests come back spread at the rate slots free, each jittered within its interval. Hints are bounded
+to [HINT_MIN_S, HINT_MAX_S] (those cut to the maximum spread over its last JITTER fraction).
+`wait_for_room` lets a caller wait for a free queue slot instead of a timer.
+"""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import deque
+from collections.abc import Callable
+
+HINT_MIN_S = 0.01
+HINT_MAX_S = 30.0
+HINT_COLD_S = 0.5  # first hint before any release was measured
+COLD_INTERVAL_S = 0.05  # slot interval before any release was measured
+JITTER = 0.1  # hints cut to HINT_MAX_S are spread over its last 10%
+RATE_WINDOW = 256  # releases the drain rate is measured over
+RATE_HORIZON_S = 30.0  # ... no older than this (but the last two)
+MIN_AREA_S = 1e-3  # request-seconds: a hold time over less is measured as over this
+
+
+def request_cost(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """The tokens a request is charged: its prompt plus the output the engine can produce, which stops at
+    max_model_len (a max_tokens of 10**9 is charged as what fits, not as 10**9)."""
+    assert prompt_tokens >= 0 and max_tokens >= 1 and max_model_len >= 1
+    return prompt_tokens + max(1, min(max_tokens, max_model_len - prompt_tokens))
 
 
 class Overloaded(Exception):
-    def __init__(self, retry_after_s: float, queued: int, limit: int):
+    def __init__(self, retry_after_s: float, queued: int, limit: int, position: int = 0):
         super().__init__(f"admission queue is full ({queued} waiting, max_queued_requests={limit}); "
                          f"retry after {retry_after_s:.3f}s")
         self.retry_after_s = retry_after_s
+        self.position = position  # queue slots promised to rejected requests before this one's
 
 
 class Admission:
-    def __init__(self, max_tokens: int, max_requests: int, max_queued: int):
+    def __init__(self, max_tokens: int, max_requests: int, max_queued: int, *,
+                 clock: Callable[[], float] = time.perf_counter, rng: random.Random | None = None):
         assert max_tokens >= 1 and max_requests >= 1 and max_queued >= 0
         self.max_tokens, self.max_requests, self.max_queued = max_tokens, max_requests, max_queued
         self.tokens = 0
         self.requests = 0
         self.queued_tokens = 0
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
+        self._room_waiters: deque[asyncio.Future] = deque()
         self.admitted = 0
         self.rejected = 0
         self.waited = 0
-        # released tokens per second, smoothed: drives the retry hint
-        self._rate = 0.0
-        self._rate_t = time.perf_counter()
-        self._rate_tokens = 0
+        self._clock, self._rng = clock, rng or random.Random()
+        # recent releases (time, cost, in-flight area at that time); area: the integral of requests in flight
+        # over time, so that area / releases is the mean time a request holds its slot (Little's law)
+        self._releases: deque[tuple[float, int, float]] = deque()
+        self._released_tokens = 0  # over _releases
+        self._area, self._area_t = 0.0, clock()
+        self._slot_clock = 0.0  # when the next queue slot not yet promised to a rejected request frees
 
     @property
     def queued(self) -> int:
@@ -39,10 +73,21 @@ class Admission:
             return True  # a request larger than the token bound still runs, alone
         return self.requests < self.max_requests and self.tokens + cost <= self.max_tokens
 
+    def _advance(self) -> float:
+        now = self._clock()
+        self._area += self.requests * (now - self._area_t)
+        self._area_t = now
+        return now
+
     def _take(self, cost: int) -> None:
+        self._advance()
         self.tokens += cost
         self.requests += 1
         self.admitted += 1
+
+    def has_room(self, cost: int = 0) -> bool:
+        """A request of `cost` tokens arriving now would be admitted or queued, not rejected."""
+        return (not self._waiters and self._fits(cost)) or len(self._waiters) < self.max_queued
 
     async def acquire(self, cost: int) -> None:
         """Reserve `cost` tokens and one request slot; wait FIFO when over the bounds; raise Overloaded
@@ -52,7 +97,8 @@ class Admission:
             return
         if len(self._waiters) >= self.max_queued:
             self.rejected += 1
-            raise Overloaded(self.retry_after_s(cost), len(self._waiters), self.max_queued)
+            hint, position = self._reject_hint(cost)
+            raise Overloaded(hint, len(self._waiters), self.max_queued, position)
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((cost, fut))
         self.queued_tokens += cost
@@ -65,29 +111,99 @@ class Admission:
             else:
                 self._waiters.remove((cost, fut))
                 self.queued_tokens -= cost
+                self._wake_room_waiters()
             raise
 
     def release(self, cost: int) -> None:
         assert self.requests >= 1 and self.tokens >= cost
+        now = self._advance()
         self.tokens -= cost
         self.requests -= 1
-        self._rate_tokens += cost
-        now = time.perf_counter()
-        if now - self._rate_t >= 0.5:
-            inst = self._rate_tokens / (now - self._rate_t)
-            self._rate = inst if self._rate == 0.0 else 0.7 * self._rate + 0.3 * inst
-            self._rate_t, self._rate_tokens = now, 0
+        self._releases.append((now, cost, self._area))
+        self._released_tokens += cost
+        if len(self._releases) > RATE_WINDOW:
+            self._released_tokens -= self._releases.popleft()[1]
         while self._waiters and self._fits(self._waiters[0][0]):
             c, fut = self._waiters.popleft()
             self.queued_tokens -= c
             self._take(c)
             fut.set_result(None)
+        self._wake_room_waiters()
+
+    # ---- retry hints ------------------------------------------------------------------------------
+    def drain_rate(self) -> tuple[float, float]:
+        """(requests, tokens) per second the requests in flight now release at: the recent releases measure
+        how long a request holds its slot (area / releases), and the requests in flight now each free one
+        in that time, so a load that rose since (a burst) is counted at its height. (0, 0) before two
+        releases."""
+        now = self._advance()
+        while len(self._releases) > 2 and now - self._releases[0][0] > RATE_HORIZON_S:  # two stay: a stall
+            self._released_tokens -= self._releases.popleft()[1]
+        if len(self._releases) < 2:
+            return 0.0, 0.0
+        n = len(self._releases) - 1  # releases after the first, over the area since it
+        # area up to now, not to the newest release: a stalled engine's hold time grows and its rate decays
+        hold_s = max(self._area - self._releases[0][2], MIN_AREA_S) / n
+        rate = max(self.requests, 1) / hold_s
+        return rate, rate * (self._released_tokens - self._releases[0][1]) / n
+
+    def _first_slot_s(self, cost: int) -> tuple[float, float]:
+        """(seconds until the first queue slot frees, seconds between freed slots) at the measured rate."""
+        rate, token_rate = self.drain_rate()
+        if rate <= 0.0:
+            return HINT_COLD_S, COLD_INTERVAL_S
+        interval = 1.0 / rate
+        # the head of the queue (or, with no queue, this request) needs a release, and enough free tokens
+        head = self._waiters[0][0] if self._waiters else cost
+        deficit = self.tokens + head - self.max_tokens
+        token_wait = deficit / token_rate if deficit > 0 and token_rate > 0 else 0.0
+        return max(interval, token_wait), interval
 
     def retry_after_s(self, cost: int = 0) -> float:
-        """Time for the work ahead (in flight and queued) to drain at the recent release rate."""
-        if self._rate <= 0.0:
-            return 0.5
-        return min(max((self.tokens + self.queued_tokens + cost) / self._rate, 0.05), 30.0)
+        """When a request rejected now could get a queue slot: after the slots already promised to requests
+        rejected before it (no jitter; the clock is not advanced)."""
+        now = self._clock()
+        first, _ = self._first_slot_s(cost)
+        return min(max(max(self._slot_clock, now + first) - now, HINT_MIN_S), HINT_MAX_S)
+
+    def _reject_hint(self, cost: int) -> tuple[float, int]:
+        """A rejected request's hint: the next unpromised slot, plus jitter; advances the slot clock."""
+        now = self._clock()
+        first, interval = self._first_slot_s(cost)
+        start = max(self._slot_clock, now + first)
+        position = round((start - now - first) / interval)
+        self._slot_clock = min(start + interval, now + HINT_MAX_S)
+        hint = start - now + self._rng.uniform(0.0, interval)  # jitter within this slot's interval
+        if hint > HINT_MAX_S:  # cut hints must not all come back at one instant either
+            hint = HINT_MAX_S * (1.0 - self._rng.uniform(0.0, JITTER))
+        return max(hint, HINT_MIN_S), position
+
+    # ---- waiting for room instead of a timer --------------------------------------------------------
+    async def wait_for_room(self, timeout_s: float) -> bool:
+        """Wait until a request arriving now would be queued or admitted (True), at most timeout_s
+        (False). Waiters are woken in order, one per free queue slot, so they do not all come at once."""
+        if self.has_room() and not self._room_waiters:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if fut in self._room_waiters:
+                self._room_waiters.remove(fut)
+
+    def _wake_room_waiters(self) -> None:
+        free = self.max_queued - len(self._waiters)
+        if not self._waiters and self._fits(0):
+            free = max(free, 1)
+        while free > 0 and self._room_waiters:
+            fut = self._room_waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                free -= 1
 
     def stats(self) -> dict:
         return {"inflight_tokens": self.tokens, "inflight_requests": self.requests, "queued": len(self._waiters),

@@ -9,7 +9,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" (this request alone failed; metrics["error"] says why)
     num_prompt_tokens: int
     num_cached_tokens: int
     text: str | None = None

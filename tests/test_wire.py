@@ -10,6 +10,7 @@ import zstandard
 
 from flame_llm.protocol.types import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_BATCH_REQUESTS,
     MAX_ID_BYTES,
     RESULT_FIELDS,
     EngineLimits,
@@ -29,7 +30,7 @@ from flame_llm.protocol.wire import (
     encode_results,
     request_wire_size,
 )
-from flame_llm.sampling_params import SamplingParams
+from flame_llm.sampling_params import MAX_OUTPUT_TOKENS, MAX_TOP_K, SEED_LIMIT, TOKEN_ID_LIMIT, SamplingParams
 
 VOCAB, MAX_LEN = 1000, 64
 GIB = 1 << 30
@@ -81,8 +82,8 @@ def test_big_batch_fits_the_default_budget():
 
 
 def test_request_wire_size_bounds_the_decoded_size():
-    sp = SamplingParams(temperature=0.5, top_k=2**62, top_p=0.5, max_tokens=2**62, ignore_eos=True,
-                        stop_token_ids=(2**62,) * 3, seed=2**63 - 1)
+    sp = SamplingParams(temperature=0.5, top_k=MAX_TOP_K, top_p=0.5, max_tokens=MAX_OUTPUT_TOKENS, ignore_eos=True,
+                        stop_token_ids=(TOKEN_ID_LIMIT - 1,) * 3, seed=SEED_LIMIT - 1)  # every field at its widest
     counts = [1, 300, 70_000]
     reqs = [Request("é" * (MAX_ID_BYTES // 2 - i), np.zeros(n, np.uint32), sp)
             for i, n in enumerate(counts)]
@@ -327,6 +328,16 @@ def test_retryable_codes():
     assert f"{ErrorCode.DRAINING}" == str(ErrorCode.DRAINING) == "draining" == ErrorCode.DRAINING
 
 
+def _err(retry_after_s):
+    return {"code": "overloaded", "message": "m", "retry_after_s": retry_after_s}
+
+
+def _deep(depth: int, leaf=1):
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
 def _result(**kw):
     return {"id": "a", "output_token_ids": b"", "finish_reason": "stop", "prompt_tokens": 1,
             "cached_tokens": 0, "shard": 0, "device": "", "node": "", "timings": {}, "error": None,
@@ -339,7 +350,27 @@ def _result(**kw):
     ([{"id": "a"}], "bad_result", "result 0 must be a map with keys"),
     ([_result(), _result(shard="0")], "bad_result", "result 1 field 'shard' must be int; got str"),
     ([_result(output_token_ids=b"\x00" * 6)], "bad_result", "6 bytes, not a multiple of 4"),
-    ([_result(timings={"t": "x"})], "bad_result", "timings must map str to numbers"),
+    ([_result(timings={"t": "x"})], "bad_result", "timings must map str to finite numbers; got {'t': 'x'}"),
+    ([_result(timings={"t": float("nan")})], "bad_result", "timings must map str to finite numbers; got {'t': nan}"),
+    ([_result(timings={"t": float("-inf")})], "bad_result", "finite numbers; got {'t': -inf}"),
+    ([_result(timings={"t": True})], "bad_result", "finite numbers; got {'t': True}"),
+    ([_result(prompt_tokens=-1)], "bad_result", "field 'prompt_tokens' must be an integer in [0, 4294967295]; got -1"),
+    ([_result(prompt_tokens=2**32)], "bad_result",
+     "'prompt_tokens' must be an integer in [0, 4294967295]; got 4294967296"),
+    ([_result(prompt_tokens=True)], "bad_result", "'prompt_tokens' must be an integer in [0, 4294967295]; got True"),
+    ([_result(cached_tokens=-3)], "bad_result",
+     "field 'cached_tokens' must be an integer in [0, 1] (prompt_tokens); got -3"),
+    ([_result(prompt_tokens=4, cached_tokens=5)], "bad_result", "'cached_tokens' must be an integer in [0, 4] "
+                                                                "(prompt_tokens); got 5"),
+    ([_result(shard=-2)], "bad_result", "field 'shard' must be an integer in [-1, 2147483647]; got -2"),
+    ([_result(error=_err(float("nan")))], "bad_result",
+     "result 0 error retry_after_s must be None or a number in [0, 3600]; got nan"),
+    ([_result(error=_err(float("inf")))], "bad_result", "retry_after_s must be None or a number in [0, 3600]; got inf"),
+    ([_result(error=_err(-0.5))], "bad_result", "retry_after_s must be None or a number in [0, 3600]; got -0.5"),
+    ([_result(error=_err(1e300))], "bad_result", "retry_after_s must be None or a number in [0, 3600]; got 1e+300"),
+    ([_result(error=_err(True))], "bad_result", "retry_after_s must be None or a number in [0, 3600]; got True"),
+    ([_result(error={"code": "overloaded", "message": "m" * 9000, "retry_after_s": _deep(900)})], "bad_result",
+     "error must be a map {code: str, message: str, retry_after_s: number or None}; got {'code': 'overloaded', "),
     ([_result(error={"code": "x"})], "bad_result", "error must be a map"),
     ([_result(error={"code": "x", "message": 1, "retry_after_s": None})], "bad_result",
      "error must be a map"),
@@ -347,7 +378,7 @@ def _result(**kw):
      "error code 'queue_full' is not one of the protocol's codes"),
 ])
 def test_decode_results_errors(obj, code, match):
-    with pytest.raises(WireError, match=match) as e:
+    with pytest.raises(WireError, match=re.escape(match)) as e:
         decode_results(_raw(obj))
     assert e.value.code == code
 
@@ -357,3 +388,124 @@ def test_decode_results_over_budget():
     with pytest.raises(WireError, match="max_payload_bytes is 100") as e:
         decode_results(payload, max_payload_bytes=100)
     assert e.value.code == "over_budget"
+
+
+def test_results_at_their_limits_decode():
+    recs = [_result(prompt_tokens=2**32 - 1, cached_tokens=2**32 - 1, shard=-1, timings={"t": 0, "u": -1.5},
+                    error=_err(3600)), _result(prompt_tokens=0, cached_tokens=0, error=_err(0))]
+    out = decode_results(_raw(recs))
+    assert out[0].error.retry_after_s == 3600 and out[1].error.retry_after_s == 0 and out[0].shard == -1
+
+
+# ---- nesting, sizes and structure bombs: a clean WireError or a per-slot RequestError, bounded messages ----
+
+_PAD = np.full(2500, 7, dtype="<u4").tobytes()  # a 10 kB prompt: room for ~1,250 containers in its batch
+
+
+def test_a_deeply_nested_id_is_a_short_bad_id():
+    """~1,000 levels pass msgpack's own 1,024-level stack; the error message must not repr() them. Beside a
+    10 kB prompt the batch's container budget holds them, and the id's slot fails alone."""
+    items = _decode(_batch(_req("ok", _PAD), _req(rid=_deep(1000, "x"), prompt=_TOK))).items
+    err = items[1]
+    assert isinstance(err, RequestError) and err.code == "bad_id" and err.id is None
+    assert err.message == "id must be a non-empty str of at most 256 UTF-8 bytes; got [[<list of 1>]]"
+    assert items[0].id == "ok"
+    # alone in a small batch, 1,000 levels are 1,000 containers in ~1 kB: the whole batch is refused
+    with pytest.raises(WireError, match="holds more than") as e:
+        _decode(_batch(_req("ok", _TOK), _req(rid=_deep(1000, "x"), prompt=_TOK)))
+    assert e.value.code == "over_budget"
+
+
+@pytest.mark.parametrize("where", ["version", "revision", "sampling", "stop", "keys"])
+def test_deep_values_anywhere_in_a_batch_fail_cleanly(where):
+    deep = _deep(1000)
+    req = _req("b", _PAD, {"stop_token_ids": deep} if where == "stop" else {"temperature": deep})
+    if where == "keys":
+        req = {"id": "b", "prompt": _PAD, "sampling": {}, "x": deep}
+    payload = _raw({"version": deep if where == "version" else 1, "model_revision": deep if where == "revision"
+                    else "rev", "requests": [req]})
+    if where in ("version", "revision"):
+        with pytest.raises(WireError) as e:
+            _decode(payload)
+        assert len(str(e.value)) < 200
+        return
+    err = _decode(payload).items[0]
+    assert isinstance(err, RequestError) and len(err.message) < 300, err.message
+
+
+def test_nesting_past_msgpacks_stack_is_bad_msgpack():
+    for decode in (_decode, decode_results):
+        with pytest.raises(WireError) as e:
+            decode(zstandard.ZstdCompressor().compress(b"\x91" * 2000 + b"\x01"))
+        assert e.value.code == "bad_msgpack"
+
+
+def _array32(n: int, item: bytes) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + item * n
+
+
+@pytest.mark.parametrize("raw, code, match", [
+    (_array32(8000, b"\x98" + b"\x90" * 8), "over_budget",
+     "holds more than 9016 maps and arrays \\(one per 8 decoded bytes\\)"),
+    (_array32(8000, b"\x88" + b"\xa1k\x80" * 8), "over_budget", "holds more than 25016 maps and arrays"),
+    (_array32(8193, b"\xc0"), "bad_msgpack", "8193 exceeds max_array_len\\(8192\\)"),
+    (msgpack.packb({f"k{i}": 1 for i in range(300)}), "bad_msgpack", "300 exceeds max_map_len\\(256\\)"),
+    (msgpack.packb(["x" * 70_000]), "bad_msgpack", "70000 exceeds max_str_len\\(65536\\)"),
+    (msgpack.packb(msgpack.ExtType(1, b"x")), "bad_msgpack", "exceeds max_ext_len\\(0\\)"),
+    (msgpack.packb([msgpack.Timestamp(1)]), "bad_msgpack", "exceeds max_ext_len\\(0\\)"),
+    (b"\xa2\xff\xfe", "bad_msgpack", "UnicodeDecodeError"),
+    (msgpack.packb({1: 2}), "bad_msgpack", "ValueError"),  # keys must be str or bytes
+], ids=["empty-arrays", "empty-maps", "long-array", "big-map", "long-str", "ext", "timestamp", "bad-utf8", "int-key"])
+def test_unpacking_is_bounded(raw, code, match):
+    with pytest.raises(WireError, match=match) as e:
+        _decode(zstandard.ZstdCompressor().compress(raw))
+    assert e.value.code == code
+
+
+def test_results_allow_long_messages_but_not_bombs():
+    long = _result(error={"code": "engine_error", "message": "m" * 500_000, "retry_after_s": None})
+    assert len(decode_results(_raw([long]))[0].error.message) == 500_000
+    with pytest.raises(WireError, match="holds more than") as e:
+        decode_results(zstandard.ZstdCompressor().compress(_array32(8000, b"\x98" + b"\x90" * 8)))
+    assert e.value.code == "over_budget"
+
+
+def test_a_batch_of_many_invalid_slots_is_bounded():
+    """8,192 slots at most (MAX_BATCH_REQUESTS, msgpack's max_array_len), each error message short."""
+    items = _decode(zstandard.ZstdCompressor().compress(msgpack.packb(
+        {"version": 1, "model_revision": "r", "requests": [None] * MAX_BATCH_REQUESTS}))).items
+    assert len(items) == 8192 and all(isinstance(e, RequestError) and e.code == "bad_id" for e in items)
+    assert max(len(e.message) for e in items) < 100
+    with pytest.raises(ValueError, match="a batch holds at most 8192 requests; got 8193"):
+        encode_requests([Request(f"r{i}", [1], SamplingParams()) for i in range(8193)], "r")
+
+
+def test_container_bound_admits_the_densest_valid_batches():
+    """Minimal requests (2 maps each, ~29 bytes) and results stay under one container per 8 bytes."""
+    reqs = [{"id": f"{i}", "prompt": _TOK, "sampling": {"stop_token_ids": []}} for i in range(5000)]
+    assert len(_decode(_raw({"version": 1, "model_revision": "r", "requests": reqs})).items) == 5000
+    assert len(decode_results(_raw([_result(error=_err(0.1))] * 5000))) == 5000
+    assert len(_decode(encode_requests([], "r")).items) == 0
+
+
+def test_top_k_of_two_to_the_63_is_rejected_at_the_wire():
+    err = _decode(_batch(_req("b", _TOK, {"top_k": 2**63, "temperature": 1.0}))).items[0]
+    assert isinstance(err, RequestError) and (err.code, err.field, err.id) == ("bad_sampling", "top_k", "b")
+    assert "in [1, 2147483647]" in err.message and err.message.endswith("got 9223372036854775808")
+
+
+@pytest.mark.parametrize("leaf", [b"\xa2ab", b"\xcd\x01\x02", b"\x90"], ids=["2-char-str", "uint16", "empty-array"])
+def test_the_densest_payloads_stay_within_24x_their_budget(leaf):
+    """The most memory per wire byte msgpack can build within the bounds: full 8,192-item arrays of 3-byte
+    items (a 2-char str is ~60 bytes in memory); empty arrays stop at the container bound."""
+    budget = 512 << 10
+    inner = b"\xdd" + (8192).to_bytes(4, "big") + leaf * 8192
+    payload = zstandard.ZstdCompressor().compress(_array32((budget - 64) // len(inner), inner))
+    tracemalloc.start()
+    try:
+        decode_results(payload, budget)
+    except WireError as e:
+        assert e.code in ("bad_result", "over_budget")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak <= 24 * budget

@@ -1,4 +1,8 @@
-"""AsyncEngine: the LLMEngine step loop on its own thread, awaited from any asyncio loop."""
+"""AsyncEngine: the LLMEngine step loop on its own thread, awaited from any asyncio loop.
+
+A failure that can be pinned on one request (its sampling fails on its own in a step, its output cannot be
+made, it cannot be added) fails that request alone with RequestFailed; the engine serves on. Any other
+exception in the loop fails every waiting request and stops the loop (`failed`, `error`)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +19,15 @@ from flame_llm.outputs import RequestOutput
 from flame_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class RequestFailed(ValueError):
+    """One request failed inside the engine on its own (e.g. its sampling parameters could not be applied in
+    a step); the engine and the requests beside it were not affected."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r} failed in the engine: {message}")
+        self.request_id = request_id
 
 
 @dataclass(slots=True)
@@ -131,7 +144,11 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
             try:
                 for rid, p in adds:
-                    p.seq = engine.add_request(p.prompt, p.params, rid)
+                    try:
+                        p.seq = engine.add_request(p.prompt, p.params, rid)
+                    except Exception as e:  # checked in _submit; should it still fail, it fails alone
+                        self._fail_one(p, e)
+                        continue
                     self._pending[rid] = p
                     if p.stream is not None:
                         self._streams[rid] = p
@@ -162,20 +179,35 @@ class AsyncEngine:
     def _deliver(self, seq: Sequence) -> None:
         p = self._pending.pop(seq.request_id, None)
         if p is None:
+            self.engine.take_error(seq)
             return
         if self._streams.pop(seq.request_id, None) is not None:
             self._push_tokens(p)
+        try:
+            out = self.engine.make_output(seq)
+        except Exception as e:  # e.g. the tokenizer cannot decode its tokens: the request is done, fail it alone
+            logger.exception("request %s: output failed", seq.request_id)
+            self._fail_one(p, RequestFailed(seq.request_id, f"its output could not be made ({type(e).__name__}: "
+                                                            f"{e})"))
+            return
+        if out.finish_reason == "error":
+            self._fail_one(p, RequestFailed(seq.request_id, out.metrics.get("error", "unknown error")))
+            return
+        if p.stream is not None:
             _call(p.loop, p.stream.put_nowait, None)
-        _call(p.loop, _resolve, p.future, self.engine.make_output(seq))
+        _call(p.loop, _resolve, p.future, out)
+
+    def _fail_one(self, p: _Pending, exc: BaseException) -> None:
+        if p.stream is not None:
+            _call(p.loop, p.stream.put_nowait, None)
+        _call(p.loop, _fail, p.future, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         pending = list(self._pending.values()) + [p for _, p in self._adds]
         self._pending.clear()
         self._adds.clear()
         for p in pending:
-            if p.stream is not None:
-                _call(p.loop, p.stream.put_nowait, None)
-            _call(p.loop, _fail, p.future, exc)
+            self._fail_one(p, exc)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

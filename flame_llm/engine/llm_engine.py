@@ -38,6 +38,7 @@ class LLMEngine:
         if self.async_scheduling is None:
             self.async_scheduling = self.model_runner.device.type == "cuda" and self.spec is None
         self._inflight: StepHandle | None = None  # the launched step whose tokens are not read yet
+        self._errors: dict[int, str] = {}  # seq_id -> why it finished with "error", until make_output
         logger.info("scheduling: %s", "asynchronous (step N+1 launched before step N's tokens are read)"
                     if self.async_scheduling else "synchronous")
 
@@ -114,9 +115,30 @@ class LLMEngine:
             done, self._inflight = self._inflight, handle
         else:
             done = handle
-        finished = sched.complete(done.seqs, done.tokens(), done.info) if done is not None else []
+        finished = self._complete(done) if done is not None else []
         sched.release_retired()
         return finished, sum(num_tokens)
+
+    def _complete(self, done: StepHandle) -> list[Sequence]:
+        """Append a finished step's tokens; a sequence whose sampling failed on its own (a poison request)
+        finishes with reason "error" and its message (take_error), its neighbours as usual."""
+        tokens = done.tokens()
+        for i in done.failed:
+            tokens[i] = None
+        finished = self.scheduler.complete(done.seqs, tokens, done.info)
+        for i, message in done.failed.items():
+            seq = done.seqs[i]
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            logger.warning("request %s failed in the step and is finished alone: %s", seq.request_id, message)
+            self._errors[seq.seq_id] = message
+            self.scheduler.finish(seq, "error")
+            finished.append(seq)
+        return finished
+
+    def take_error(self, seq: Sequence) -> str | None:
+        """Why a sequence finished with reason "error" (once; make_output takes it)."""
+        return self._errors.pop(seq.seq_id, None)
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
@@ -135,13 +157,14 @@ class LLMEngine:
         n = seq.num_completion_tokens
         tpot = (seq.token_times[-1] - seq.token_times[0]) / (n - 1) if n > 1 else None
         text = None
+        error = self.take_error(seq)
         if self._tokenizer is not None:
             text = self._tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.completion_token_ids, seq.finish_reason,
                              seq.num_prompt_tokens, seq.num_cached_tokens, text,
                              {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
                               "finish": seq.finish_time, "ttft": ttft, "tpot": tpot,
-                              "preemptions": seq.num_preemptions})
+                              "preemptions": seq.num_preemptions, **({"error": error} if error else {})})
 
 
 class LLM:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, buil
 from flame_llm.kernels.metadata import AttentionMetadata, set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from flame_llm.layers.sampler import make_sampling_batch, sample
+from flame_llm.layers.sampler import sample_rows
 from flame_llm.models.llama import MODELS
 from flame_llm.models.loader import init_dummy, load_model
 
@@ -237,8 +237,9 @@ class ModelRunner:
         params = [seqs[i].sampling_params for i in x.sample_idx]
         # the output index each row samples: its sequence's length after this step, minus the prompt
         positions = [int(x.seq_lens[i]) - seqs[i].num_prompt_tokens for i in x.sample_idx]
-        batch = make_sampling_batch(params, positions, self.vocab_size, self.device)
-        handle.set_sampled(sample(logits, batch), {seqs[i].seq_id: r for r, i in enumerate(x.sample_idx)})
+        sampled, failed = sample_rows(logits, params, positions, self.vocab_size, self.device)
+        handle.set_sampled(sampled, {seqs[i].seq_id: r for r, i in enumerate(x.sample_idx)})
+        handle.failed = {x.sample_idx[r]: msg for r, msg in failed.items()}
         return handle
 
     def run(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int | None]:
@@ -265,6 +266,7 @@ class StepHandle:
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     info: tuple[float, bool] | None = None  # the scheduler's (schedule time, has prefill) of this step
+    failed: dict[int, str] = field(default_factory=dict)  # index in seqs -> why its sampling failed (its own)
 
     def set_sampled(self, sampled: torch.Tensor, rows: dict[int, int]) -> None:
         self.sampled, self.rows = sampled, rows

@@ -2,12 +2,19 @@
 
 A sampled token is argmax(probs / E) with E ~ Exp(1) per vocab entry (the exponential race, an exact
 draw from probs). A seeded request draws E from a generator keyed by (seed, output position), so
-its samples do not depend on which other requests share the batch or on preemption."""
+its samples do not depend on which other requests share the batch or on preemption.
+
+`sample_rows` isolates a poison row: when a batch cannot be built or sampled, the rows that fail on their
+own are reported failed (sampled greedily as placeholders) and the others sampled as usual."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from flame_llm.sampling_params import SamplingParams
+
+_PLACEHOLDER = SamplingParams(temperature=0.0)  # what a failed row is sampled with
 
 
 @dataclass(slots=True)
@@ -28,7 +35,8 @@ def make_sampling_batch(params: list, positions: list[int], vocab_size: int,
         return SamplingBatch(None, None, None, [], True)
     top_ks = top_ps = None
     if any(p.top_k > 0 for p in params):
-        top_ks = _to_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
+        top_ks = _to_device([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64,
+                            device)
     if any(p.top_p < 1.0 for p in params):
         top_ps = _to_device([p.top_p for p in params], torch.float32, device)
     seeds = [(i, (p.seed * 1_000_003 + pos) % (2**63)) for i, (p, pos) in enumerate(zip(params, positions))
@@ -75,3 +83,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise[row].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temps > 0, sampled, greedy)
+
+
+def sample_rows(logits: torch.Tensor, params: list, positions: list[int], vocab_size: int,
+                device: torch.device) -> tuple[torch.Tensor, dict[int, str]]:
+    """Token ids [B] and {row: error message} of the rows whose sampling fails on its own. When the batch
+    fails, each row is tried alone; the failing rows get a greedy placeholder token and the rest are
+    sampled together (a seeded or greedy row draws the same token as without the poison). A failure no
+    row causes alone is re-raised: it cannot be pinned on a request."""
+    try:
+        return sample(logits, make_sampling_batch(params, positions, vocab_size, device)), {}
+    except Exception:
+        failed = {}
+        for i, (p, pos) in enumerate(zip(params, positions)):
+            try:
+                sample(logits[i:i + 1], make_sampling_batch([p], [pos], vocab_size, device))
+            except Exception as e:  # noqa: BLE001 - any failure of the row alone pins it on the row
+                failed[i] = f"sampling failed for this request ({type(e).__name__}: {str(e)[:200]})"
+        if not failed:
+            raise
+    rest = [_PLACEHOLDER if i in failed else p for i, p in enumerate(params)]
+    return sample(logits, make_sampling_batch(rest, positions, vocab_size, device)), failed

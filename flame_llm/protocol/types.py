@@ -8,20 +8,25 @@ field. ErrorCode.retryable says which failures the client retries, and the calle
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from flame_llm.limits import max_prompt_tokens
-from flame_llm.sampling_params import SamplingParams
+from flame_llm.protocol.checks import finite, fits_utf8, key_list, token_bytes
+from flame_llm.protocol.checks import prompt_digest as prompt_digest  # re-exported: part of the protocol's types
+from flame_llm.sampling_params import SamplingParams, brief
 
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 20  # decoded bytes of one request batch
 DEFAULT_ZSTD_LEVEL = 1  # zstd level of request and result payloads
 MAX_RESULT_PAYLOAD_BYTES = 256 << 20  # decoded bytes of one result payload a client accepts
 MAX_ID_BYTES = 256  # UTF-8 bytes of a request id
+MAX_BATCH_REQUESTS = 8192  # requests in one batch (and results in one result payload); an invalid slot costs ~0.5 kB
+MAX_RETRY_AFTER_S = 3600.0  # the longest retry hint a result may carry
+TOKEN_COUNT_LIMIT = 1 << 32  # prompt and cached token counts in results are below this
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
@@ -107,37 +112,17 @@ class ErrorInfo:
               and isinstance(m["message"], str) and isinstance(m["retry_after_s"], (int, float, type(None))))
         if not ok:
             raise WireError(ErrorCode.BAD_RESULT, f"{where} error must be a map {{code: str, message: str, "
-                                                  f"retry_after_s: number or None}}; got {m!r:.120}")
+                                                  f"retry_after_s: number or None}}; got {brief(m, 120)}")
         try:
             code = ErrorCode(m["code"])
         except ValueError:
-            raise WireError(ErrorCode.BAD_RESULT, f"{where} error code {m['code']!r:.40} is not one of the "
+            raise WireError(ErrorCode.BAD_RESULT, f"{where} error code {brief(m['code'], 40)} is not one of the "
                                                   "protocol's codes") from None
-        return cls(code, m["message"], m["retry_after_s"])
-
-
-def prompt_digest(token_ids: list[int] | np.ndarray) -> str:
-    """xxh64 over a prompt's little-endian uint32 ids: what served it, compared with what was sent."""
-    return xxhash.xxh64(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
-
-
-def token_bytes(token_ids: list[int] | np.ndarray, where: str) -> bytes:
-    """Token ids as little-endian uint32 bytes; ValueError unless they are a flat sequence in [0, 2**32)."""
-    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32:
-        return token_ids.astype("<u4", copy=False).tobytes()
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"{where} must be a flat sequence of integers; got dtype {arr.dtype}, shape {arr.shape}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
-        raise ValueError(f"{where} must be in [0, 2**32); got min {arr.min()}, max {arr.max()}")
-    return arr.astype("<u4").tobytes()
-
-
-def fits_utf8(s: Any, max_bytes: int) -> bool:
-    """s is a str of at most max_bytes UTF-8 bytes (encoded only when its length leaves a doubt)."""
-    if not isinstance(s, str) or len(s) > max_bytes:
-        return False
-    return len(s) * 4 <= max_bytes or len(s.encode()) <= max_bytes
+        retry = m["retry_after_s"]
+        if retry is not None and not (finite(retry) and 0 <= retry <= MAX_RETRY_AFTER_S):
+            raise WireError(ErrorCode.BAD_RESULT, f"{where} error retry_after_s must be None or a number in "
+                                                  f"[0, {MAX_RETRY_AFTER_S:g}]; got {brief(retry, 40)}")
+        return cls(code, m["message"], retry)
 
 
 @dataclass(slots=True, frozen=True)
@@ -186,12 +171,12 @@ def sampling_from_map(m: Any) -> SamplingParams:
         raise RequestError(ErrorCode.BAD_SAMPLING, f"sampling must be a map; got {type(m).__name__}", "sampling")
     unknown = set(m) - set(SAMPLING_FIELDS)
     if unknown:
-        raise RequestError(ErrorCode.BAD_SAMPLING, f"unknown sampling fields {sorted(map(str, unknown))}; "
+        raise RequestError(ErrorCode.BAD_SAMPLING, f"unknown sampling fields {key_list(unknown)}; "
                                                    f"known: {', '.join(SAMPLING_FIELDS)}", "sampling")
     for name, v in m.items():
         if name == "ignore_eos" and not isinstance(v, bool):
-            raise RequestError(ErrorCode.BAD_SAMPLING, f"field 'ignore_eos' must be true or false; got {v!r:.40}",
-                               name)
+            raise RequestError(ErrorCode.BAD_SAMPLING, f"field 'ignore_eos' must be true or false; got "
+                                                       f"{brief(v, 40)}", name)
         if name != "ignore_eos" and isinstance(v, bool):
             raise RequestError(ErrorCode.BAD_SAMPLING, f"field {name!r} must be a number, not {v}", name)
         if name == "stop_token_ids" and not isinstance(v, (list, tuple)):
@@ -221,14 +206,14 @@ class Request:
         rid = r.get("id") if isinstance(r, dict) else None
         if not rid or not fits_utf8(rid, MAX_ID_BYTES):
             return RequestError(ErrorCode.BAD_ID, f"id must be a non-empty str of at most {MAX_ID_BYTES} UTF-8 "
-                                                  f"bytes; got {rid!r:.80}", "id")
+                                                  f"bytes; got {brief(rid)}", "id")
         try:
             if rid in seen:
                 raise RequestError(ErrorCode.DUPLICATE_ID, f"id {rid!r} appears more than once in the batch", "id")
             seen.add(rid)
             if set(r) != {"id", "prompt", "sampling"}:
                 raise RequestError(ErrorCode.BAD_REQUEST, "request keys must be exactly id, prompt, sampling; "
-                                                          f"got {sorted(map(str, r))}", "request")
+                                                          f"got {key_list(r)}", "request")
             prompt = r["prompt"]
             if not isinstance(prompt, bytes):
                 raise RequestError(ErrorCode.BAD_PROMPT, "prompt must be bytes (little-endian uint32 token ids); "
@@ -280,7 +265,7 @@ class Result:
     def from_wire(cls, rec: Any, i: int) -> Result:
         """Result i of a payload; WireError (bad_result) unless it is a well-formed result map."""
         if not isinstance(rec, dict) or set(rec) != set(RESULT_FIELDS):
-            got = sorted(map(str, rec)) if isinstance(rec, dict) else type(rec).__name__
+            got = key_list(rec) if isinstance(rec, dict) else type(rec).__name__
             raise WireError(ErrorCode.BAD_RESULT, f"result {i} must be a map with keys {', '.join(RESULT_FIELDS)}; "
                                                   f"got {got}")
         for key, types in _WIRE_TYPES.items():
@@ -292,9 +277,7 @@ class Result:
         if len(out) % 4:
             raise WireError(ErrorCode.BAD_RESULT,
                             f"result {i} output_token_ids is {len(out)} bytes, not a multiple of 4")
-        if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in rec["timings"].items()):
-            raise WireError(ErrorCode.BAD_RESULT, f"result {i} timings must map str to numbers; "
-                                                  f"got {rec['timings']!r:.120}")
+        _check_numbers(rec, i)
         err = None if rec["error"] is None else ErrorInfo.from_dict(rec["error"], f"result {i}")
         return cls(**{**rec, "output_token_ids": np.frombuffer(out, dtype="<u4").tolist(), "error": err})
 
@@ -308,3 +291,21 @@ class Result:
             out["text"] = self.text
         return out
 
+
+
+def _check_numbers(rec: dict, i: int) -> None:
+    """WireError (bad_result) unless result i's counts are in range (cached within prompt) and its timings are
+    finite numbers: the client computes with them."""
+    prompt, cached, shard = rec["prompt_tokens"], rec["cached_tokens"], rec["shard"]
+    if not (type(prompt) is int and 0 <= prompt < TOKEN_COUNT_LIMIT and type(cached) is int and 0 <= cached <= prompt
+            and type(shard) is int and -1 <= shard < 1 << 31):
+        for name, v, lo, hi in (("prompt_tokens", prompt, 0, TOKEN_COUNT_LIMIT - 1),
+                                ("cached_tokens", cached, 0, prompt), ("shard", shard, -1, (1 << 31) - 1)):
+            if type(v) is not int or not lo <= v <= hi:
+                raise WireError(ErrorCode.BAD_RESULT, f"result {i} field {name!r} must be an integer in [{lo}, {hi}]"
+                                                      f"{' (prompt_tokens)' if name == 'cached_tokens' else ''}; "
+                                                      f"got {brief(v, 40)}")
+    for k, v in rec["timings"].items():
+        if not (type(k) is str and (type(v) is int or (type(v) is float and math.isfinite(v)))):
+            raise WireError(ErrorCode.BAD_RESULT, f"result {i} timings must map str to finite numbers; "
+                                                  f"got {brief(rec['timings'], 120)}")

@@ -9,6 +9,14 @@ Decoding never inflates more than its budget (max_payload_bytes): a frame that d
 is refused from the header alone when over budget; a frame without a declared size is inflated in chunks
 and abandoned as soon as the output passes the budget. A batch that cannot be read raises WireError; a
 request that is readable but invalid becomes a RequestError in its slot, the others proceed.
+
+Unpacking is bounded too: no ext types, strings and arrays capped (MAX_STR_BYTES, MAX_BATCH_REQUESTS), maps
+at MAX_MAP_KEYS, at most one map or array per CONTAINER_BYTES decoded bytes (an empty one is 1 byte on the
+wire and ~64 in memory), nesting at msgpack's 1,024 levels. Unpacked, a payload so takes at most ~21x its
+decoded bytes (full arrays of 2-character strings), plus ~0.5 kB per invalid request slot (8,192 at most);
+bench.fuzz_wire checks 24x the budget. Nothing deeper than the schema is ever walked, and error messages
+show values through `brief`, so a deep or huge value costs its bytes, never a RecursionError or a megabyte
+message.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import msgpack
 import zstandard
 
 from flame_llm.protocol.types import (
+    MAX_BATCH_REQUESTS,
     MAX_RESULT_PAYLOAD_BYTES,
     EngineLimits,
     ErrorCode,
@@ -28,7 +37,9 @@ from flame_llm.protocol.types import (
     Result,
     WireError,
     fits_utf8,
+    key_list,
 )
+from flame_llm.sampling_params import brief
 
 WIRE_VERSION = 1
 MAX_REVISION_BYTES = 256
@@ -37,9 +48,14 @@ MAX_WINDOW = 1 << 23  # level 19 uses an 8 MiB window; a bigger one is refused b
 _CHUNK = 1 << 20
 # Upper bounds of one request's msgpack bytes besides its prompt (id at MAX_ID_BYTES, all sampling
 # fields at their widest, per stop token) and of the batch's envelope; test_wire checks them.
-REQUEST_OVERHEAD = 420
-STOP_TOKEN_BYTES = 9
+REQUEST_OVERHEAD = 400
+STOP_TOKEN_BYTES = 5  # a uint32 stop token id (SamplingParams bounds them below 2**32)
 BATCH_OVERHEAD = 320
+# Unpacking bounds (see the module docstring). A request map is at least ~29 bytes with 2-3 containers, a
+# result map ~100 bytes with 2-3; the strings of a request batch are ids, keys and the revision.
+CONTAINER_BYTES = 8
+MAX_MAP_KEYS = 256
+MAX_STR_BYTES = {"request": 1 << 16, "result": 1 << 20}
 
 
 @dataclass(slots=True)
@@ -98,19 +114,46 @@ def _inflate(payload: bytes, budget: int, what: str) -> bytes:
         raise WireError(ErrorCode.BAD_ZSTD, f"{what} payload is corrupt zstd ({e})") from None
 
 
+class _TooManyContainers(Exception):
+    pass
+
+
+class _ContainerCount:
+    """msgpack's list_hook and object_hook: counts maps and arrays, raising past the bound."""
+    __slots__ = ("left",)
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise _TooManyContainers
+        return container
+
+
 def _unpack(raw: bytes, what: str) -> Any:
+    limit = len(raw) // CONTAINER_BYTES + 16
+    count = _ContainerCount(limit)
     try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise WireError(ErrorCode.BAD_MSGPACK, f"{what} payload is not valid msgpack ({type(e).__name__}: {e})") \
-            from None
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True, list_hook=count,
+                               object_hook=count, max_ext_len=0, max_str_len=MAX_STR_BYTES[what],
+                               max_array_len=MAX_BATCH_REQUESTS, max_map_len=MAX_MAP_KEYS)
+    except _TooManyContainers:
+        raise WireError(ErrorCode.OVER_BUDGET, f"{what} payload holds more than {limit} maps and arrays (one per "
+                                               f"{CONTAINER_BYTES} decoded bytes)") from None
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as e:
+        raise WireError(ErrorCode.BAD_MSGPACK, f"{what} payload is not valid msgpack ({type(e).__name__}: "
+                                               f"{brief(str(e), 200)})") from None
 
 
 def encode_requests(requests: list[Request], model_revision: str, level: int = 1) -> bytes:
     """One batch of requests as a compressed payload (token ids checked to fit uint32)."""
     if not fits_utf8(model_revision, MAX_REVISION_BYTES):
         raise ValueError(f"model_revision must be a str of at most {MAX_REVISION_BYTES} UTF-8 bytes; "
-                         f"got {model_revision!r:.80}")
+                         f"got {brief(model_revision)}")
+    if len(requests) > MAX_BATCH_REQUESTS:
+        raise ValueError(f"a batch holds at most {MAX_BATCH_REQUESTS} requests; got {len(requests)}")
     reqs = [r.to_wire() for r in requests]
     raw = msgpack.packb({"version": WIRE_VERSION, "model_revision": model_revision, "requests": reqs},
                         use_bin_type=True)
@@ -131,13 +174,13 @@ def decode_requests(payload: bytes, limits: EngineLimits, expected_revision: str
     keys = set(obj)
     if keys != {"version", "model_revision", "requests"}:
         raise WireError(ErrorCode.BAD_SCHEMA, "request payload keys must be exactly version, model_revision, "
-                                              f"requests; got {sorted(map(str, keys))}")
-    if obj["version"] != WIRE_VERSION or type(obj["version"]) is not int:
-        raise WireError(ErrorCode.BAD_VERSION, f"version must be {WIRE_VERSION}; got {obj['version']!r:.40}")
+                                              f"requests; got {key_list(keys)}")
+    if type(obj["version"]) is not int or obj["version"] != WIRE_VERSION:
+        raise WireError(ErrorCode.BAD_VERSION, f"version must be {WIRE_VERSION}; got {brief(obj['version'], 40)}")
     revision = obj["model_revision"]
     if not fits_utf8(revision, MAX_REVISION_BYTES):
         raise WireError(ErrorCode.BAD_SCHEMA, f"model_revision must be a str of at most {MAX_REVISION_BYTES} "
-                                              f"UTF-8 bytes; got {revision!r:.80}")
+                                              f"UTF-8 bytes; got {brief(revision)}")
     if expected_revision is not None and revision != expected_revision:
         raise WireError(ErrorCode.WRONG_REVISION, f"model_revision {revision!r} does not match the served "
                                                   f"model's {expected_revision!r}")
