@@ -1,8 +1,10 @@
 """The engine actor: one per GPU (or CPU shard), holding one AsyncEngine for its whole life.
 
-`submit` runs in the default concurrency group (its own event loop); health, stats, drain and
-shutdown run in the "control" group, on another loop, so a saturated admission loop never starves
-them. Ray creates the class with `ray.remote(EngineActor).options(...)` in flame_llm.serving.service.
+`submit` (a batch) and `stream` (one request, its tokens as they are sampled) run in the default concurrency
+group (its own event loop); health, stats, abort, drain and shutdown run in the "control" group, on another
+loop, so a saturated admission loop never starves them. Requests are aborted on the caller's word or when the
+caller's Ray job dies (actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)`
+in flame_llm.serving.service.
 """
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import uuid
 from dataclasses import dataclass
 
 import ray
+import zstandard
 
-from actors.admission import Admission, Overloaded
-from actors.host import EngineHost
+from actors.admission import Admission, Overloaded, request_cost
+from actors.host import EngineHost, stream_request
+from actors.inflight import Inflight
+from actors.metrics import shard_histograms
 from actors.pinning import ShardPlacement
 from flame_llm.protocol.types import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -74,34 +79,79 @@ class EngineActor:
         self.admission = Admission(options.max_inflight_tokens, options.max_inflight_requests,
                                    options.max_queued_requests)
         self.draining = False
-        self.counters = {"batches": 0, "requests": 0, "bad_batches": 0, "errors": 0, "cached_tokens": 0,
-                         "prompt_tokens": 0, "output_tokens": 0, "decode_s": 0.0, "encode_s": 0.0}
+        self.counters = {"batches": 0, "requests": 0, "streams": 0, "bad_batches": 0, "errors": 0, "cached_tokens": 0,
+                         "prompt_tokens": 0, "output_tokens": 0, "decode_s": 0.0, "encode_s": 0.0,
+                         # request payloads as they travel (zstd) and decoded (msgpack, from the frame header)
+                         "payload_wire_bytes": 0, "payload_raw_bytes": 0, "result_wire_bytes": 0}
+        self.hist = shard_histograms()
+        self.inflight = Inflight()
         log.info("shard %s on %s (node %s)%s", self.name, self.device, self.node_id,
                  " (restarted)" if self.restarted else "")
 
     def _result(self, request_id: str | None, **fields) -> Result:
         return Result(request_id, shard=self.shard, device=self.device, node=self.node_id, **fields)
 
-    async def submit(self, payload: bytes) -> bytes:
-        """A request batch payload in, a result payload out (input order). Never raises for bad input."""
-        t0 = time.perf_counter()
+    def _decode(self, payload: bytes) -> list[Request | RequestError] | Result:
+        """The batch's requests, or the one result that says why the payload is unusable."""
         self.counters["batches"] += 1
         try:
             batch = decode_requests(payload, self.limits, expected_revision=self.model_revision)
+            raw = zstandard.frame_content_size(payload)  # a readable frame: its header says the decoded size
         except WireError as e:
             self.counters["bad_batches"] += 1
-            return encode_results([self._result(None, error=ErrorInfo(e.code, str(e)))], self.zstd_level)
-        t1 = time.perf_counter()
-        self.counters["decode_s"] += t1 - t0
-        results = await asyncio.gather(*(self._serve(item, t1) for item in batch.items))
-        for r in results:
-            r.timings["decode_s"] = t1 - t0
-        t2 = time.perf_counter()
+            return self._result(None, error=ErrorInfo(e.code, str(e)))
+        self.counters["payload_wire_bytes"] += len(payload)
+        self.counters["payload_raw_bytes"] += max(raw, 0)
+        self.hist["batch_requests"].observe(len(batch.items))
+        return batch.items
+
+    def _encode(self, results: list[Result]) -> bytes:
+        t0 = time.perf_counter()
         out = encode_results(results, self.zstd_level)
-        self.counters["encode_s"] += time.perf_counter() - t2
+        self.counters["encode_s"] += time.perf_counter() - t0
+        self.counters["result_wire_bytes"] += len(out)
         return out
 
-    async def _serve(self, item: Request | RequestError, t_start: float) -> Result:
+    async def submit(self, payload: bytes, caller: str | None = None) -> bytes:
+        """A request batch payload in, a result payload out (input order). Never raises for bad input.
+        `caller`: the Ray job id of the sender; its requests are aborted when that job dies."""
+        t0 = time.perf_counter()
+        items = self._decode(payload)
+        if isinstance(items, Result):
+            return self._encode([items])
+        t1 = time.perf_counter()
+        self.counters["decode_s"] += t1 - t0
+        results = await asyncio.gather(*(self._serve(item, t1, caller) for item in items))
+        for r in results:
+            r.timings["decode_s"] = t1 - t0
+        return self._encode(results)
+
+    @ray.method(num_returns="streaming")
+    async def stream(self, payload: bytes, caller: str | None = None):
+        """A Ray streaming generator over a payload of one request: lists of new token ids as the engine samples
+        them, then the result payload (bytes, as `submit` answers). Aborting the request (`abort`), its
+        caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
+        items = self._decode(payload)
+        if not isinstance(items, Result) and len(items) != 1:
+            items = self._result(None, error=ErrorInfo(ErrorCode.BAD_REQUEST, "a stream payload holds exactly one "
+                                                       f"request; got {len(items)}"))
+        if isinstance(items, Result):
+            yield self._encode([items])
+            return
+        self.counters["streams"] += 1
+        chunks: asyncio.Queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
+                                                                  chunks.put_nowait))
+        task.add_done_callback(lambda _: chunks.put_nowait(None))
+        try:
+            while (chunk := await chunks.get()) is not None:
+                yield chunk
+            yield self._encode([task.result()])
+        finally:
+            task.cancel()
+
+    async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
+                     emit=None) -> Result:
         if isinstance(item, RequestError):
             self.counters["errors"] += 1
             return self._result(item.id, error=item.info())
@@ -110,8 +160,27 @@ class EngineActor:
             self.counters["errors"] += 1
             res.error = ErrorInfo(ErrorCode.DRAINING, f"shard {self.name} is draining")
             return res
-        sp = item.sampling
-        cost = len(item.prompt_token_ids) + sp.max_tokens
+        if not self.inflight.add(item.id, caller):  # aborted on its way here
+            res.finish_reason = "abort"
+            return res
+        try:
+            return await self._admit_and_run(item, res, t_start, emit)
+        except asyncio.CancelledError:
+            if not self.inflight.was_aborted(item.id):
+                raise
+            asyncio.current_task().uncancel()
+            self.inflight.forget(item.id)
+            res.finish_reason, res.timings = "abort", {"total_s": time.perf_counter() - t_start}
+            return res
+        finally:
+            self.inflight.remove(item.id, caller)
+
+    def _cost(self, item: Request) -> int:
+        """Admission tokens of a request: its prompt and the output it may still produce in max_model_len."""
+        return request_cost(len(item.prompt_token_ids), item.sampling.max_tokens, self.limits.max_model_len)
+
+    async def _admit_and_run(self, item: Request, res: Result, t_start: float, emit) -> Result:
+        sp, cost = item.sampling, self._cost(item)
         try:
             await self.admission.acquire(cost)
         except Overloaded as e:
@@ -121,37 +190,54 @@ class EngineActor:
             return res
         t_admit = time.perf_counter()
         try:
-            out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id)
+            if emit is None:
+                out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id)
+            else:
+                async for x in stream_request(self.engine, item.prompt_token_ids, sp, item.id):
+                    if isinstance(x, list):
+                        emit(x)
+                    else:
+                        out = x
         except Exception as e:  # one request's failure must not fail its batch
             self.counters["errors"] += 1
-            if isinstance(e, ValueError):  # the engine's own request checks (KV pool size)
+            if self.engine.failed:
+                # the step loop is dead and every later request would fail: crash so that Ray
+                # restarts this actor on its device; the client resubmits the unanswered batch
+                log.critical("shard %s: engine step loop failed (%r); exiting for a restart", self.name,
+                             self.engine.error)
+                os._exit(1)
+            if isinstance(e, ValueError):  # the engine's own request checks (KV pool size), a request failed alone
                 code = ErrorCode.INVALID_REQUEST
             else:
                 code = ErrorCode.ENGINE_ERROR
                 log.exception("shard %s: request %s failed", self.name, item.id)
-                if self.engine.failed:
-                    # the step loop is dead and every later request would fail: crash so that Ray
-                    # restarts this actor on its device; the client resubmits the unanswered batch
-                    log.critical("shard %s: engine step loop failed (%r); exiting for a restart", self.name,
-                                 self.engine.error)
-                    os._exit(1)
             res.error = ErrorInfo(code, f"{type(e).__name__}: {e}")
             res.timings = {"queue_s": t_admit - t_start}
             return res
         finally:
             self.admission.release(cost)
         t_done = time.perf_counter()
-        self.counters["requests"] += 1
-        self.counters["prompt_tokens"] += out.num_prompt_tokens
-        self.counters["cached_tokens"] += out.num_cached_tokens
-        self.counters["output_tokens"] += len(out.output_token_ids)
+        c = self.counters
+        c["requests"] += 1
+        c["prompt_tokens"] += out.num_prompt_tokens
+        c["cached_tokens"] += out.num_cached_tokens
+        c["output_tokens"] += len(out.output_token_ids)
         res.output_token_ids, res.finish_reason = out.output_token_ids, out.finish_reason
         res.prompt_tokens, res.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         res.prompt_digest = prompt_digest(item.prompt_token_ids)
         res.timings = {"queue_s": t_admit - t_start, "engine_s": t_done - t_admit, "total_s": t_done - t_start,
                        **{k: float(v) for k, v in out.metrics.items()
                           if k in ("ttft", "tpot") and isinstance(v, (int, float))}}
+        for key, name in (("queue_s", "queue_s"), ("total_s", "e2e_s"), ("ttft", "ttft_s"), ("tpot", "tpot_s")):
+            if key in res.timings:
+                self.hist[name].observe(res.timings[key])
         return res
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def abort(self, request_ids: list[str]) -> int:
+        """Abort these requests (waiting for admission or in the engine): each answers finish_reason "abort"
+        with the tokens streamed so far. An id not here yet is remembered and never started. The number found."""
+        return self.inflight.abort(list(request_ids))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def health(self) -> dict:
@@ -171,8 +257,9 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
-        return {**self.health(), **self.counters, **self.admission.stats(), "load_s": self.host.load_s,
-                "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats()}
+        return {**self.health(), **self.counters, **self.inflight.counters, **self.admission.stats(),
+                "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats(),
+                "histograms": {k: h.to_dict() for k, h in self.hist.items()}}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def drain(self, timeout_s: float = 60.0) -> bool:

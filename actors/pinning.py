@@ -180,3 +180,25 @@ def verify_device(expected_uuid: str, shard: str) -> None:
     count = torch.cuda.device_count()
     actual = str(torch.cuda.get_device_properties(0).uuid) if count else ""
     check_device(expected_uuid, actual, count, shard)
+
+
+def replacement_placement(nodes: list[NodeGPUs], taken: set[tuple[str, str | None]],
+                          old: ShardPlacement) -> ShardPlacement | None:
+    """Where shard `old`, whose node is gone, goes now: a GPU shard to a GPU (by UUID) of an alive node that no
+    shard holds, a CPU shard to the alive node with the fewest shards (`taken`: the (node, UUID) pairs of the
+    shards that live). None when no GPU is free (the caller tries again later)."""
+    if not nodes:
+        return None
+    if old.gpu_uuid is not None:
+        for node in nodes:
+            uuids = node.gpu_uuids[:node.num_ray_gpus] if node.num_ray_gpus else node.gpu_uuids
+            for u in uuids:
+                if (node.node_id, u) not in taken and all(u != t for _, t in taken):
+                    return ShardPlacement(old.shard, old.name, node.node_id, u)
+        return None
+    load = {n.node_id: 0 for n in nodes}
+    for node_id, _ in taken:
+        if node_id in load:
+            load[node_id] += 1
+    node_id = min(load, key=lambda n: (load[n], n))
+    return ShardPlacement(old.shard, old.name, node_id, None)

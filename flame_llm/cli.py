@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 
+from flame_llm.serving.http_app import HttpConfig
 from flame_llm.serving.http_server import ARGUMENTS as SERVE_HTTP_ARGS
 from flame_llm.serving.service_config import DEFAULT_NAMESPACE
 
@@ -20,13 +21,28 @@ log = logging.getLogger("flame_llm.cli")
 DEMO_CONFIG = {"model": "tiny", "engine": {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
                                             "cpu_kvcache_gib": 0.0625},
                "placement": {"num_shards": 2, "cpu_per_shard": 0.5}, "shard": {"torch_threads": 1},
-               "router": {"policy": "cumulative"}, "ray": {"num_cpus": 2, "namespace": "flame-demo"}}
+               "router": {"policy": "cumulative"}, "ray": {"num_cpus": 2}}
+SUPERVISE_EVERY_S = 2.0  # serve: between looks for shards whose node is gone
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}; got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}; got {v}")
+        return v
+    return parse
+
 
 ARGS = {
-    "config": (("--config",), {"help": "service YAML (configs/service.yaml)"}),
-    "namespace": (("--namespace",), {"help": "Ray namespace of the service (default: the config's, or "
-                                             f"{DEFAULT_NAMESPACE})"}),
-    "address": (("--address",), {"help": "Ray address (default: the config's, or auto)"}),
+    "config": (("--config",), {"help": "service YAML (configs/service.yaml; configs/demo.yaml on a CPU machine)"}),
+    "namespace": (("--namespace",), {"help": "Ray namespace of the service (unset: the config's; without "
+                                             f"--config: {DEFAULT_NAMESPACE}, or the one namespace running a "
+                                             "service)"}),
+    "address": (("--address",), {"help": "Ray address (unset: the config's, or auto: the Ray on this machine)"}),
     "json": (("--json",), {"action": "store_true", "help": "print JSON instead of a table"}),
 }
 
@@ -41,14 +57,15 @@ def _config(args):
 
 
 def _attach(args) -> str:
-    """Connect this process to the service's Ray cluster; returns the namespace."""
-    import ray
+    """Connect this process to the service's Ray cluster; returns the service's namespace (without --namespace
+    or --config: the default one, or the one namespace that runs a service)."""
+    from flame_llm.serving.ray_attach import attach
+    from flame_llm.serving.service import resolve_namespace
 
     cfg = _config(args)
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray.address or "auto", namespace=cfg.ray.namespace, logging_level=logging.WARNING,
-                 log_to_driver=False)
-    return cfg.ray.namespace
+    attach(cfg.ray.namespace, cfg.ray.address or "auto")
+    explicit = getattr(args, "namespace", None) is not None or getattr(args, "config", None)
+    return resolve_namespace(cfg.ray.namespace if explicit else None)
 
 
 def _print_placement(health: list[dict]) -> None:
@@ -58,31 +75,86 @@ def _print_placement(health: list[dict]) -> None:
 
 
 def serve(args) -> int:
+    import dataclasses
+
+    import ray
+
+    from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
     from flame_llm.serving.service import start_service
 
     cfg = _config(args)
+    http = dataclasses.replace(cfg.http, **{k: v for k, v in (("host", args.host), ("port", args.http_port),
+                                                               ("api_key", args.api_key)) if v is not None})
+    if args.no_http:
+        http = dataclasses.replace(http, enabled=False)
     if args.detach and cfg.ray.address is None:
         raise SystemExit("serve --detach needs ray.address (a local Ray started here ends with this process)")
-    svc = start_service(cfg, detached=args.detach)
-    import ray
-
+    started_ray = not ray.is_initialized() and cfg.ray.address is None
+    svc = start_service(cfg, detached=args.detach, source=args.config or "the default config")
+    lifetime = "detached" if args.detach else None
+    try:  # the handle is kept: a non-detached actor ends when its last handle goes
+        door, address = start_frontdoor(cfg.ray.namespace, http, lifetime) if http.enabled else (None, None)
+    except RuntimeError:
+        svc.stop(timeout_s=10)
+        raise
     print(f"flame-llm service in namespace {cfg.ray.namespace!r}: {len(svc.actors)} shards, "
           f"router policy {cfg.router.policy}; ray address: {ray.get_runtime_context().gcs_address}")
     _print_placement(svc.health)
+    if address:
+        print(f"listening on {address} (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, "
+              f"/metrics{'; bearer token required' if http.api_key else ''})")
     if os.environ.get("RAY_AUTH_MODE") == "token":  # Ray turned token auth on for the cluster it started
-        print("other processes connect with RAY_AUTH_MODE=token set (Ray's token file is ~/.ray/auth_token)")
+        print("other processes connect with RAY_AUTH_MODE=token set (Ray's token file is ~/.ray/auth_token; "
+              "flame-llm sets it when that file exists)")
     if args.detach:
         return 0
-    print("serving; Ctrl-C stops", flush=True)
+    print("serving; Ctrl-C or flame-llm stop ends it", flush=True)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    next_look = time.monotonic() + SUPERVISE_EVERY_S
     try:
         while not stopping:
             time.sleep(0.5)
+            if not svc.running():
+                print("the service was stopped (flame-llm stop); exiting", flush=True)
+                break
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + SUPERVISE_EVERY_S
+                try:
+                    svc.replace_lost_shards()
+                except Exception as e:  # noqa: BLE001 - try again next round
+                    log.warning("replacing lost shards failed: %s", e)
     except KeyboardInterrupt:
         pass
-    svc.stop()
+    finally:
+        if svc.running():
+            stop_frontdoor(cfg.ray.namespace)
+            svc.stop()
+        del door
+        if started_ray:
+            ray.shutdown()  # the local Ray this process started ends with it
     return 0
+
+
+def _read_prompts(path: str) -> list:
+    """Prompts from a JSONL file: one token-id list or string per line; ValueError naming file and line."""
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                p = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                      for t in p))):
+                raise ValueError(f"{path}:{n}: a prompt must be a string or a list of token ids; got "
+                                 f"{type(p).__name__}")
+            prompts.append(p)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (one JSON prompt per line)")
+    return prompts
 
 
 def submit(args) -> int:
@@ -91,20 +163,21 @@ def submit(args) -> int:
     from flame_llm.sampling_params import SamplingParams
     from flame_llm.serving.client import Client
 
-    namespace = _attach(args)
     if args.prompts:
-        with open(args.prompts) as f:
-            prompts = [json.loads(line) for line in f if line.strip()]
+        prompts = _read_prompts(args.prompts)
     else:
         rng = np.random.default_rng(args.seed)
         prompts = [rng.integers(3, args.vocab, size=args.prompt_len).tolist() for _ in range(args.num_prompts)]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                         ignore_eos=args.ignore_eos)
+    namespace = _attach(args)
     client = Client.connect(namespace)
     t0 = time.perf_counter()
-    results = client.generate(prompts, sp, use_tqdm=len(prompts) > 64)
+    try:
+        results = client.generate(prompts, sp, use_tqdm=len(prompts) > 64)
+    finally:
+        client.close()
     elapsed = time.perf_counter() - t0
-    client.close()
     if args.output:
         with open(args.output, "w") as f:
             for r in results:
@@ -131,6 +204,7 @@ def _print_results(results: list[dict], elapsed: float) -> None:
 
 
 def status(args) -> int:
+    from flame_llm.serving.metrics import DECISIONS, quantile, shard_figures
     from flame_llm.serving.service import status as service_status
 
     st = service_status(_attach(args))
@@ -138,26 +212,43 @@ def status(args) -> int:
         print(json.dumps(st, indent=2, default=str))
         return 0
     router = st["router"]
-    print(f"namespace {st['namespace']}: router policy {router['policy']}, {router['entries']} prefixes, "
-          f"counters {router['counters']}")
+    decisions = ", ".join(f"{label} {router['counters'].get(key, 0)}" for key, label in DECISIONS.items())
+    print(f"namespace {st['namespace']}: router policy {router['policy']}, {router['entries']} prefixes; "
+          f"decisions: {decisions}")
     routed = {s["shard"]: s for s in router["shards"]}
-    print(f"{'shard':>5}  {'name':<6}  {'device':<40}  {'node':<10} {'inflight':>8} {'queued':>6} "
-          f"{'rejected':>8} {'requests':>8} {'hit rate':>8}  outstanding work")
+    print(f"{'shard':>5}  {'name':<6}  {'device':<12} {'node':<9} {'queued':>6} {'inflight':>8} {'admitted':>8} "
+          f"{'rejected':>8} {'aborted':>7} {'running':>7} {'waiting':>7} {'kv use':>6} {'hit rate':>8} "
+          f"{'batches':>7} {'payload raw/wire':>16} {'ttft p50':>8} {'e2e p50':>8}  outstanding work")
     for s in st["shards"]:
         if "error" in s:
             print(f"{s['shard']:>5}  unavailable: {s['error']}")
             continue
-        hit = s["cached_tokens"] / max(s["prompt_tokens"], 1)
-        print(f"{s['shard']:>5}  {s['name']:<6}  {s['device']:<40}  {s['node'][:8]:<10} "
-              f"{s['inflight_requests']:>8} {s['queued']:>6} {s['rejected']:>8} {s['requests']:>8} "
-              f"{100 * hit:>7.1f}%  {routed.get(s['shard'], {}).get('outstanding_work', 0.0):.0f}")
+        f = shard_figures(s)
+        h = s.get("histograms", {})
+        ttft, e2e = (quantile(h[k], 0.5) if k in h else None for k in ("ttft_s", "e2e_s"))
+        wire = f"{f['payload_raw']}/{f['payload_wire']}"
+        print(f"{s['shard']:>5}  {s['name']:<6}  {s['device'][:12]:<12} {s['node'][:8]:<9} {f['queued']:>6} "
+              f"{f['inflight']:>8} {f['admitted']:>8} {f['rejected']:>8} {f['aborted']:>7} {f['running']:>7} "
+              f"{f['waiting']:>7} {100 * f['kv_usage']:>5.1f}% {100 * f['hit_rate']:>7.1f}% {f['batches']:>7} "
+              f"{wire:>16} {_seconds(ttft):>8} {_seconds(e2e):>8}  "
+              f"{routed.get(s['shard'], {}).get('outstanding_work', 0.0):.0f}")
     return 0
 
 
+def _seconds(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"<={v:g}s" if v != float("inf") else ">120s"
+
+
 def stop(args) -> int:
+    from flame_llm.serving.frontdoor import stop_frontdoor
     from flame_llm.serving.service import stop as stop_service
 
-    print(f"stopped {stop_service(_attach(args))} engine actors")
+    namespace = _attach(args)
+    door = stop_frontdoor(namespace)
+    print(f"stopped {stop_service(namespace)} engine actors{' and the front door' if door else ''} in namespace "
+          f"{namespace!r}; the flame-llm serve that started them exits")
     return 0
 
 
@@ -190,39 +281,50 @@ def demo(args) -> int:
 
 def serve_http(args) -> int:
     from flame_llm.serving.http_server import serve as serve_engine_http
-    return serve_engine_http(args)
+    return serve_engine_http(args, announce=lambda line: print(line, flush=True))
 
 
 # name: (function, help, arguments)
 COMMANDS = {
-    "serve": (serve, "start or join Ray, create the router and one engine actor per GPU",
-              ["config", (("--detach",), {"action": "store_true", "help": "return once up (needs ray.address)"})]),
+    "serve": (serve, "start or join Ray, create the router, one engine actor per GPU and the HTTP front door",
+              ["config", (("--detach",), {"action": "store_true", "help": "return once up (needs ray.address)"}),
+               (("--host",), {"help": f"front door address (unset: http.host, {HttpConfig().host})"}),
+               (("--http-port",), {"type": int, "help": f"front door port (unset: http.port, {HttpConfig().port})"}),
+               (("--api-key",), {"help": "front door bearer token (unset: http.api_key, none)"}),
+               (("--no-http",), {"action": "store_true", "help": "no HTTP front door"})]),
     "submit": (submit, "submit prompts (a JSONL file of token-id lists or strings, or random ones)",
                ["config", "namespace", "address",
                 (("--prompts",), {"help": "JSONL file, one prompt per line"}),
-                (("--num-prompts",), {"type": int, "default": 8}),
-                (("--prompt-len",), {"type": int, "default": 64}),
-                (("--vocab",), {"type": int, "default": 512, "help": "random prompts draw ids below this"}),
-                (("--max-tokens",), {"type": int, "default": 16}),
+                (("--num-prompts",), {"type": _at_least(1), "default": 8, "help": "random prompts"}),
+                (("--prompt-len",), {"type": _at_least(1), "default": 64, "help": "tokens per random prompt"}),
+                (("--vocab",), {"type": _at_least(4), "default": 512,
+                                "help": "random prompts draw ids in [3, vocab)"}),
+                (("--max-tokens",), {"type": _at_least(1), "default": 16,
+                                     "help": "output tokens per prompt (the engine stops at max_model_len: "
+                                             "finish_reason 'length')"}),
                 (("--temperature",), {"type": float, "default": 0.0}),
                 (("--seed",), {"type": int, "default": 0}),
                 (("--ignore-eos",), {"action": "store_true"}),
                 (("--output",), {"help": "write result records here (JSONL)"})]),
     "status": (status, "shards, GPU UUIDs, nodes, queue depths, hit rates", ["config", "namespace", "address", "json"]),
-    "stop": (stop, "stop the service's engine actors and router", ["config", "namespace", "address"]),
+    "stop": (stop, "stop the service (engine actors, router, front door) and the flame-llm serve that started it",
+             ["config", "namespace", "address"]),
     "demo": (demo, "local Ray, two CPU shards, the tiny default model: one batch, results and placement",
              [(("--config",), {"help": "service YAML instead of the built-in demo config"}),
-              (("--max-tokens",), {"type": int, "default": 8})]),
-    "serve-http": (serve_http, "our engine alone as an OpenAI-style HTTP server (token-id prompts)", SERVE_HTTP_ARGS),
+              (("--max-tokens",), {"type": _at_least(1), "default": 8})]),
+    "serve-http": (serve_http, "our engine alone behind the OpenAI HTTP API (the front door's, without Ray)",
+                   SERVE_HTTP_ARGS),
 }
 
 
 def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flame-llm", description="flame-llm: distributed LLM inference on Ray")
+    parser = argparse.ArgumentParser(prog="flame-llm", description="flame-llm: distributed LLM inference on Ray",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (fn, help_text, arguments) in (commands or COMMANDS).items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         for arg in arguments:
             flags, kwargs = ARGS[arg] if isinstance(arg, str) else arg
             p.add_argument(*flags, **kwargs)

@@ -15,6 +15,10 @@ from flame_llm.serving.service_config import ServiceConfig, config_from_dict, lo
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def test_one_default_namespace():
+    assert "namespace" not in DEMO_CONFIG["ray"]  # serve --config configs/demo.yaml and submit/status/stop agree
+
+
 def test_shipped_configs_load():
     svc = load_service_config(os.path.join(REPO, "configs", "service.yaml"))
     assert svc.load_format == "dummy" and svc.engine["max_model_len"] == 32768
@@ -48,7 +52,8 @@ def test_reference_yaml_is_generated_from_the_dataclasses():
     ({"placement": [1]}, "section 'placement' must be a mapping of its fields"),
     ({"router": {"policy": "random"}}, "router field 'policy' must be one of"),
     ({"router": {"spill_factor": 0.5}}, "router field 'spill_factor' must be a number >= 1.0"),
-    ({"client": {"max_batch_prompts": True}}, "'client.max_batch_prompts' must be an integer >= 1"),
+    ({"client": {"max_batch_prompts": True}}, r"'client.max_batch_prompts' must be an integer in \[1, 8192\]"),
+    ({"client": {"max_batch_prompts": 8193}}, r"'client.max_batch_prompts' must be an integer in .*; got 8193"),
     ({"client": {"batch_window_ms": -1}}, "'client.batch_window_ms' must be a number in"),
     ({"shard": {"max_payload_bytes": 10}}, "shard field 'max_payload_bytes' must be an integer in"),
     ({"shard": {"zstd_level": 30}}, "shard field 'zstd_level' must be an integer in"),
@@ -143,15 +148,19 @@ def test_demo_runs(tmp_path):
 
 
 def test_serve_submit_status_stop(tmp_path, tiny_llama):
+    """The README's workflow across processes: serve (with its front door), then submit, status and stop from
+    another process that sets neither RAY_AUTH_MODE nor --namespace (the token is found, the service too); stop
+    ends the serve process and its local Ray. A process without the token is told so in one line."""
     cfg = tmp_path / "svc.yaml"
     cfg.write_text(yaml.safe_dump({"model": tiny_llama, "placement": {"num_shards": 2},
                                    "ray": {"namespace": "cli-test", "num_cpus": 2},
                                    "engine": {"max_model_len": 512, "max_num_batched_tokens": 512,
                                               "cpu_kvcache_gib": 0.03125}}))
-    serve = subprocess.Popen([sys.executable, "-m", "flame_llm.cli", "serve", "--config", str(cfg)], cwd=tmp_path,
-                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    serve = subprocess.Popen([sys.executable, "-m", "flame_llm.cli", "serve", "--config", str(cfg), "--http-port",
+                              "0"], cwd=tmp_path, env={**env, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, text=True)
     try:
-        address, lines = None, []
+        address, url, lines = None, None, []
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = serve.stdout.readline()
@@ -159,30 +168,100 @@ def test_serve_submit_status_stop(tmp_path, tiny_llama):
             lines.append(line)
             if "ray address:" in line:
                 address = line.rsplit("ray address:", 1)[1].strip()
+            if line.startswith("listening on "):
+                url = line.split()[2]
             if line.startswith("serving"):
                 break
-        assert address, lines
+        assert address and url and url.startswith("http://127.0.0.1:"), lines
         assert any("RAY_AUTH_MODE=token" in line for line in lines)
-        common = ["--namespace", "cli-test", "--address", address]
+        import json
+        import urllib.request
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps({"prompt": [5, 6, 7], "max_tokens": 3})
+                                     .encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 3
+        # without the cluster's token: one line that says so, not Ray's twenty InvalidAuthToken warnings
+        t0 = time.monotonic()
+        denied = subprocess.run([sys.executable, "-m", "flame_llm.cli", "status", "--address", address],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                                env={**env, "PYTHONPATH": REPO, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "no-token"),
+                                     "RAY_gcs_server_port_wait_time_s": "2"})  # Ray gives up after 2 tries, not 20
+        assert denied.returncode == 2 and "uses token authentication" in denied.stderr, denied.stderr[-2000:]
+        assert "InvalidAuthToken" not in denied.stderr and len(denied.stderr.strip().splitlines()) == 1
+        print(f"auth refusal took {time.monotonic() - t0:.1f}s")
+        # a second serve on this machine is refused: one service, one local Ray, status never guesses between two
+        second = subprocess.run([sys.executable, "-m", "flame_llm.cli", "serve", "--config", str(cfg)], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": REPO})
+        assert second.returncode == 2 and "a Ray cluster already runs on this machine" in second.stderr
+        assert "flame-llm stop" in second.stderr and len(second.stderr.strip().splitlines()) == 1
+        common = ["--address", address]
         out_file = tmp_path / "results.jsonl"
         steps = [["submit", *common, "--num-prompts", "4", "--prompt-len", "20", "--max-tokens", "3",
-                  "--output", str(out_file)], ["status", *common], ["stop", *common], ["status", *common]]
-        # one client process runs the four commands in turn (a fresh interpreter sees RAY_AUTH_MODE)
+                  "--output", str(out_file)], ["status", *common], ["stop", *common]]
+        # one client process runs the three commands in turn, with neither RAY_AUTH_MODE nor --namespace
         script = ("import sys\nfrom flame_llm.cli import main\n"
                   f"for argv in {steps!r}:\n    print('== rc', main(argv), flush=True)\n")
         out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=240, env={**os.environ, "PYTHONPATH": REPO, "RAY_AUTH_MODE": "token"})
+                             timeout=240, env={**env, "PYTHONPATH": REPO})
         parts = out.stdout.split("== rc ")
-        assert [p.split()[0] for p in parts[1:]] == ["0", "0", "0", "2"], out.stdout + out.stderr[-3000:]
+        assert [p.split()[0] for p in parts[1:]] == ["0", "0", "0"], out.stdout + out.stderr[-3000:]
         assert "4/4 ok" in parts[0] and len(out_file.read_text().splitlines()) == 4
-        assert "cpu-0" in parts[1] and "cpu-1" in parts[1] and "hit rate" in parts[1]
-        assert "stopped 2 engine actors" in parts[2]
-        assert "no flame-llm service in Ray namespace 'cli-test'" in out.stderr
-    finally:
+        assert "cpu-0" in parts[1] and "cpu-1" in parts[1] and "hit rate" in parts[1] and "sticky" in parts[1]
+        assert "stopped 2 engine actors and the front door in namespace 'cli-test'" in parts[2]
         t0 = time.monotonic()
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-    assert serve.returncode == 0 and time.monotonic() - t0 < 30
+        serve.wait(timeout=60)  # stop ended the serve process (and the local Ray it started)
+        assert serve.returncode == 0 and time.monotonic() - t0 < 30
+        assert "the service was stopped" in serve.stdout.read()
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            try:
+                serve.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                serve.kill()
+
+
+def test_submit_arguments_and_prompt_files_are_checked(tmp_path, capsys):
+    parser = build_parser()
+    for argv, words in ((["submit", "--num-prompts", "0"], "--num-prompts: must be an integer >= 1; got 0"),
+                        (["submit", "--vocab", "2"], "--vocab: must be an integer >= 4; got 2"),
+                        (["submit", "--max-tokens", "0"], "--max-tokens: must be an integer >= 1")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert words in capsys.readouterr().err
+    bad = tmp_path / "p.jsonl"
+    bad.write_text("[1, 2, 3]\n{not json\n")
+    assert main(["submit", "--prompts", str(bad)]) == 2
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+    bad.write_text("[1, 2]\n\n{\"a\": 1}\n")
+    assert main(["submit", "--prompts", str(bad)]) == 2
+    assert f"{bad}:3: a prompt must be a string or a list of token ids; got dict" in capsys.readouterr().err
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["submit", "--help"])
+    text = capsys.readouterr().out
+    assert "(default: 8)" in text and "(default: 512)" in text
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--http-port" in capsys.readouterr().out
+
+
+def test_cpu_memory_check_names_the_cpu_config(capsys):
+    from flame_llm.serving.preflight import available_memory_bytes, check_cpu_memory, num_parameters
+
+    cfg = load_service_config(os.path.join(REPO, "configs", "service.yaml"))
+    with pytest.raises(RuntimeError, match=r"needs ~3\d\.\d GB per CPU shard \(8\.03B parameters x 4 bytes float32 "
+                                           r"\+ 1\.1 GB KV cache\) x 2 shards = .* on CPU use configs/demo.yaml"):
+        check_cpu_memory(cfg, os.path.join(REPO, "configs", "models", "llama-3.1-8b"), available=16 << 30)
+    from flame_llm.config import load_hf_config
+    assert abs(num_parameters(load_hf_config(os.path.join(REPO, "configs", "models", "llama-3.1-8b"))) - 8.03e9) < 1e7
+    demo = load_service_config(os.path.join(REPO, "configs", "demo.yaml"))
+    from flame_llm.models.tiny import resolve_model
+    check_cpu_memory(demo, resolve_model("tiny"), available=2 << 30)  # the CPU config fits in 2 GB
+    if available_memory_bytes() < 64e9:  # this machine cannot hold two float32 8B shards: serve says so at once
+        t0 = time.monotonic()
+        assert main(["serve", "--config", os.path.join(REPO, "configs", "service.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "configs/demo.yaml" in err and time.monotonic() - t0 < 10

@@ -1,40 +1,55 @@
-"""The engine's OpenAI-style HTTP server, served for real on 127.0.0.1 and called over HTTP."""
+"""serve-http: the engine alone behind the front door's OpenAI code (flame_llm/serving/http_app.py), served for
+real on 127.0.0.1 and called over HTTP and raw sockets (bounded in count and time)."""
 import asyncio
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
-from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from flame_llm import LLM, AsyncEngine, SamplingParams
-from flame_llm.protocol.types import prompt_digest
-from flame_llm.serving.http_server import build_app
+from flame_llm.protocol.types import EngineLimits, prompt_digest
+from flame_llm.serving import openai_api
+from flame_llm.serving.http_app import HttpConfig, build_app, start
+from flame_llm.serving.http_server import EngineBackend
+
+KEY = "sesame"
+
+
+def _serve(backend, cfg: HttpConfig):
+    loop = asyncio.new_event_loop()
+    runner, url = loop.run_until_complete(start(build_app(backend, cfg), cfg))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def close():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    return url, close
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     engine = AsyncEngine.from_args(tiny_llama, block_size=16, max_model_len=512, max_num_batched_tokens=512,
                                    cpu_kvcache_gib=0.01)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(engine, device_name="cpu-7", model_name="tiny"), access_log=None)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{port}", tiny_llama
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=5)
-    loop.run_until_complete(runner.cleanup())
+    backend = EngineBackend(engine, "cpu-7", "tiny")
+    url, close = _serve(backend, HttpConfig(port=0, max_prompts_per_request=4, header_timeout_s=1.0,
+                                            body_timeout_s=1.0))
+    keyed, close_keyed = _serve(backend, HttpConfig(port=0, api_key=KEY))
+    yield url, tiny_llama, engine, keyed
+    close()
+    close_keyed()
     engine.shutdown()
 
 
-def _call(url: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+def _call(url: str, body=None, raw: bytes | None = None, headers=None) -> tuple[int, dict]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -43,7 +58,7 @@ def _call(url: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
 
 
 def test_token_id_completion_matches_the_offline_engine(server):
-    url, model = server
+    url, model, *_ = server
     prompt = list(range(3, 40))
     status, out = _call(f"{url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 12,
                                                   "temperature": 0, "ignore_eos": True})
@@ -59,7 +74,7 @@ def test_token_id_completion_matches_the_offline_engine(server):
 
 
 def test_repeated_prefix_reports_cached_tokens(server):
-    url, _ = server
+    url, *_ = server
     doc = [(7 * i) % 500 + 3 for i in range(48)]  # three full 16-token blocks, unseen by other tests
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
     _, first = _call(f"{url}/v1/completions", {**body, "prompt": doc + [11, 12]})
@@ -69,7 +84,7 @@ def test_repeated_prefix_reports_cached_tokens(server):
 
 
 def test_a_list_of_prompts_gets_one_choice_each(server):
-    url, _ = server
+    url, *_ = server
     status, out = _call(f"{url}/v1/completions", {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3,
                                                   "ignore_eos": True, "temperature": 0})
     assert status == 200
@@ -78,7 +93,8 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"max_tokens": 4}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
+    ({"max_tokens": 4}, "prompt", "field 'prompt' is required"),
+    ({"prompt": []}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
     ({"prompt": [1, -2]}, "prompt", "field 'prompt'"),
     ({"prompt": [1, True, 3]}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
     ({"prompt": [1, 2.5]}, "prompt", "field 'prompt' must be a non-empty list of token ids"),
@@ -88,8 +104,11 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer >= 1"),
     ({"prompt": [1, 2], "max_tokens": "8"}, "max_tokens", "'max_tokens' must be an integer >= 1"),
     ({"prompt": [1, 2], "temperature": -1}, "temperature", "'temperature' must be a number in [0, 100]"),
-    ({"prompt": [1, 2], "stream": True}, "stream", "field 'stream' must be false"),
-    ({"prompt": [1, 2], "n": 3}, "n", "field 'n' must be 1"),
+    ({"prompt": [1, 2], "stream": "yes"}, "stream", "field 'stream' must be true or false"),
+    ({"prompt": [1, 2], "n": 0}, "n", "field 'n' must be an integer >= 1"),
+    ({"prompt": [1, 2], "max_tokens": 511}, "max_tokens", "at most 510 tokens can be generated"),
+    ({"prompt": [1, 2], "stop": "x"}, "stop", "stop strings need a tokenizer"),
+    ({"prompt": [1, 2], "logit_bias": {"5": 1}}, "logit_bias", "'logit_bias' is not supported"),
     ({"prompt": [1, 2], "ignore_eos": "yes"}, "ignore_eos", "field 'ignore_eos' must be true or false"),
     ({"prompt": [1] * 600}, "prompt", "the limit is 511 (max_model_len 512"),
     ({"prompt": [1] * 512}, "prompt", "prompt has 512 tokens; the limit is 511"),
@@ -100,7 +119,7 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     (["not", "an", "object"], "body", "must be a JSON object"),
 ])
 def test_bad_input_answers_400_naming_the_field(server, body, param, words):
-    url, _ = server
+    url, *_ = server
     status, out = _call(f"{url}/v1/completions", body)
     assert status == 400, out
     assert out["error"]["param"] == param and words in out["error"]["message"], out
@@ -108,17 +127,97 @@ def test_bad_input_answers_400_naming_the_field(server, body, param, words):
 
 
 def test_invalid_json_is_a_400_and_the_server_keeps_serving(server):
-    url, _ = server
+    url, *_ = server
     status, out = _call(f"{url}/v1/completions", raw=b"{not json")
     assert status == 400 and out["error"]["param"] == "body"
     assert _call(f"{url}/v1/completions", {"prompt": [4, 5], "max_tokens": 2})[0] == 200
 
 
 def test_health_and_models(server):
-    url, model = server
+    url, model, *_ = server
     status, h = _call(f"{url}/health")
     assert status == 200 and h["status"] == "ok" and h["device"] == "cpu-7"
     assert h["vocab_size"] == 512 and h["model"] == model and "@" in h["model_revision"]
     assert (h["max_model_len"], h["max_prompt_tokens"]) == (512, 511)
     status, m = _call(f"{url}/v1/models")
     assert status == 200 and m["data"][0]["id"] == "tiny" and m["data"][0]["max_model_len"] == 512
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_stream_equals_the_whole_response_and_the_first_token_comes_first(server):
+    url, *_ = server
+    body = {"prompt": [[21, 22, 23], [24, 25]], "max_tokens": 7, "temperature": 0, "ignore_eos": True}
+    status, whole = _call(f"{url}/v1/completions", body)
+    assert status == 200
+    chunks = _sse(url, {**body, "stream_options": {"include_usage": True}})
+    for k in (0, 1):
+        ids = [t for c in chunks for ch in c["choices"] if ch["index"] == k for t in ch["token_ids"]]
+        assert ids == whole["choices"][k]["token_ids"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 14 and chunks[-1]["choices"] == []
+
+
+def test_api_key_limits_chat_without_tokenizer_and_metrics(server):
+    url, _, engine, keyed = server
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    status, out = _call(f"{keyed}/v1/completions", body)
+    assert status == 401 and out["error"]["code"] == "invalid_api_key"
+    assert _call(f"{keyed}/v1/completions", body, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    assert _call(f"{keyed}/health")[0] == 200  # health stays open
+    status, out = _call(f"{url}/v1/completions", {"prompt": [[1, 2]] * 5})
+    assert status == 413 and "the limit is 4 per request" in out["error"]["message"]
+    status, out = _call(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "need a tokenizer" in out["error"]["message"]
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        fams = {f.name for f in text_string_to_metric_families(r.read().decode())}
+    assert {"flame_shard_queue_depth", "flame_shard_kv_usage_ratio", "flame_shard_requests"} <= fams
+
+
+def test_a_model_without_a_chat_template_is_a_clear_400():
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(openai_api.ApiError, match="has no chat template") as e:
+        openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}]}, EngineLimits.of(512, 512),
+                         openai_api.RequestLimits(8, 4096), NoTemplate())
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_deep_json_and_a_short_body_over_raw_sockets(server):
+    url, *_ = server
+    host, port = url[len("http://"):].split(":")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, out = _call(f"{url}/v1/completions", raw=deep)
+    assert status == 400 and "nested too deeply" in out["error"]["message"]
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{\"prompt\"")
+        assert s.recv(4096).startswith(b"HTTP/1.1 408")
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_disconnected_client_aborts_its_requests_in_the_engine(server):
+    url, _, engine, _ = server
+    host, port = url[len("http://"):].split(":")
+    for stream in (True, False):
+        body = json.dumps({"prompt": [[31, 32, k] for k in range(3)], "max_tokens": 480, "ignore_eos": True,
+                           "stream": stream}).encode()
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
+        while engine.stats()["num_in_flight"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        s.close()
+        deadline = time.monotonic() + 5
+        while engine.stats()["num_in_flight"]:
+            assert time.monotonic() < deadline, "the engine still serves the abandoned requests"
+            time.sleep(0.02)

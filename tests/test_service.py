@@ -407,3 +407,81 @@ def test_formed_batch_is_sent_without_waiting_out_the_window(service):
         assert sum(b.flushes["formed"] for b in seed_rule.batchers.values()) == 0
     finally:
         seed_rule.close()
+
+
+def _busy(svc) -> int:
+    return sum(s["inflight_requests"] + s["queued"] for s in ray.get([a.stats.remote() for a in svc.actors.values()]))
+
+
+def _wait_idle(svc, timeout_s):
+    t0 = time.monotonic()
+    while _busy(svc):
+        assert time.monotonic() - t0 < timeout_s, "the shards still serve abandoned requests"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_a_cancelled_agenerate_and_a_killed_client_process_abort_their_requests(service):
+    """Abandoned work is cancelled: an agenerate that is cancelled sends aborts; a client process that dies is
+    seen by the shards (its Ray job is dead) and its requests are aborted. Admission returns to 0 promptly, not
+    when the abandoned requests would have finished (480 tokens each)."""
+    import os
+    import subprocess
+    import sys
+
+    svc, client = service
+    long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+
+    async def cancel_one():
+        task = asyncio.ensure_future(client.agenerate(_prompts(4, 10, seed=40), long))
+        deadline = time.monotonic() + 30
+        while _busy(svc) == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_one())
+    assert _wait_idle(svc, 3.0) < 3.0
+    aborted = sum(ray.get(a.stats.remote())["aborted_dead_caller"] for a in svc.actors.values())
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("import ray, sys\nfrom flame_llm import SamplingParams\nfrom flame_llm.serving.client import Client\n"
+              "c = Client.connect('test-service')\nprint('connected', flush=True)\n"
+              "c.generate([[5, 6, 7, k] for k in range(6)], SamplingParams(temperature=0.0, max_tokens=480, "
+              "ignore_eos=True))\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": repo})
+    try:
+        assert child.stdout.readline().strip() == "connected"
+        deadline = time.monotonic() + 60
+        while _busy(svc) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert _wait_idle(svc, 5.0) < 5.0
+    assert sum(ray.get(a.stats.remote())["aborted_dead_caller"] for a in svc.actors.values()) - aborted == 6
+    (res,) = client.generate([[9, 9, 9]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert res["error"] is None
+
+
+def test_abort_before_arrival_and_the_stream_method_on_the_wire(service):
+    """The actor's abort remembers an id that has not arrived (that request answers 'abort' without running);
+    its stream method yields token lists, then the result payload."""
+    svc, _ = service
+    actor = svc.actors[0]
+    rev = svc.health[0]["model_revision"]
+    assert ray.get(actor.abort.remote(["early"])) == 0
+    (rec,) = decode_results(ray.get(actor.submit.remote(encode_requests(
+        [Request("early", [1, 2, 3], SamplingParams(max_tokens=4))], rev))))
+    assert rec.finish_reason == "abort" and rec.error is None and rec.output_token_ids == []
+    items = [ray.get(ref) for ref in actor.stream.remote(encode_requests(
+        [Request("s1", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))], rev))]
+    tokens = [t for x in items[:-1] for t in x]
+    (final,) = decode_results(items[-1])
+    assert len(tokens) == 5 and final.output_token_ids == tokens and final.finish_reason == "length"
+    two = encode_requests([Request("a", [1], SamplingParams()), Request("b", [2], SamplingParams())], rev)
+    (bad,) = decode_results(ray.get(list(actor.stream.remote(two))[0]))
+    assert bad.error.code == "bad_request" and "exactly one request" in bad.error.message

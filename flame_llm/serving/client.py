@@ -23,7 +23,7 @@ import uuid
 import numpy as np
 import ray
 import zstandard
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import (
@@ -38,18 +38,20 @@ from flame_llm.protocol.types import (
 from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, encode_requests, request_wire_size
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending, ShardBatcher
-from flame_llm.serving.service import Service, attach, find_service, start_service
-from flame_llm.serving.service_config import DEFAULT_NAMESPACE, ClientConfig, ServiceConfig
+from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
+from flame_llm.serving.service import SHARD_PREFIX, Service, attach, find_service, start_service
+from flame_llm.serving.service_config import ClientConfig, ServiceConfig
 from flame_llm.serving.shard_watch import ShardWatch
 
 log = logging.getLogger(__name__)
 ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router is made again
+SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
 
 
 class Client:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str,
                  config: ClientConfig | None = None, zstd_level: int = DEFAULT_ZSTD_LEVEL,
-                 model_dir: str | None = None, service=None):
+                 model_dir: str | None = None, service=None, namespace: str | None = None):
         assert actors, "a service has at least one shard"
         config = config or ClientConfig()
         self.config = config
@@ -62,12 +64,18 @@ class Client:
         self.flush_formed = config.flush_formed
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._tokenizer = None
-        self.counters = {"batches": 0, "route_calls": 0, "route_retries": 0, "retries": 0, "restarts_seen": 0,
+        self.namespace = namespace or ray.get_runtime_context().namespace
+        # the shards abort this client's requests when its Ray job (this process) dies
+        self.caller = ray.get_runtime_context().get_job_id()
+        self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
+        self.counters = {"batches": 0, "streams": 0, "aborts_sent": 0, "route_calls": 0, "route_retries": 0,
+                         "retries": 0, "restarts_seen": 0,
                          # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds
                          # in routing calls, request encoding and result decoding
                          "payload_raw_bytes": 0, "payload_wire_bytes": 0, "route_s": 0.0, "encode_s": 0.0,
                          "result_decode_s": 0.0}
-        self.shards = ShardWatch(self.actors, router, health, config.restart_timeout_s, self.counters)
+        self.shards = ShardWatch(self.actors, router, health, config.restart_timeout_s, self.counters,
+                                 lookup=self._lookup_shard)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
         self._thread.start()
@@ -75,29 +83,72 @@ class Client:
                                          self.max_payload_bytes) for s in self.actors}
 
     @classmethod
-    def connect(cls, namespace: str = DEFAULT_NAMESPACE, address: str | None = "auto", **kwargs) -> Client:
-        """A client of the service running in `namespace` of the Ray cluster at `address`."""
-        attach(namespace, address)
+    def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:
+        """A client of the service running in `namespace` of the Ray cluster at `address` (namespace None: the
+        default one, or the one namespace that runs a service)."""
+        namespace = attach(namespace, address)
         router, actors = find_service(namespace)
-        return make_client(None, router, actors, **kwargs)
+        return make_client(None, router, actors, namespace=namespace, **kwargs)
 
     @classmethod
     def for_service(cls, svc: Service, **kwargs) -> Client:
         """A client of a service this process started (closing it leaves the service running)."""
-        return make_client(svc.cfg, svc.router, svc.actors, **kwargs)
+        return make_client(svc.cfg, svc.router, svc.actors, namespace=svc.cfg.ray.namespace, **kwargs)
 
     def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = False) -> list[dict]:
-        fut = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params, use_tqdm), self._loop)
-        return fut.result()
+        fut = asyncio.run_coroutine_threadsafe(self._call(self._generate(prompts, sampling_params, use_tqdm)),
+                                               self._loop)
+        try:
+            return fut.result()
+        except BaseException:  # interrupted (Ctrl-C): the shards abort what this call sent
+            fut.cancel()
+            raise
 
     async def agenerate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams]) -> list[dict]:
-        fut = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params, False), self._loop)
+        """As generate, awaited from any asyncio loop; cancelling it aborts its requests on the shards."""
+        fut = asyncio.run_coroutine_threadsafe(self._call(self._generate(prompts, sampling_params, False)),
+                                               self._loop)
         return await asyncio.wrap_future(fut)
 
+    async def stream_chunks(self, prompt, sampling_params: SamplingParams):
+        """One request's output as it is sampled: StreamChunk(token_ids) as the shard sends them, the last one
+        with `result` (the result dict, as generate returns it; an error is in its `error`). Routed, encoded and
+        checked like generate's requests, retried likewise until its first token. Leaving the loop early
+        (break, cancel, close) aborts the request on its shard."""
+        caller_loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        def push(chunk: StreamChunk) -> None:
+            caller_loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
+        fut = asyncio.run_coroutine_threadsafe(self._call(stream_request(self, prompt, sampling_params, push)),
+                                               self._loop)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                              or push(StreamChunk([], self._failed_dict(f.exception()))))
+        try:
+            while True:
+                chunk = await chunks.get()
+                yield chunk
+                if chunk.result is not None:
+                    return
+        finally:
+            fut.cancel()
+
+    async def stream(self, prompt, sampling_params: SamplingParams):
+        """`async for token_id in client.stream(prompt, sp)`: the output token ids as the shard samples them.
+        A failed request raises StreamError (its result dict in `.result`) once the tokens it had are out."""
+        async for chunk in self.stream_chunks(prompt, sampling_params):
+            for t in chunk.token_ids:
+                yield t
+            if chunk.result is not None and chunk.result["error"] is not None:
+                raise StreamError(chunk.result)
+
     def close(self) -> None:
+        """Abort this client's unfinished requests on the shards and stop its loop (and its service, if it
+        started one)."""
         if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.shards.stop(), self._loop).result(timeout=5)
+            asyncio.run_coroutine_threadsafe(self._abandon_all(), self._loop).result(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         if self.service is not None:
@@ -112,6 +163,40 @@ class Client:
 
     # --- on the client loop ---
 
+    async def _call(self, coro):
+        """Run a generate or stream call as a task the client can abandon on close."""
+        task = asyncio.current_task()
+        self._calls.add(task)
+        try:
+            return await coro
+        finally:
+            self._calls.discard(task)
+
+    async def _abandon_all(self) -> None:
+        tasks = list(self._calls)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.shards.stop()
+
+    def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop) -> Pending:
+        """A request for `prompt`, checked against the shards' limits; its future already holds the error
+        result when it cannot be sent."""
+        p = Pending(Request(next(self._ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future())
+        try:
+            tokens = p.request.prompt_token_ids = self._tokens(prompt)
+            p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))
+            self.limits.check_prompt(tokens)
+            if p.wire_bytes + BATCH_OVERHEAD > self.max_payload_bytes:
+                raise RequestError(ErrorCode.OVER_BUDGET, f"request needs {p.wire_bytes} decoded bytes; "
+                                   f"max_payload_bytes is {self.max_payload_bytes}", "prompt")
+        except RequestError as e:
+            p.future.set_result(self._failed(p, e.info()))
+            return p
+        p.chain = prefix_chain(tokens, self.model_revision)
+        p.est_work = estimate_prefill_work(len(tokens))
+        return p
+
     async def _generate(self, prompts: list, sampling_params, use_tqdm: bool) -> list[dict]:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
@@ -119,40 +204,59 @@ class Client:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries; prompts has {len(prompts)}")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        pend, routed = [], []
-        for prompt, sp in zip(prompts, sampling_params, strict=True):
-            p = Pending(Request(next(self._ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future())
-            pend.append(p)
-            try:
-                tokens = p.request.prompt_token_ids = self._tokens(prompt)
-                p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))
-                self.limits.check_prompt(tokens)
-                if p.wire_bytes + BATCH_OVERHEAD > self.max_payload_bytes:
-                    raise RequestError(ErrorCode.OVER_BUDGET, f"request needs {p.wire_bytes} decoded bytes; "
-                                       f"max_payload_bytes is {self.max_payload_bytes}", "prompt")
-            except RequestError as e:
-                p.future.set_result(self._failed(p, e.info()))
-                continue
-            p.chain = prefix_chain(tokens, self.model_revision)
-            p.est_work = estimate_prefill_work(len(tokens))
-            routed.append(p)
-        if routed:
-            await self._route(routed)
+        pend = [self._prepare(prompt, sp, loop) for prompt, sp in zip(prompts, sampling_params, strict=True)]
         bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(pend), desc="requests")
-            for p in pend:
-                p.future.add_done_callback(lambda _: bar.update(1))
-        results: list[Result] = await asyncio.gather(*(p.future for p in pend))
-        if bar is not None:
-            bar.close()
+        try:
+            routed = [p for p in pend if not p.future.done()]
+            if routed:
+                await self._route(routed)
+            if use_tqdm:
+                from tqdm import tqdm
+                bar = tqdm(total=len(pend), desc="requests")
+                for p in pend:
+                    p.future.add_done_callback(lambda _: bar.update(1))
+            results: list[Result] = await asyncio.gather(*(p.future for p in pend))
+        except asyncio.CancelledError:
+            self._abort(pend)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         t1 = time.perf_counter()
         for r in results:
             r.timings["client_s"] = t1 - t0
             if self._tokenizer is not None and r.error is None:
                 r.text = self._tokenizer.decode(r.output_token_ids)
         return [r.to_dict() for r in results]
+
+    def _abort(self, pend: list[Pending]) -> None:
+        """The caller gave up on these requests: drop the unanswered ones from their queues and tell their
+        shards to abort them (fire and forget: a shard that is gone has nothing to abort)."""
+        by_shard: dict[int, list[str]] = {}
+        for p in pend:
+            if not p.future.done() or p.future.cancelled():
+                p.future.cancel()
+                if p.shard >= 0:
+                    by_shard.setdefault(p.shard, []).append(p.request.id)
+        for shard, ids in by_shard.items():
+            self.abort_on(shard, ids)
+
+    def abort_on(self, shard: int, request_ids: list[str]) -> None:
+        self.counters["aborts_sent"] += len(request_ids)
+        try:
+            self.actors[shard].abort.remote(request_ids)
+        except Exception as e:  # noqa: BLE001 - the shard is gone; so are its requests
+            log.debug("abort on shard %d failed: %s", shard, e)
+
+    def _failed_dict(self, e: BaseException) -> dict:
+        return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")).to_dict()
+
+    def _lookup_shard(self, shard: int) -> ray.actor.ActorHandle | None:
+        """The shard's actor by name (a replacement placed after its node was lost has a new handle)."""
+        try:
+            return ray.get_actor(f"{SHARD_PREFIX}{shard}", namespace=self.namespace)
+        except ValueError:
+            return None
 
     def _failed(self, p: Pending, error: ErrorInfo) -> Result:
         return Result(p.request.id, prompt_tokens=len(p.request.prompt_token_ids), shard=p.shard, error=error)
@@ -174,6 +278,9 @@ class Client:
         released = []
         for p, s in zip(batch, shards, strict=True):
             p.shard = s
+            if p.future.done():  # abandoned while its route was asked for
+                released.append(Completion(s, p.est_work, p.request.sampling.max_tokens, 0, 0))
+                continue
             why = self.shards.avoid.get(s)
             if why is None:
                 self.batchers[s].add(p)
@@ -218,11 +325,11 @@ class Client:
         c["payload_wire_bytes"] += len(payload)
         c["payload_raw_bytes"] += zstandard.frame_content_size(payload)  # the msgpack size, from the header
         try:
-            reply = await self.actors[shard].submit.remote(payload)
+            reply = await self.actors[shard].submit.remote(payload, self.caller)
             t_dec = time.perf_counter()
             results = decode_results(reply)
             c["result_decode_s"] += time.perf_counter() - t_dec
-        except RayActorError as e:
+        except SHARD_LOST as e:
             await self._shard_lost(shard, batch, e)
             return
         t2 = time.perf_counter()
@@ -234,6 +341,9 @@ class Client:
         for p, r in zip(batch, results, strict=True):
             assert r.id in (p.request.id, None), "results come back in input order"
             err, max_tokens = r.error, p.request.sampling.max_tokens
+            if p.future.done():  # abandoned by its caller (and aborted on the shard)
+                completions.append(Completion(shard, p.est_work, max_tokens, 0, 0))
+                continue
             if err is not None and err.code.retryable and p.attempts < self.max_retries:
                 if err.code is ErrorCode.OVERLOADED:  # the same shard, once its queue has room
                     self._retry(p, err.retry_after_s or 0.0)
@@ -256,16 +366,17 @@ class Client:
 
     async def _shard_lost(self, shard: int, batch: list[Pending], e: Exception) -> None:
         """The shard died with the batch in flight: wait for its restart and route the batch again (its
-        engine is cold and the router dropped its prefixes); when it does not come back, the other shards
-        serve it."""
+        engine is cold and the router dropped its prefixes); when it does not come back, or cannot (its node
+        is gone), the other shards serve it."""
         log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
                     shard, len(batch), type(e).__name__)
-        restarted = await self.shards.await_restart(shard)
+        restarted = await self.shards.await_restart(shard, e)
         if not restarted:
-            self.shards.avoid_shard(shard, ErrorInfo(ErrorCode.SHARD_UNAVAILABLE, f"shard {shard} died and did "
-                                                     f"not come back within {self.restart_timeout_s}s: {e}"))
+            self.shards.lose_shard(shard, e)
         again = []
         for p in batch:
+            if p.future.done():
+                continue
             if p.attempts < self.max_retries:
                 again.append(p)
             elif restarted:  # a request that keeps killing shards stops here
@@ -276,6 +387,7 @@ class Client:
         await self._route_again(again)
 
     async def _route_again(self, ps: list[Pending]) -> None:
+        ps = [p for p in ps if not p.future.done()]
         for p in ps:
             p.attempts += 1
         self.counters["retries"] += len(ps)
@@ -285,7 +397,7 @@ class Client:
     def _retry(self, p: Pending, delay_s: float) -> None:
         p.attempts += 1
         self.counters["retries"] += 1
-        asyncio.get_running_loop().call_later(delay_s, self.batchers[p.shard].add, p)
+        asyncio.get_running_loop().call_later(delay_s, lambda: p.future.done() or self.batchers[p.shard].add(p))
 
     def _tokens(self, prompt) -> np.ndarray:
         """The prompt as uint32 token ids; RequestError (bad_prompt) when it cannot be one."""
@@ -312,7 +424,7 @@ class Client:
 
 
 def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
-                service: Service | None = None, **overrides) -> Client:
+                service: Service | None = None, namespace: str | None = None, **overrides) -> Client:
     """A client for the router and shards given, with cfg's client section (defaults without cfg) and
     `overrides` of its fields; the shards' health gives the model revision and limits. With `service`,
     closing the client stops that service."""
@@ -322,10 +434,12 @@ def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors
         raise RuntimeError(f"shards serve different model revisions: {sorted(revisions)}")
     config = dataclasses.replace(cfg.client if cfg is not None else ClientConfig(), **overrides)
     zstd_level = cfg.shard.zstd_level if cfg is not None else DEFAULT_ZSTD_LEVEL
-    return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0]["model"], service=service)
+    namespace = namespace or (cfg.ray.namespace if cfg is not None else None)
+    return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0]["model"], service=service,
+                  namespace=namespace)
 
 
 def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:
     """Start a service and return a Client that stops it on close()."""
     svc = start_service(cfg)
-    return make_client(cfg, svc.router, svc.actors, service=svc, **client_kwargs)
+    return make_client(cfg, svc.router, svc.actors, service=svc, namespace=cfg.ray.namespace, **client_kwargs)

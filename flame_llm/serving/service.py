@@ -12,8 +12,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.engine_actor import CONCURRENCY_GROUPS, EngineActor
-from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards
-from flame_llm.serving.service_config import ServiceConfig
+from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards, replacement_placement
+from flame_llm.serving.preflight import check_cpu_memory
+from flame_llm.serving.ray_attach import attach, init_ray, running_local_address
+from flame_llm.serving.service_config import DEFAULT_NAMESPACE, ServiceConfig
+
+__all__ = ["Service", "attach", "find_service", "init_ray", "start_service", "status", "stop"]
 
 log = logging.getLogger(__name__)
 SHARD_PREFIX = "flame-shard-"
@@ -27,26 +31,58 @@ class Service:
     router: ray.actor.ActorHandle
     actors: dict[int, ray.actor.ActorHandle]
     health: list[dict] = field(default_factory=list)
+    model: str = ""  # the model directory the shards load
+    lifetime: str | None = None  # the actors' Ray lifetime ("detached" or None)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         stop_actors(list(self.actors.values()), self.router, timeout_s)
 
+    def replace_lost_shards(self, health_timeout_s: float = 120.0) -> list[int]:
+        """Place a new engine actor for each shard whose node is gone (Ray cannot restart an actor held to a dead
+        node), on a node with a free slot: a GPU no shard holds, or the CPU node with the fewest shards. The
+        shards replaced; one without a free slot waits for the next call (`flame-llm serve` calls this every few
+        seconds). Its requests went to the other shards meanwhile; clients find the replacement by its name."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        lost = [k for k, p in enumerate(self.placements) if p.node_id not in alive]
+        if not lost:
+            return []
+        nodes = [n for n in discover_nodes() if n.node_id in alive]
+        taken = {(p.node_id, p.gpu_uuid) for p in self.placements if p.node_id in alive}
+        replaced = []
+        for k in lost:
+            old = self.placements[k]
+            new = replacement_placement(nodes, taken, old)
+            if new is None:
+                log.warning("shard %s lost its node %s; no free GPU to place it on yet", old.name, old.node_id)
+                continue
+            ray.kill(self.actors[k], no_restart=True)
+            deadline = time.monotonic() + 30.0
+            while True:  # the lost actor's name is released shortly after the kill
+                try:
+                    handle = create_shard(self.cfg, new, self.model, self.lifetime)
+                    break
+                except ValueError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            ray.get(handle.health.remote(), timeout=health_timeout_s)
+            self.actors[k], self.placements[k] = handle, new
+            taken.add((new.node_id, new.gpu_uuid))
+            replaced.append(k)
+            log.warning("shard %s: its node %s is gone; replaced on node %s (%s)", old.name, old.node_id,
+                        new.node_id, new.gpu_uuid or "CPU")
+        return replaced
 
-def init_ray(cfg: ServiceConfig) -> bool:
-    """Join cfg.ray.address, or start a local Ray when it is None. True when this call started Ray."""
-    if ray.is_initialized():
-        return False
-    kwargs = {"namespace": cfg.ray.namespace, "logging_level": logging.WARNING, "log_to_driver": False}
-    if cfg.ray.address is None:
-        # workers of a local Ray inherit this environment: let them import our packages from a checkout
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        if root not in paths:
-            os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, **kwargs)
-        return True
-    ray.init(address=cfg.ray.address, **kwargs)
-    return False
+    def running(self) -> bool:
+        """False once the service's actors were stopped (flame-llm stop) or are gone with their cluster."""
+        try:
+            names = {n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                     if n["namespace"] == self.cfg.ray.namespace}
+        except Exception:  # noqa: BLE001 - the cluster itself is gone
+            return False
+        from router.actor import ROUTER_NAME
+
+        return ROUTER_NAME in names
 
 
 @ray.remote(num_cpus=0)
@@ -65,8 +101,10 @@ def discover_nodes() -> list[NodeGPUs]:
             for n in nodes]
 
 
-def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
-    """Create the router and the engine actors and wait until every shard answers health."""
+def start_service(cfg: ServiceConfig, detached: bool = False, source: str = "the service config") -> Service:
+    """Create the router and the engine actors and wait until every shard answers health. Before Ray starts:
+    the model and engine fields are checked, CPU shards must fit in this machine's memory, and no other Ray may
+    run on this machine when a local one is to be started. `source` names the config in errors."""
     from flame_llm.config import Config
     from flame_llm.models.tiny import resolve_model
 
@@ -76,6 +114,13 @@ def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
     if os.path.isdir(model) or cfg.ray.address is None:
         model = os.path.abspath(model)
         Config.from_kwargs(model, **cfg.engine_kwargs())
+    if not ray.is_initialized():
+        check_cpu_memory(cfg, model, source)
+        running = running_local_address() if cfg.ray.address is None else None
+        if running is not None:
+            raise RuntimeError(f"a Ray cluster already runs on this machine ({running}), perhaps another flame-llm "
+                               "serve: `flame-llm status` shows its service, `flame-llm stop` ends it; to add this "
+                               "service to that cluster set ray.address: auto (--address auto)")
     init_ray(cfg)
     pc = cfg.placement
     placements = plan_shards(discover_nodes(), pc.num_shards, pc.cpu_shards, tuple(pc.gpu_uuids))
@@ -87,16 +132,10 @@ def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
                                "or choose another namespace")
     from router.actor import start_router
     router = start_router(len(placements), cfg.router, namespace=ns, lifetime=lifetime)
-    remote_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(EngineActor)
     actors = {}
     for k, p in enumerate(placements):
         assert p.shard == k
-        res = {"num_gpus": 1, "num_cpus": 1} if p.gpu_uuid else {"num_cpus": pc.cpu_per_shard}
-        actors[k] = remote_cls.options(
-            name=f"{SHARD_PREFIX}{k}", namespace=ns, lifetime=lifetime, max_restarts=pc.max_restarts,
-            max_task_retries=0, max_concurrency=MAX_CONCURRENCY,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(p.node_id, soft=False), **res,
-        ).remote(p, model, cfg.engine_kwargs(), cfg.shard)
+        actors[k] = create_shard(cfg, p, model, lifetime)
     refs = {k: a.health.remote() for k, a in actors.items()}
     health = []
     for k, ref in refs.items():
@@ -109,27 +148,59 @@ def start_service(cfg: ServiceConfig, detached: bool = False) -> Service:
                                f"{e}") from e
     log.info("service up in namespace %r: %s", ns,
              ", ".join(f"{h['name']}@{h['device']}/{h['node'][:8]}" for h in health))
-    return Service(cfg, placements, router, actors, health)
+    return Service(cfg, placements, router, actors, health, model, lifetime)
 
 
-def find_service(namespace: str) -> tuple[ray.actor.ActorHandle, dict[int, ray.actor.ActorHandle]]:
+def create_shard(cfg: ServiceConfig, p: ShardPlacement, model: str, lifetime: str | None) -> ray.actor.ActorHandle:
+    """The engine actor of placement p, named after its shard, held to its node."""
+    pc = cfg.placement
+    res = {"num_gpus": 1, "num_cpus": 1} if p.gpu_uuid else {"num_cpus": pc.cpu_per_shard}
+    remote_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(EngineActor)
+    return remote_cls.options(
+        name=f"{SHARD_PREFIX}{p.shard}", namespace=cfg.ray.namespace, lifetime=lifetime,
+        max_restarts=pc.max_restarts, max_task_retries=0, max_concurrency=MAX_CONCURRENCY,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(p.node_id, soft=False), **res,
+    ).remote(p, model, cfg.engine_kwargs(), cfg.shard)
+
+
+def service_namespaces() -> list[str]:
+    """The Ray namespaces that run a flame-llm service (a router), in the attached cluster."""
     from router.actor import ROUTER_NAME
 
+    return sorted({n["namespace"] for n in ray.util.list_named_actors(all_namespaces=True)
+                   if n["name"] == ROUTER_NAME})
+
+
+def resolve_namespace(namespace: str | None) -> str:
+    """`namespace`, or when None: the default namespace if it runs a service, else the one namespace that does."""
+    if namespace is not None:
+        return namespace
+    found = service_namespaces()
+    if DEFAULT_NAMESPACE in found or not found:
+        return DEFAULT_NAMESPACE
+    if len(found) == 1:
+        return found[0]
+    raise RuntimeError(f"services run in several Ray namespaces ({', '.join(found)}); name one with --namespace")
+
+
+def find_service(namespace: str | None = None) -> tuple[ray.actor.ActorHandle, dict[int, ray.actor.ActorHandle]]:
+    """The router and engine actors of the service in `namespace` (None: see resolve_namespace)."""
+    from router.actor import ROUTER_NAME
+
+    namespace = resolve_namespace(namespace)
     names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["namespace"] == namespace]
     shards = sorted(int(n[len(SHARD_PREFIX):]) for n in names if n.startswith(SHARD_PREFIX))
     if not shards or ROUTER_NAME not in names:
-        raise RuntimeError(f"no flame-llm service in Ray namespace {namespace!r} (found actors: {sorted(names)})")
+        others = [ns for ns in service_namespaces() if ns != namespace]
+        hint = f"; services run in: {', '.join(others)}" if others else ""
+        raise RuntimeError(f"no flame-llm service in Ray namespace {namespace!r} (found actors: {sorted(names)})"
+                           f"{hint}")
     return (ray.get_actor(ROUTER_NAME, namespace=namespace),
             {k: ray.get_actor(f"{SHARD_PREFIX}{k}", namespace=namespace) for k in shards})
 
 
-def attach(namespace: str, address: str | None = "auto") -> None:
-    """Join the Ray cluster at `address` (no-op when this process already is attached)."""
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
-
-
-def status(namespace: str) -> dict:
+def status(namespace: str | None = None) -> dict:
+    namespace = resolve_namespace(namespace)
     router, actors = find_service(namespace)
     shard_refs = {k: a.stats.remote() for k, a in actors.items()}
     shards = []
@@ -162,8 +233,9 @@ def stop_actors(actors: list, router, timeout_s: float = 30.0) -> None:
             pass
 
 
-def stop(namespace: str) -> int:
-    """Stop the service in `namespace`; the number of engine actors stopped."""
+def stop(namespace: str | None = None) -> int:
+    """Stop the service in `namespace`; the number of engine actors stopped. The `flame-llm serve` that started
+    it sees its router gone and exits (with the local Ray it started)."""
     router, actors = find_service(namespace)
     stop_actors(list(actors.values()), router)
     return len(actors)

@@ -8,6 +8,7 @@ the client's and Ray's here), composed into ServiceConfig. The YAML file has one
     placement: {num_shards: auto}
     router: {policy: cumulative}
     ray: {namespace: flame}
+    http: {port: 8000}                                              # the OpenAI front door
 
 Every field is checked with an error naming section and field. `python -m flame_llm.serving.service_config`
 prints the reference of every field with its default (configs/service.reference.yaml, tested to match)."""
@@ -23,6 +24,8 @@ import yaml
 
 from actors.engine_actor import ShardOptions
 from actors.pinning import PlacementConfig
+from flame_llm.protocol.types import MAX_BATCH_REQUESTS
+from flame_llm.serving.http_app import HttpConfig
 from router.policy import RouterConfig
 
 DEFAULT_NAMESPACE = "flame"  # the Ray namespace of a service, unless configured
@@ -35,12 +38,12 @@ class ClientConfig:
     batch_window_ms: float = 10.0  # this long after its first one, or at the payload budget
     max_retries: int = 20  # resubmissions of one request (overloaded, draining or dead shard)
     restart_timeout_s: float = 300.0  # how long to wait for a dead shard to come back
-    # send a generate() call's formed batches at once (False: only the three rules above, as in the seed)
-    flush_formed: bool = True
+    flush_formed: bool = True  # send a generate() call's batches at once (false: the three rules above only)
 
     def __post_init__(self) -> None:
-        _need("client", "max_batch_prompts", _int(self.max_batch_prompts) and self.max_batch_prompts >= 1,
-              "an integer >= 1", self.max_batch_prompts)
+        _need("client", "max_batch_prompts", _int(self.max_batch_prompts)
+              and 1 <= self.max_batch_prompts <= MAX_BATCH_REQUESTS,
+              f"an integer in [1, {MAX_BATCH_REQUESTS}]", self.max_batch_prompts)
         _need("client", "batch_window_ms", _num(self.batch_window_ms) and 0 <= self.batch_window_ms <= 10_000,
               "a number in [0, 10000]", self.batch_window_ms)
         _need("client", "max_retries", _int(self.max_retries) and self.max_retries >= 0, "an integer >= 0",
@@ -70,7 +73,7 @@ class RayConfig:
 
 
 SECTIONS = {"placement": PlacementConfig, "shard": ShardOptions, "router": RouterConfig, "client": ClientConfig,
-            "ray": RayConfig}
+            "ray": RayConfig, "http": HttpConfig}
 
 
 @dataclass(slots=True)
@@ -83,6 +86,7 @@ class ServiceConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
         from flame_llm.config import FIELD_NAMES

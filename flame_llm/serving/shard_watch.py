@@ -4,16 +4,19 @@ waits for a restarted shard. Lives on the client's event loop.
 A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait). A
 shard that answers as a new incarnation has a cold engine: the router drops its prefixes. A shard that is
 draining, or that did not come back, is avoided: routing leaves it out, and a watcher probes its health
-until it serves again."""
+until it serves again. A shard whose node is gone cannot come back where it was (Ray says so with
+ActorUnschedulableError): it is not waited for; the router drops its prefixes, its requests go to the other
+shards, and the watcher looks the shard up by name until the service has placed a replacement."""
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnschedulableError, RayError
 
-from flame_llm.protocol.types import ErrorInfo
+from flame_llm.protocol.types import ErrorCode, ErrorInfo
 
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
@@ -21,12 +24,15 @@ PROBE_TIMEOUT_S = 10.0
 
 class ShardWatch:
     def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle, health: list[dict],
-                 restart_timeout_s: float, counters: dict) -> None:
+                 restart_timeout_s: float, counters: dict,
+                 lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None) -> None:
         self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
+        self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
         self.incarnation = {s: h["incarnation"] for s, h in zip(actors, health, strict=True)}
         self.avoid: dict[int, ErrorInfo] = {}  # shard -> why requests are routed around it
         self._recovering: dict[int, asyncio.Future] = {}
         self._watchers: dict[int, asyncio.Task] = {}
+        self._unschedulable: set[int] = set()
 
     def avoid_shard(self, shard: int, why: ErrorInfo) -> None:
         """Route around the shard until its health says it serves again."""
@@ -34,8 +40,20 @@ class ShardWatch:
         if shard not in self._watchers:
             self._watchers[shard] = asyncio.get_running_loop().create_task(self._watch(shard))
 
-    async def await_restart(self, shard: int) -> bool:
-        """Wait until the shard's actor answers again; False when it did not within restart_timeout_s."""
+    def lose_shard(self, shard: int, e: BaseException) -> None:
+        """The shard did not come back (or cannot): route around it, drop its prefixes, watch for a replacement."""
+        if shard not in self.avoid:
+            self.router.drop_shard.remote(shard)
+        why = "cannot be placed again (its node is gone)" if isinstance(e, ActorUnschedulableError) else \
+            f"did not come back within {self.restart_timeout_s}s"
+        self.avoid_shard(shard, ErrorInfo(ErrorCode.SHARD_UNAVAILABLE, f"shard {shard} died and {why}: "
+                                                                       f"{type(e).__name__}: {e}"))
+
+    async def await_restart(self, shard: int, e: BaseException | None = None) -> bool:
+        """Wait until the shard's actor answers again; False when it did not within restart_timeout_s, or
+        cannot (`e`, the error it failed with, says its node is gone)."""
+        if isinstance(e, ActorUnschedulableError):
+            return False
         fut = self._recovering.get(shard)
         if fut is None:
             fut = self._recovering[shard] = asyncio.ensure_future(self._restart_once(shard))
@@ -52,7 +70,13 @@ class ShardWatch:
         """The shard's health, or None when it does not answer; a new incarnation's prefixes are dropped."""
         try:
             h = await asyncio.wait_for(self.actors[shard].health.remote(), timeout=PROBE_TIMEOUT_S)
-        except (RayActorError, asyncio.TimeoutError):
+        except (RayError, asyncio.TimeoutError) as e:
+            if isinstance(e, ActorUnschedulableError):
+                self._unschedulable.add(shard)
+            if self.lookup is not None:  # next time ask the actor of that name now: a replacement, if placed
+                handle = await asyncio.to_thread(self.lookup, shard)
+                if handle is not None:
+                    self.actors[shard] = handle
             return None
         if h["incarnation"] != self.incarnation[shard]:
             self.incarnation[shard] = h["incarnation"]
@@ -65,6 +89,9 @@ class ShardWatch:
         while time.monotonic() < deadline:
             if await self._health(shard) is not None:
                 return True
+            if shard in self._unschedulable:  # its node is gone: Ray will not restart it
+                self._unschedulable.discard(shard)
+                return False
             await asyncio.sleep(0.2)
         return False
 

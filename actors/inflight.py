@@ -1,0 +1,101 @@
+"""The requests an engine actor is serving, by id and by caller, so that they can be aborted: on the caller's
+word (`EngineActor.abort`), or when the caller's Ray job is gone (its process died: nobody will read the
+results, so its requests must not hold admission slots and KV blocks until they finish).
+
+Every request runs in its own task on the actor's submit loop; aborting it cancels that task (the engine
+request is aborted by AsyncEngine when its awaiting task is cancelled). An abort that arrives before its
+request is remembered for a while, so a request that was cancelled while on its way is never started."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+log = logging.getLogger(__name__)
+
+REMEMBER_ABORTS = 100_000  # ids aborted before their request arrived, remembered (oldest dropped first)
+REMEMBER_ABORTS_S = 300.0
+WATCH_INTERVAL_S = 0.5  # between looks at the callers' jobs
+
+
+def dead_jobs(job_ids: set[str]) -> set[str]:
+    """The job ids (hex) among `job_ids` that Ray's job table marks dead (a driver that exited or was killed).
+    The table is read from the GCS (ray._private.state, as `ray list jobs` needs the dashboard); when it cannot
+    be read, nobody is declared dead."""
+    import ray._private.state
+
+    try:
+        table = ray._private.state.jobs()
+    except Exception as e:  # the GCS is restarting: try again next round
+        log.warning("could not read Ray's job table: %s", e)
+        return set()
+    return {j["JobID"] for j in table if j["IsDead"] and j["JobID"] in job_ids}
+
+
+class Inflight:
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task] = {}  # request id -> the task serving it
+        self.callers: dict[str, set[str]] = {}  # caller job id -> its request ids
+        self.aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when its abort arrived
+        self.loop: asyncio.AbstractEventLoop | None = None  # the submit loop (abort comes from another thread)
+        self.watcher: asyncio.Task | None = None
+        self.counters = {"aborted": 0, "aborted_dead_caller": 0}
+
+    def add(self, rid: str, caller: str | None) -> bool:
+        """Register the current task as serving `rid` for `caller`; False when it was aborted already."""
+        if self.aborted.pop(rid, None) is not None:
+            return False
+        self.loop = asyncio.get_running_loop()
+        self.tasks[rid] = asyncio.current_task()
+        if caller:
+            self.callers.setdefault(caller, set()).add(rid)
+            if self.watcher is None:
+                self.watcher = self.loop.create_task(self._watch())
+        return True
+
+    def remove(self, rid: str, caller: str | None) -> None:
+        self.tasks.pop(rid, None)
+        ids = self.callers.get(caller) if caller else None
+        if ids is not None:
+            ids.discard(rid)
+            if not ids:
+                del self.callers[caller]
+
+    def was_aborted(self, rid: str) -> bool:
+        """Whether `rid`'s cancellation is one of ours (an abort), not the actor's own shutdown."""
+        return rid in self.aborted
+
+    def abort(self, rids: list[str]) -> int:
+        """Cancel the tasks serving `rids` (from any thread); remember the others. The number found."""
+        now = time.monotonic()
+        found = 0
+        for rid in rids:
+            self.aborted[rid] = now
+            self.aborted.move_to_end(rid)
+            task = self.tasks.get(rid)
+            if task is not None and self.loop is not None:
+                found += 1
+                self.loop.call_soon_threadsafe(task.cancel)
+        while self.aborted and (len(self.aborted) > REMEMBER_ABORTS
+                                or now - next(iter(self.aborted.values())) > REMEMBER_ABORTS_S):
+            self.aborted.popitem(last=False)
+        self.counters["aborted"] += found
+        return found
+
+    def forget(self, rid: str) -> None:
+        self.aborted.pop(rid, None)
+
+    async def _watch(self) -> None:
+        """Abort the requests of callers whose Ray job died; ends when no caller is left."""
+        try:
+            while self.callers:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                dead = await asyncio.to_thread(dead_jobs, set(self.callers))
+                for job in dead:
+                    rids = list(self.callers.pop(job, ()))
+                    log.warning("caller job %s is gone: aborting its %d requests", job, len(rids))
+                    self.counters["aborted_dead_caller"] += len(rids)
+                    self.abort(rids)
+        finally:
+            self.watcher = None

@@ -1,0 +1,137 @@
+"""The service's HTTP front door: a Ray actor (named FRONTDOOR_NAME in the service's namespace, held to the
+node that started it) serving the OpenAI API (flame_llm/serving/http_app.py) over a Client, so every HTTP
+request takes the Python client's path: router -> per-shard batcher -> msgpack+zstd -> the engine actor's
+admission. It has no other way to the engines. /metrics renders the whole service's figures (every shard's,
+the router's, this client's, and the front door's own latencies)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from flame_llm.serving.http_app import HttpConfig
+
+log = logging.getLogger(__name__)
+FRONTDOOR_NAME = "flame-frontdoor"
+
+
+def load_tokenizer(model_dir: str):
+    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
+    if not any(os.path.isfile(os.path.join(model_dir, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class ClientBackend:
+    """The http_app backend over a Client (flame_llm.serving.client)."""
+
+    def __init__(self, client, served_model_name: str | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Histogram
+
+        from actors.metrics import LATENCY_BUCKETS_S
+
+        self.client, self.limits = client, client.limits
+        self.tokenizer = load_tokenizer(client.model_dir)
+        name = served_model_name or os.path.basename(os.path.normpath(client.model_dir))
+        self.model_names = (name, client.model_dir)
+        self.registry = CollectorRegistry()
+        self.hist = {k: Histogram(f"flame_http_{k.removesuffix('_s')}_seconds", doc, registry=self.registry,
+                                  buckets=LATENCY_BUCKETS_S)
+                     for k, doc in (("ttft_s", "HTTP request arrival to its first streamed token"),
+                                    ("e2e_s", "HTTP request arrival to its response's end"))}
+
+    def observe(self, name: str, seconds: float) -> None:
+        self.hist[name].observe(seconds)
+
+    async def generate(self, prompts: list, sampling: list) -> list[dict]:
+        return await self.client.agenerate(prompts, sampling)
+
+    def stream(self, prompt, sp):
+        return self.client.stream_chunks(prompt, sp)
+
+    async def health(self) -> dict:
+        from flame_llm.serving.service import status
+
+        st = await asyncio.to_thread(status, self.client.namespace)
+        up = [s for s in st["shards"] if "error" not in s]
+        info = {"status": "ok" if up else "unavailable", "model": self.model_names[1],
+                "model_name": self.model_names[0], "namespace": st["namespace"],
+                "shards": len(st["shards"]), "shards_up": len(up), **self.limits.to_dict()}
+        if not up:
+            info["message"] = "no shard answers"
+        return info
+
+    async def metrics(self) -> bytes:
+        from flame_llm.serving.metrics import render_service
+        from flame_llm.serving.service import status
+
+        st = await asyncio.to_thread(status, self.client.namespace)
+        return render_service(st, self.client.counters, self.registry)
+
+
+class FrontDoor:
+    """Created by start_frontdoor; `start` opens the port on the actor's event loop."""
+
+    def __init__(self, namespace: str, http: HttpConfig) -> None:
+        self.namespace, self.http, self.client, self.runner, self.address = namespace, http, None, None, ""
+
+    def _connect(self):
+        from flame_llm.serving.client import make_client
+        from flame_llm.serving.service import find_service
+
+        router, actors = find_service(self.namespace)
+        self.client = make_client(None, router, actors, namespace=self.namespace)
+        return ClientBackend(self.client, self.http.served_model_name)
+
+    async def start(self) -> str:
+        from flame_llm.serving.http_app import build_app, start
+
+        backend = await asyncio.to_thread(self._connect)  # blocking Ray calls stay off the actor's loop
+        self.runner, self.address = await start(build_app(backend, self.http, backend.observe), self.http)
+        log.info("front door listening on %s", self.address)
+        return self.address
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+        if self.client is not None:
+            await asyncio.to_thread(self.client.close)
+
+
+def start_frontdoor(namespace: str, http: HttpConfig, lifetime: str | None = None) -> tuple[ray.actor.ActorHandle,
+                                                                                             str]:
+    """The front door actor of the service in `namespace`, on this node (it binds http.host here); (handle,
+    "http://host:port"). Keep the handle: unless detached, the actor ends with its last handle. RuntimeError in
+    one line when the port cannot be opened."""
+    node = ray.get_runtime_context().get_node_id()
+    handle = ray.remote(num_cpus=0)(FrontDoor).options(
+        name=FRONTDOOR_NAME, namespace=namespace, lifetime=lifetime,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(namespace, http)
+    try:
+        address = ray.get(handle.start.remote())
+    except ray.exceptions.RayTaskError as e:
+        ray.kill(handle, no_restart=True)
+        cause = e.cause if isinstance(e.cause, RuntimeError) else e
+        raise RuntimeError(str(cause).splitlines()[0] if isinstance(cause, RuntimeError) else str(e)) from None
+    return handle, address
+
+
+def stop_frontdoor(namespace: str, timeout_s: float = 10.0) -> bool:
+    """Close the front door of `namespace` when it has one; True when there was one."""
+    try:
+        handle = ray.get_actor(FRONTDOOR_NAME, namespace=namespace)
+    except ValueError:
+        return False
+    try:
+        ray.get(handle.stop.remote(), timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - it is killed next anyway
+        log.warning("front door stop failed: %s", e)
+    ray.kill(handle, no_restart=True)
+    return True

@@ -1,0 +1,198 @@
+"""The HTTP server both front doors run (aiohttp): the OpenAI routes over a backend, server-sent events, errors
+as OpenAI error objects (404, 405, 413 and 500 too), an optional bearer token, and the hardening a public port
+needs: a connection that has not sent a whole request head within header_timeout_s is closed, a body must
+arrive within body_timeout_s (else 408), a Content-Length over max_body_bytes is refused before the body is
+read (413), JSON nested too deep is a 400. A client that disconnects cancels its handler, which aborts its
+requests on the engines.
+
+A backend is any object with: `limits` (EngineLimits), `tokenizer` (or None), `model_names` (served name
+first), `async generate(prompts, sampling) -> [result dict]`, `stream(prompt, sampling)` (an async iterator of
+StreamChunk), `async health() -> dict`, `async metrics() -> bytes` (Prometheus text). The service's front door
+holds a Client (flame_llm/serving/frontdoor.py); serve-http an engine (flame_llm/serving/http_server.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from flame_llm.serving import openai_api as api
+from flame_llm.serving.http_stream import collect, stream_events
+
+log = logging.getLogger(__name__)
+BACKEND = web.AppKey("backend", object)
+CONFIG = web.AppKey("config", object)
+OBSERVE = web.AppKey("observe", object)
+
+
+@dataclass(slots=True)
+class HttpConfig:
+    """The HTTP front door (the service YAML's `http` section; serve-http takes the same limits)."""
+    enabled: bool = True  # flame-llm serve opens the front door (--no-http: not)
+    host: str = "127.0.0.1"  # the address it binds (0.0.0.0: every interface)
+    port: int = 8000  # the front door's port (--http-port; 0: any free port)
+    api_key: str | None = None  # when set, /v1/* and /metrics need "Authorization: Bearer <api_key>"
+    served_model_name: str | None = None  # the model name clients send (default: the model directory's name)
+    max_prompts_per_request: int = 256  # prompts x n of one request; more is a 413
+    max_tokens_per_request: int = 1 << 20  # prompt plus max output tokens over one request's completions (413)
+    max_body_bytes: int = 16 << 20  # a larger body (by its Content-Length, or as it arrives) is a 413
+    header_timeout_s: float = 10.0  # a connection idle or mid-head this long is closed
+    body_timeout_s: float = 30.0  # a body that has not arrived whole by then is a 408
+
+    def __post_init__(self) -> None:
+        for name, ok, limit in (
+                ("enabled", isinstance(self.enabled, bool), "true or false"),
+                ("host", isinstance(self.host, str) and self.host != "", "a host name or address"),
+                ("port", _int(self.port) and 0 <= self.port <= 65535, "an integer in [0, 65535] (0: any free)"),
+                ("api_key", self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""),
+                 "null or a non-empty string"),
+                ("served_model_name", self.served_model_name is None or isinstance(self.served_model_name, str),
+                 "null or a string"),
+                ("max_prompts_per_request", _int(self.max_prompts_per_request) and self.max_prompts_per_request >= 1,
+                 "an integer >= 1"),
+                ("max_tokens_per_request", _int(self.max_tokens_per_request) and self.max_tokens_per_request >= 2,
+                 "an integer >= 2"),
+                ("max_body_bytes", _int(self.max_body_bytes) and self.max_body_bytes >= 1024, "an integer >= 1024"),
+                ("header_timeout_s", _num(self.header_timeout_s) and self.header_timeout_s > 0, "a number > 0"),
+                ("body_timeout_s", _num(self.body_timeout_s) and self.body_timeout_s > 0, "a number > 0")):
+            if not ok:
+                raise ValueError(f"service config field 'http.{name}' must be {limit}; got {getattr(self, name)!r}")
+
+    def request_limits(self) -> api.RequestLimits:
+        return api.RequestLimits(self.max_prompts_per_request, self.max_tokens_per_request)
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _json_error(e: api.ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+@web.middleware
+async def errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error as an OpenAI error object; the bearer token checked first when one is configured."""
+    cfg: HttpConfig = request.app[CONFIG]
+    try:
+        if cfg.api_key and request.path != "/health":
+            if request.headers.get("Authorization", "") != f"Bearer {cfg.api_key}":
+                raise api.ApiError(401, "missing or incorrect API key: send \"Authorization: Bearer <key>\"", None,
+                                   "invalid_request_error", "invalid_api_key")
+        return await handler(request)
+    except api.ApiError as e:
+        return _json_error(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        what = {404: f"no route {request.path}", 405: f"method {request.method} is not allowed on {request.path}",
+                413: f"the body is larger than max_body_bytes ({cfg.max_body_bytes})"}.get(e.status, e.reason)
+        return _json_error(api.ApiError(e.status, what, "body" if e.status == 413 else None))
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.path)
+        return _json_error(api.ApiError(500, f"{type(e).__name__}: {e}", None, "server_error"))
+
+
+async def read_json(request: web.Request) -> object:
+    """The body as JSON, within the body limits and timeout."""
+    cfg: HttpConfig = request.app[CONFIG]
+    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+        raise api.ApiError(413, f"the body is {request.content_length} bytes (Content-Length); max_body_bytes is "
+                                f"{cfg.max_body_bytes}", "body")
+    try:
+        raw = await asyncio.wait_for(request.read(), cfg.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise api.ApiError(408, f"the body did not arrive within body_timeout_s ({cfg.body_timeout_s:g}s)",
+                           "body") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise api.ApiError(413, f"the body is larger than max_body_bytes ({cfg.max_body_bytes})", "body") from None
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise api.ApiError(400, "the request body is JSON nested too deeply", "body") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise api.ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
+
+
+async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
+    t0 = time.perf_counter()
+    backend, cfg = request.app[BACKEND], request.app[CONFIG]
+    body = await read_json(request)
+    req = api.parse(kind, body, backend.limits, cfg.request_limits(), backend.tokenizer, backend.model_names)
+    observe = request.app[OBSERVE]
+    if req.stream:
+        return await stream_events(request, req, backend, t0, observe)
+    results, texts = await collect(req, backend, t0, observe)
+    failed = [r for r in results if r["error"] is not None]
+    if failed:
+        raise api.result_error(failed[0])
+    return web.json_response(api.response(req, backend.model_names[0], results, texts, time.perf_counter() - t0))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    backend = request.app[BACKEND]
+    return web.json_response({"object": "list", "data": [
+        {"id": backend.model_names[0], "object": "model", "created": 0, "owned_by": "flame-llm",
+         "max_model_len": backend.limits.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    info = await request.app[BACKEND].health()
+    if info.get("status") != "ok":
+        raise api.ApiError(503, info.get("message", "unhealthy"), None, "server_error")
+    return web.json_response(info)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    body = await request.app[BACKEND].metrics()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(backend, cfg: HttpConfig, observe=None) -> web.Application:
+    """The app over `backend`. observe(name, seconds): records ttft_s and e2e_s of each HTTP request."""
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[errors])
+    app[BACKEND], app[CONFIG], app[OBSERVE] = backend, cfg, observe or (lambda name, seconds: None)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start(app: web.Application, cfg: HttpConfig, host: str | None = None,
+                port: int | None = None) -> tuple[web.AppRunner, str]:
+    """Serve `app` on the running loop; (runner, "http://host:port"). A client's disconnect cancels its handler;
+    a connection idle or mid-head for header_timeout_s is closed (aiohttp's keep-alive timer, which runs from
+    the connection's start and is not extended by a partial head)."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, keepalive_timeout=cfg.header_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host or cfg.host, cfg.port if port is None else port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        where = f"{host or cfg.host}:{cfg.port if port is None else port}"
+        raise RuntimeError(f"cannot listen on {where}: {e.strerror or e} (choose another port: --http-port, "
+                           "http.port)") from None
+    bound = runner.addresses[0]
+    return runner, f"http://{bound[0]}:{bound[1]}"

@@ -1,0 +1,120 @@
+"""Serving one checked OpenAI request over a backend: as one response (`collect`) or as server-sent events
+(`stream_events`, each choice's text as its tokens are sampled). A request with stop strings is streamed from
+its shard even when the response is not, so that the engine stops (aborts) the moment a stop string matches."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+from flame_llm.serving import openai_api as api
+from flame_llm.serving.detok import TextStream
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tuple[dict, str]:
+    """One choice through backend.stream: (its result dict, its text). on_text(text, token_ids) is called for every
+    chunk. When a stop string matches, the stream is closed (the request is aborted on its engine) and the
+    result says finish_reason "stop"."""
+    tok = backend.tokenizer
+    ts = TextStream(tok, stop) if tok is not None else None
+    ids: list[int] = []
+    result = None
+    agen = backend.stream(prompt, sp)
+    try:
+        async for c in agen:
+            ids.extend(c.token_ids)
+            text = ts.feed(c.token_ids) if ts is not None else ""
+            if c.result is not None:
+                result = {**c.result, "output_token_ids": ids}  # what was streamed
+                text += ts.finish() if ts is not None and not ts.stopped else ""
+            if on_text is not None and (text or c.token_ids):
+                on_text(text, c.token_ids)
+            if ts is not None and ts.stopped:
+                break
+    finally:
+        await agen.aclose()
+    if result is None:  # stopped by a stop string before the engine finished: it was aborted there
+        result = {"id": None, "output_token_ids": ids, "finish_reason": "stop", "prompt_tokens": len(prompt),
+                  "cached_tokens": 0, "shard": -1, "device": "", "node": "", "timings": {}, "error": None,
+                  "prompt_digest": ""}
+    elif ts is not None and ts.stopped:
+        result = {**result, "finish_reason": "stop"}
+    return result, (ts.text if ts is not None else "")
+
+
+async def collect(req: api.ApiRequest, backend, t0: float, observe) -> tuple[list[dict], list[str]]:
+    """Every choice's result and text, for a response in one piece."""
+    if req.stop:
+        pairs = await asyncio.gather(*(run_choice(backend, p, sp, req.stop)
+                                       for p, sp in zip(req.prompts, req.sampling, strict=True)))
+        results, texts = [r for r, _ in pairs], [t for _, t in pairs]
+    else:
+        results = await backend.generate(req.prompts, req.sampling)
+        tok = backend.tokenizer
+        texts = [tok.decode(r["output_token_ids"], skip_special_tokens=True) if tok is not None and not r["error"]
+                 else "" for r in results]
+    observe("e2e_s", time.perf_counter() - t0)
+    return results, texts
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: float,
+                        observe) -> web.StreamResponse:
+    """Server-sent events: each choice's chunks as its tokens arrive, its last chunk with its finish reason, a
+    usage chunk when asked for, then [DONE]. A failed choice ends the stream with an error event. The client
+    going away (a failed write, or its handler cancelled) cancels every choice: their requests are aborted."""
+    model = backend.model_names[0]
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def one(index: int, prompt, sp) -> None:
+        def on_text(text: str, token_ids: list[int]) -> None:
+            events.put_nowait(("text", index, text, token_ids))
+
+        try:
+            result, _ = await run_choice(backend, prompt, sp, req.stop, on_text)
+        except Exception as e:  # noqa: BLE001 - reported to the client as the stream's error
+            events.put_nowait(("error", index, api.ApiError(500, f"{type(e).__name__}: {e}", None, "server_error")))
+            return
+        events.put_nowait(("done", index, result, None))
+
+    if req.kind == "chat":
+        for k in range(len(req.prompts)):
+            await resp.write(_event(api.chunk(req, model, k, "", [], None, first=True)))
+    tasks = [asyncio.create_task(one(k, p, sp)) for k, (p, sp) in enumerate(zip(req.prompts, req.sampling))]
+    results: list[dict | None] = [None] * len(tasks)
+    first = True
+    try:
+        while any(r is None for r in results):
+            kind, index, a, b = await events.get()
+            if kind == "text":
+                if first and b:
+                    observe("ttft_s", time.perf_counter() - t0)
+                    first = False
+                await resp.write(_event(api.chunk(req, model, index, a, b, None)))
+                continue
+            error = a if kind == "error" else (api.result_error(a) if a["error"] is not None else None)
+            if error is not None:
+                await resp.write(_event(error.body()))
+                break
+            results[index] = a
+            await resp.write(_event(api.chunk(req, model, index, "", [], a["finish_reason"])))
+        else:
+            if req.include_usage:
+                await resp.write(_event(api.usage_chunk(req, model, results)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        observe("e2e_s", time.perf_counter() - t0)
+    return resp

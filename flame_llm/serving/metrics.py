@@ -1,0 +1,127 @@
+"""The service's figures, from `flame_llm.serving.service.status()`: as Prometheus text (the front door's
+/metrics) and as the rows `flame-llm status` prints. Per shard: queue depth, admitted and rejected requests,
+running and waiting sequences, KV cache usage, prefix hit rate, requests per batch, payload bytes (decoded vs
+on the wire), and histograms of admission wait, time to first token, time per output token and time at the
+shard; the router's decisions (sticky, new, spill, moved); a client's batches and payload bytes."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+# router counter -> decision label (sticky: the prefix's owner served it)
+DECISIONS = {"hit": "sticky", "new": "new", "spill": "spill", "moved": "moved", "round_robin": "round_robin"}
+HISTOGRAMS = {"queue_s": ("flame_shard_queue_wait_seconds", "admission wait of a request at its shard"),
+              "ttft_s": ("flame_shard_ttft_seconds", "time to first token in the engine"),
+              "tpot_s": ("flame_shard_tpot_seconds", "time per output token after the first"),
+              "e2e_s": ("flame_shard_request_seconds", "a request's time at its shard, arrival to result"),
+              "batch_requests": ("flame_shard_batch_requests", "requests per batch a shard received")}
+
+
+def shard_figures(s: dict) -> dict:
+    """The figures of one shard's stats() (status()["shards"][k]) under their display names."""
+    eng = s.get("engine", {})
+    blocks = eng.get("num_blocks", 0)
+    return {"queued": s["queued"], "inflight": s["inflight_requests"], "admitted": s["admitted"],
+            "rejected": s["rejected"], "aborted": s.get("aborted", 0), "running": eng.get("num_running", 0),
+            "waiting": eng.get("num_waiting", 0),
+            "kv_usage": 1.0 - eng.get("num_free_blocks", 0) / blocks if blocks else 0.0,
+            "hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+            "requests": s["requests"], "batches": s["batches"],
+            "payload_raw": s.get("payload_raw_bytes", 0), "payload_wire": s.get("payload_wire_bytes", 0)}
+
+
+def quantile(h: dict, q: float) -> float | None:
+    """The bucket bound below which a fraction q of a histogram dict's observations lie (None when empty)."""
+    total = h["count"]
+    if not total:
+        return None
+    seen = 0
+    for bound, n in zip([*h["buckets"], float("inf")], h["counts"]):
+        seen += n
+        if seen >= q * total:
+            return bound
+    return float("inf")
+
+
+class _StatusCollector:
+    def __init__(self, st: dict, client: dict | None) -> None:
+        self.st, self.client = st, client
+
+    def collect(self):
+        up = GaugeMetricFamily("flame_shard_up", "1 when the shard answered", labels=["shard", "device"])
+        gauges = {k: GaugeMetricFamily(f"flame_shard_{k}", doc, labels=["shard", "device"]) for k, doc in (
+            ("queue_depth", "requests waiting for admission"), ("inflight_requests", "requests admitted"),
+            ("running_sequences", "sequences the engine runs"), ("waiting_sequences", "sequences the engine queues"),
+            ("kv_usage_ratio", "KV cache blocks in use"), ("prefix_hit_ratio", "prompt tokens served from cache"))}
+        counters = {k: CounterMetricFamily(f"flame_shard_{k}", doc, labels=["shard", "device"]) for k, doc in (
+            ("admitted", "requests admitted"), ("rejected", "requests rejected (overloaded)"),
+            ("aborted", "requests aborted (their caller gave up or died)"), ("requests", "requests served"),
+            ("batches", "request batches received"), ("prompt_tokens", "prompt tokens served"),
+            ("cached_tokens", "prompt tokens served from the prefix cache"), ("output_tokens", "tokens generated"))}
+        payload = CounterMetricFamily("flame_shard_payload_bytes", "request payload bytes a shard received",
+                                      labels=["shard", "device", "kind"])
+        hists = {k: HistogramMetricFamily(name, doc, labels=["shard", "device"])
+                 for k, (name, doc) in HISTOGRAMS.items()}
+        for s in self.st["shards"]:
+            labels = [str(s["shard"]), s.get("device", "")]
+            up.add_metric(labels, 0.0 if "error" in s else 1.0)
+            if "error" in s:
+                continue
+            f = shard_figures(s)
+            for k, key in (("queue_depth", "queued"), ("inflight_requests", "inflight"),
+                           ("running_sequences", "running"), ("waiting_sequences", "waiting"),
+                           ("kv_usage_ratio", "kv_usage"), ("prefix_hit_ratio", "hit_rate")):
+                gauges[k].add_metric(labels, float(f[key]))
+            for k in counters:
+                counters[k].add_metric(labels, float(s.get(k, 0)))
+            payload.add_metric([*labels, "raw"], float(f["payload_raw"]))
+            payload.add_metric([*labels, "wire"], float(f["payload_wire"]))
+            for k, h in s.get("histograms", {}).items():
+                if k in hists:
+                    hists[k].add_metric(labels, _cumulative(h), h["sum"])
+        yield from [up, *gauges.values(), *counters.values(), payload, *hists.values()]
+        router = self.st["router"]
+        decisions = CounterMetricFamily("flame_router_decisions", "routing decisions", labels=["decision"])
+        for key, label in DECISIONS.items():
+            decisions.add_metric([label], float(router["counters"].get(key, 0)))
+        yield decisions
+        yield GaugeMetricFamily("flame_router_prefixes", "prefix chain hashes the router remembers",
+                                value=float(router["entries"]))
+        yield CounterMetricFamily("flame_router_dropped", "prefixes dropped with a restarted or lost shard",
+                                  value=float(router["counters"].get("dropped", 0)))
+        if self.client is not None:
+            c = self.client
+            yield CounterMetricFamily("flame_client_batches", "batches this client sent", value=float(c["batches"]))
+            yield CounterMetricFamily("flame_client_retries", "requests this client sent again",
+                                      value=float(c["retries"]))
+            fam = CounterMetricFamily("flame_client_payload_bytes", "request payload bytes this client sent",
+                                      labels=["kind"])
+            fam.add_metric(["raw"], float(c["payload_raw_bytes"]))
+            fam.add_metric(["wire"], float(c["payload_wire_bytes"]))
+            yield fam
+
+
+def _cumulative(h: dict) -> list[tuple[str, float]]:
+    out, seen = [], 0
+    for bound, n in zip([*h["buckets"], float("inf")], h["counts"]):
+        seen += n
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(seen)))
+    return out
+
+
+def render_service(st: dict, client_counters: dict | None = None,
+                   extra: CollectorRegistry | None = None) -> bytes:
+    """Prometheus text of a status() dict (and a client's counters, and the collectors of `extra`)."""
+    registry = CollectorRegistry()
+    registry.register(_StatusCollector(st, client_counters))
+    return generate_latest(registry) + (generate_latest(extra) if extra is not None else b"")
+
+
+def render_engine(info: dict, engine_stats: dict, counters: dict) -> bytes:
+    """Prometheus text of serve-http's one engine, in the shard metrics' names (shard "0")."""
+    shard = {"shard": 0, "device": info["device"], "queued": engine_stats.get("num_queued", 0),
+             "inflight_requests": engine_stats.get("num_in_flight", 0), "admitted": counters["requests"],
+             "rejected": 0, "requests": counters["requests"], "batches": 0,
+             "prompt_tokens": engine_stats.get("prefix_query_tokens", 0),
+             "cached_tokens": engine_stats.get("prefix_hit_tokens", 0), "engine": engine_stats}
+    return render_service({"shards": [shard], "router": {"counters": {}, "entries": 0}})

@@ -1,0 +1,106 @@
+"""Joining Ray: start a local Ray for a service, or attach to a running cluster, with the errors a user can act on.
+
+Ray (2.52 and newer) starts clusters with token authentication: a process joining one needs RAY_AUTH_MODE=token
+and the token (~/.ray/auth_token on the machine that started it, or RAY_AUTH_TOKEN). When RAY_AUTH_MODE is not
+set and a token is at hand, it is set here (token mode also joins a cluster without authentication). A join
+that fails for want of a token says so in one line, instead of Ray's twenty `InvalidAuthToken` warnings and
+a connection error that never mentions authentication."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+
+import ray
+
+from flame_llm.serving.service_config import ServiceConfig
+
+log = logging.getLogger(__name__)
+TOKEN_PATH = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+
+
+def _token_available() -> bool:
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or os.path.isfile(os.environ.get("RAY_AUTH_TOKEN_PATH",
+                                                                                  TOKEN_PATH))
+
+
+def join(address: str, namespace: str) -> None:
+    """ray.init(address) for this process; RuntimeError in one line when the cluster cannot be joined."""
+    if "RAY_AUTH_MODE" not in os.environ and _token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray._raylet import Config
+
+        Config.initialize("")  # Ray caches its config at import: refresh it, as Ray does when it turns token mode on
+    with _captured_stderr() as captured:
+        try:
+            ray.init(address=address, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
+            error = None
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            error = e
+    text = captured.read()
+    if error is None:
+        sys.stderr.write("".join(line for line in text.splitlines(keepends=True) if "InvalidAuthToken" not in line))
+        return
+    if "InvalidAuthToken" in text or "Unauthenticated" in text:
+        mode = os.environ.get("RAY_AUTH_MODE") or "unset"
+        raise RuntimeError(f"the Ray cluster at {address} uses token authentication and refused this process "
+                           f"(RAY_AUTH_MODE={mode}): set RAY_AUTH_MODE=token and make the cluster's token available "
+                           f"({TOKEN_PATH} from the machine that started it, or RAY_AUTH_TOKEN)") from None
+    raise RuntimeError(f"cannot join the Ray cluster at {address}: {error}") from None
+
+
+class _captured_stderr:
+    """Route file descriptor 2 (where Ray's C++ core logs) to a temporary file; `read()` gives what was written."""
+
+    def __enter__(self) -> _captured_stderr:
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+
+    def read(self) -> str:
+        self._file.seek(0)
+        text = self._file.read().decode(errors="replace")
+        self._file.close()
+        return text
+
+
+def running_local_address() -> str | None:
+    """The address of a Ray cluster already running on this machine (its GCS process), or None."""
+    from ray._private.services import find_gcs_addresses
+
+    try:
+        found = sorted(find_gcs_addresses())
+    except Exception:  # noqa: BLE001 - no process table to read: nothing found
+        return None
+    return found[0] if found else None
+
+
+def init_ray(cfg: ServiceConfig) -> bool:
+    """Join cfg.ray.address, or start a local Ray when it is None. True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    if cfg.ray.address is not None:
+        join(cfg.ray.address, cfg.ray.namespace)
+        return False
+    # workers of a local Ray inherit this environment: let them import our packages from a checkout
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
+    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, namespace=cfg.ray.namespace,
+             logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def attach(namespace: str, address: str | None = "auto") -> None:
+    """Join the Ray cluster at `address` (no-op when this process already is attached)."""
+    if not ray.is_initialized():
+        join(address or "auto", namespace)
