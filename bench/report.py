@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from bench.report_plots import render_png
 from bench.runner import RAW_FORMAT
 from bench.service_path import render as render_service_path
 from bench.service_path import service_path
@@ -60,6 +61,11 @@ def _pct(xs: list[float]) -> dict:
             "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
+def _quantile_points(xs: list[float], n: int = 101) -> list[float]:
+    """The 0th..100th percentiles (n points) of xs: enough to draw its CDF, small enough for report.json."""
+    return [float(v) for v in np.percentile(np.asarray(xs, dtype=float), np.linspace(0, 100, n))] if xs else []
+
+
 def system_stats(runs: list[dict]) -> dict:
     both = sorted(((run_summary(r), r) for r in runs), key=lambda x: x[0]["pair"])
     summ = [s for s, _ in both]
@@ -76,6 +82,7 @@ def system_stats(runs: list[dict]) -> dict:
         "cached_pct": 100.0 * sum(q["cached_tokens"] for q in reqs) / prompt if prompt else 0.0,
         "cached_reported": all(q.get("cached_reported", True) for q in reqs),
         "latency_s": _pct([q["done_s"] for q in reqs]),
+        "latency_points": _quantile_points([q["done_s"] for q in reqs]),
         "latency_source": sorted({q.get("done_source", "request") for q in reqs}),
         "timings_median_s": {k: statistics.median([q["timings"][k] for q in reqs if k in q.get("timings", {})])
                              for k in timing_keys},
@@ -172,39 +179,6 @@ def render_markdown(rep: dict, source: str) -> str:
     return "\n".join(lines)
 
 
-def render_png(rep: dict, path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no PNG written (pip install matplotlib)")
-        return False
-    names = list(rep["traces"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
-        t = rep["traces"][name]
-        pairs = sorted({x["pair"] for lab in t["systems"] for x in t["stats"][lab]["per_run"] if x["ok"]})
-        for p in pairs:  # one gray line per pair across the systems
-            pts = [(i, x["req_s"]) for i, lab in enumerate(t["systems"]) for x in t["stats"][lab]["per_run"]
-                   if x["ok"] and x["pair"] == p]
-            ax.plot([a for a, _ in pts], [b for _, b in pts], color="0.8", linewidth=0.8, zorder=0)
-        for i, lab in enumerate(t["systems"]):
-            s = t["stats"][lab]
-            ys = [x["req_s"] for x in s["per_run"] if x["ok"]]
-            ax.scatter([i] * len(ys), ys, alpha=0.6)
-            if s["req_s"]:
-                ax.hlines(s["req_s"]["median"], i - 0.3, i + 0.3, colors="black")
-        ax.set_xticks(range(len(t["systems"])), t["systems"])
-        ax.set_title(f"{name}: req/s per pair (bar: median)")
-        ax.set_ylabel("requests / s")
-        ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def write_report(raw_dir: str, out_dir: str | None = None, order: list[str] | None = None) -> dict:
     """Render report.md / report.json / report.png from the raw records under raw_dir."""
     out_dir = out_dir or raw_dir
@@ -219,7 +193,8 @@ def write_report(raw_dir: str, out_dir: str | None = None, order: list[str] | No
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(rep, f, indent=1)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(render_markdown(rep, raw_dir) + (f"\n![req/s per pair]({rep['png']})\n" if rep["png"] else ""))
+        f.write(render_markdown(rep, raw_dir) + (f"\n![req/s per pair, ratios, latency CDFs, service path]"
+                                                 f"({rep['png']})\n" if rep["png"] else ""))
     return rep
 
 
