@@ -111,3 +111,32 @@ def test_detached_router_is_restarted_with_a_fresh_map(local_ray):
 
 def test_router_needs_no_cpu():
     assert Router._default_options["num_cpus"] == 0
+
+
+def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
+    """A node going down drains its shard first (the client avoids it) and then loses it: the loss still tells
+    the router to drop the shard's prefixes (they were skipped when the shard was already avoided)."""
+    import asyncio
+
+    from flame_llm.protocol.types import ErrorCode, ErrorInfo
+    from flame_llm.serving.shard_watch import ShardWatch
+
+    r = start_router(2, RouterConfig("cumulative"), name=f"router-{uuid.uuid4().hex[:8]}", namespace=NS)
+    try:
+        lost = ray.get(r.route.remote(_items([11])))[0]
+
+        async def main():
+            watch = ShardWatch({0: None, 1: None}, r, [{"incarnation": 0}] * 2, 1.0, {})
+            watch.avoid_shard(lost, ErrorInfo(ErrorCode.DRAINING, "draining"))
+            watch.lose_shard(lost, RayActorError())
+            assert watch.avoid[lost].code is ErrorCode.SHARD_UNAVAILABLE
+            await watch.stop()
+
+        asyncio.run(main())
+        deadline = time.monotonic() + 10  # drop_shard is sent without waiting
+        while ray.get(r.stats.remote())["counters"]["dropped"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ray.get(r.stats.remote())["counters"]["dropped"] == 4  # the document's four 256-token blocks
+    finally:
+        ray.kill(r)

@@ -395,16 +395,16 @@ def test_formed_batch_is_sent_without_waiting_out_the_window(service):
 
     _, default_client = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)
-    before = {s: dict(b.flushes) for s, b in default_client.batchers.items()}
+    before = {s: dict(b.flushes) for s, b in default_client.dispatch.batchers.items()}
     default_client.generate(_prompts(3, 20, seed=7), sp)
-    formed = sum(b.flushes["formed"] - before[s]["formed"] for s, b in default_client.batchers.items())
-    window = sum(b.flushes["window"] - before[s]["window"] for s, b in default_client.batchers.items())
+    formed = sum(b.flushes["formed"] - before[s]["formed"] for s, b in default_client.dispatch.batchers.items())
+    window = sum(b.flushes["window"] - before[s]["window"] for s, b in default_client.dispatch.batchers.items())
     assert formed >= 1 and window == 0
     seed_rule = Client.connect(namespace="test-service", flush_formed=False)
     try:
         seed_rule.generate(_prompts(3, 20, seed=8), sp)
-        assert sum(b.flushes["window"] for b in seed_rule.batchers.values()) >= 1
-        assert sum(b.flushes["formed"] for b in seed_rule.batchers.values()) == 0
+        assert sum(b.flushes["window"] for b in seed_rule.dispatch.batchers.values()) >= 1
+        assert sum(b.flushes["formed"] for b in seed_rule.dispatch.batchers.values()) == 0
     finally:
         seed_rule.close()
 

@@ -1,12 +1,8 @@
-"""The Python client: routes each formed batch with one router call, queues requests on per-shard
-batchers, sends compressed payloads to the engine actors and returns results in input order, as the plain
-dicts of flame_llm.protocol.types.Result.to_dict().
-
-Prompts are checked against the limits every shard publishes before they are routed. A result whose error
-is retryable (flame_llm.protocol.types.RETRYABLE) does not reach the caller while retries are left: an
-overloaded shard's request goes back to it after its retry hint; a draining shard's requests, and those of
-a shard that died and did not come back, are routed to the other shards (the client avoids that shard until
-its health says it serves again); a router call lost with a restarting router is made again.
+"""The Python client: checks prompts against the limits every shard publishes, hands them to its
+Dispatcher (flame_llm/serving/dispatch.py: routing, per-shard batchers, compressed payloads, retries) and
+returns results in input order, as the plain dicts of flame_llm.protocol.types.Result.to_dict(); streams one
+request's tokens (client_stream.py). A result whose error is retryable does not reach the caller while
+retries are left.
 
 All client work runs on one private event loop thread, so `generate` (sync) and `agenerate` (from
 any asyncio loop) share the batchers and concurrent callers' requests coalesce into batches."""
@@ -22,10 +18,8 @@ import uuid
 
 import numpy as np
 import ray
-import zstandard
-from ray.exceptions import ActorUnschedulableError, RayActorError
 
-from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import (
     DEFAULT_ZSTD_LEVEL,
     EngineLimits,
@@ -35,17 +29,15 @@ from flame_llm.protocol.types import (
     RequestError,
     Result,
 )
-from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, encode_requests, request_wire_size
+from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending, ShardBatcher
+from flame_llm.serving.batcher import Pending
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
-from flame_llm.serving.service import SHARD_PREFIX, Service, attach, find_service, start_service
+from flame_llm.serving.dispatch import Dispatcher, failed_result
+from flame_llm.serving.service import Service, attach, find_service, start_service
 from flame_llm.serving.service_config import ClientConfig, ServiceConfig
-from flame_llm.serving.shard_watch import ShardWatch
 
 log = logging.getLogger(__name__)
-ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router is made again
-SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
 
 
 class Client:
@@ -54,19 +46,15 @@ class Client:
                  model_dir: str | None = None, service=None, namespace: str | None = None):
         assert actors, "a service has at least one shard"
         config = config or ClientConfig()
-        self.config = config
-        self.router, self.actors, self.model_revision = router, dict(actors), model_revision
-        health = ray.get([a.health.remote() for a in self.actors.values()])
+        self.config, self.max_retries = config, config.max_retries
+        self.model_revision = model_revision
+        health = ray.get([a.health.remote() for a in actors.values()])
         self.limits = EngineLimits.tightest(health)  # what every shard accepts
         self.max_payload_bytes = self.limits.max_payload_bytes
-        self.zstd_level, self.max_retries = zstd_level, config.max_retries
-        self.restart_timeout_s, self.model_dir, self.service = config.restart_timeout_s, model_dir, service
-        self.flush_formed = config.flush_formed
+        self.model_dir, self.service = model_dir, service
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._tokenizer = None
         self.namespace = namespace or ray.get_runtime_context().namespace
-        # the shards abort this client's requests when its Ray job (this process) dies
-        self.caller = ray.get_runtime_context().get_job_id()
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
         self.counters = {"batches": 0, "streams": 0, "aborts_sent": 0, "route_calls": 0, "route_retries": 0,
                          "retries": 0, "restarts_seen": 0,
@@ -74,13 +62,12 @@ class Client:
                          # in routing calls, request encoding and result decoding
                          "payload_raw_bytes": 0, "payload_wire_bytes": 0, "route_s": 0.0, "encode_s": 0.0,
                          "result_decode_s": 0.0}
-        self.shards = ShardWatch(self.actors, router, health, config.restart_timeout_s, self.counters,
-                                 lookup=self._lookup_shard)
+        self.dispatch = Dispatcher(router, dict(actors), model_revision, config, zstd_level, health,
+                                   self.max_payload_bytes, self.namespace, self.counters)
+        self.router, self.actors = router, self.dispatch.actors
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
         self._thread.start()
-        self.batchers = {s: ShardBatcher(s, self._send, config.max_batch_prompts, config.batch_window_ms / 1000.0,
-                                         self.max_payload_bytes) for s in self.actors}
 
     @classmethod
     def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:
@@ -177,7 +164,7 @@ class Client:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.shards.stop()
+        await self.dispatch.shards.stop()
 
     def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop) -> Pending:
         """A request for `prompt`, checked against the shards' limits; its future already holds the error
@@ -191,7 +178,7 @@ class Client:
                 raise RequestError(ErrorCode.OVER_BUDGET, f"request needs {p.wire_bytes} decoded bytes; "
                                    f"max_payload_bytes is {self.max_payload_bytes}", "prompt")
         except RequestError as e:
-            p.future.set_result(self._failed(p, e.info()))
+            p.future.set_result(failed_result(p, e.info()))
             return p
         p.chain = prefix_chain(tokens, self.model_revision)
         p.est_work = estimate_prefill_work(len(tokens))
@@ -209,7 +196,7 @@ class Client:
         try:
             routed = [p for p in pend if not p.future.done()]
             if routed:
-                await self._route(routed)
+                await self.dispatch.route(routed)
             if use_tqdm:
                 from tqdm import tqdm
                 bar = tqdm(total=len(pend), desc="requests")
@@ -239,165 +226,10 @@ class Client:
                 if p.shard >= 0:
                     by_shard.setdefault(p.shard, []).append(p.request.id)
         for shard, ids in by_shard.items():
-            self.abort_on(shard, ids)
-
-    def abort_on(self, shard: int, request_ids: list[str]) -> None:
-        self.counters["aborts_sent"] += len(request_ids)
-        try:
-            self.actors[shard].abort.remote(request_ids)
-        except Exception as e:  # noqa: BLE001 - the shard is gone; so are its requests
-            log.debug("abort on shard %d failed: %s", shard, e)
+            self.dispatch.abort_on(shard, ids)
 
     def _failed_dict(self, e: BaseException) -> dict:
         return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")).to_dict()
-
-    def _lookup_shard(self, shard: int) -> ray.actor.ActorHandle | None:
-        """The shard's actor by name (a replacement placed after its node was lost has a new handle)."""
-        try:
-            return ray.get_actor(f"{SHARD_PREFIX}{shard}", namespace=self.namespace)
-        except ValueError:
-            return None
-
-    def _failed(self, p: Pending, error: ErrorInfo) -> Result:
-        return Result(p.request.id, prompt_tokens=len(p.request.prompt_token_ids), shard=p.shard, error=error)
-
-    async def _route(self, batch: list[Pending]) -> None:
-        self.counters["route_calls"] += 1
-        t0 = time.perf_counter()
-        # with every shard avoided, route as usual: the answer says which shard the requests cannot reach
-        avoid = sorted(self.shards.avoid) if len(self.shards.avoid) < len(self.actors) else []
-        try:
-            shards = await self._route_call([RouteItem(p.chain, p.est_work, p.request.sampling.max_tokens)
-                                             for p in batch], avoid)
-        except Exception as e:  # the router is down: every request of the batch gets the error
-            for p in batch:
-                p.future.set_result(self._failed(p, ErrorInfo(ErrorCode.ROUTER_ERROR, f"{type(e).__name__}: {e}")))
-            return
-        assert len(shards) == len(batch), "the router answers every request"
-        self.counters["route_s"] += time.perf_counter() - t0
-        released = []
-        for p, s in zip(batch, shards, strict=True):
-            p.shard = s
-            if p.future.done():  # abandoned while its route was asked for
-                released.append(Completion(s, p.est_work, p.request.sampling.max_tokens, 0, 0))
-                continue
-            why = self.shards.avoid.get(s)
-            if why is None:
-                self.batchers[s].add(p)
-            else:  # no shard is left to serve it
-                p.future.set_result(self._failed(p, why))
-                released.append(Completion(s, p.est_work, p.request.sampling.max_tokens, 0, 0))
-        if released:
-            self.router.complete.remote(released)
-        if self.flush_formed:
-            for s in set(shards) - set(self.shards.avoid):
-                self.batchers[s].flush("formed")
-
-    async def _route_call(self, items: list[RouteItem], avoid: list[int]) -> list[int]:
-        """One routing call, made again when it was lost with a restarting router."""
-        deadline = time.monotonic() + self.restart_timeout_s
-        for attempt in range(1, ROUTE_ATTEMPTS):
-            try:
-                return await self.router.route.remote(items, avoid)
-            except RayActorError:
-                if time.monotonic() >= deadline:
-                    raise
-                self.counters["route_retries"] += 1
-                await asyncio.sleep(0.1 * attempt)
-        return await self.router.route.remote(items, avoid)
-
-    async def _send(self, shard: int, batch: list[Pending]) -> None:
-        try:
-            await self._send_batch(shard, batch)
-        except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
-            log.exception("shard %d: batch of %d failed", shard, len(batch))
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_result(self._failed(p, ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")))
-
-    async def _send_batch(self, shard: int, batch: list[Pending]) -> None:
-        self.counters["batches"] += 1
-        t0 = time.perf_counter()
-        payload = encode_requests([p.request for p in batch], self.model_revision, self.zstd_level)
-        t1 = time.perf_counter()
-        c = self.counters
-        c["encode_s"] += t1 - t0
-        c["payload_wire_bytes"] += len(payload)
-        c["payload_raw_bytes"] += zstandard.frame_content_size(payload)  # the msgpack size, from the header
-        try:
-            reply = await self.actors[shard].submit.remote(payload, self.caller)
-            t_dec = time.perf_counter()
-            results = decode_results(reply)
-            c["result_decode_s"] += time.perf_counter() - t_dec
-        except SHARD_LOST as e:
-            await self._shard_lost(shard, batch, e)
-            return
-        t2 = time.perf_counter()
-        if len(results) != len(batch):  # the actor could not read the batch: one record for all
-            assert len(results) == 1 and results[0].id is None, "one result per request or one batch error"
-            results = [dataclasses.replace(results[0], id=p.request.id, timings=dict(results[0].timings))
-                       for p in batch]
-        completions, reroute = [], []
-        for p, r in zip(batch, results, strict=True):
-            assert r.id in (p.request.id, None), "results come back in input order"
-            err, max_tokens = r.error, p.request.sampling.max_tokens
-            if p.future.done():  # abandoned by its caller (and aborted on the shard)
-                completions.append(Completion(shard, p.est_work, max_tokens, 0, 0))
-                continue
-            if err is not None and err.code.retryable and p.attempts < self.max_retries:
-                if err.code is ErrorCode.OVERLOADED:  # the same shard, once its queue has room
-                    self._retry(p, err.retry_after_s or 0.0)
-                else:  # draining: another shard serves it
-                    reroute.append(p)
-                    completions.append(Completion(shard, p.est_work, max_tokens, 0, 0))
-                    self.shards.avoid_shard(shard, err)
-                continue
-            r.id = p.request.id
-            r.timings.update(encode_s=t1 - t0, roundtrip_s=t2 - t1, attempts=p.attempts + 1, done_at=t2)
-            ok = err is None
-            completions.append(Completion(shard, p.est_work, max_tokens, r.prompt_tokens if ok else 0,
-                                          r.cached_tokens if ok else 0))
-            if not p.future.done():
-                p.future.set_result(r)
-        if completions:
-            self.router.complete.remote(completions)
-        if reroute:
-            await self._route_again(reroute)
-
-    async def _shard_lost(self, shard: int, batch: list[Pending], e: Exception) -> None:
-        """The shard died with the batch in flight: wait for its restart and route the batch again (its
-        engine is cold and the router dropped its prefixes); when it does not come back, or cannot (its node
-        is gone), the other shards serve it."""
-        log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
-                    shard, len(batch), type(e).__name__)
-        restarted = await self.shards.await_restart(shard, e)
-        if not restarted:
-            self.shards.lose_shard(shard, e)
-        again = []
-        for p in batch:
-            if p.future.done():
-                continue
-            if p.attempts < self.max_retries:
-                again.append(p)
-            elif restarted:  # a request that keeps killing shards stops here
-                p.future.set_result(self._failed(p, ErrorInfo(ErrorCode.SHARD_DIED, f"shard {shard} died while "
-                                                              f"serving this request, {p.attempts + 1} times: {e}")))
-            else:
-                p.future.set_result(self._failed(p, self.shards.avoid[shard]))
-        await self._route_again(again)
-
-    async def _route_again(self, ps: list[Pending]) -> None:
-        ps = [p for p in ps if not p.future.done()]
-        for p in ps:
-            p.attempts += 1
-        self.counters["retries"] += len(ps)
-        if ps:
-            await self._route(ps)
-
-    def _retry(self, p: Pending, delay_s: float) -> None:
-        p.attempts += 1
-        self.counters["retries"] += 1
-        asyncio.get_running_loop().call_later(delay_s, lambda: p.future.done() or self.batchers[p.shard].add(p))
 
     def _tokens(self, prompt) -> np.ndarray:
         """The prompt as uint32 token ids; RequestError (bad_prompt) when it cannot be one."""

@@ -18,6 +18,7 @@ from flame_llm.protocol.routing_key import Completion, RouteItem
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
 from flame_llm.protocol.wire import decode_results, encode_requests
 from flame_llm.sampling_params import SamplingParams
+from flame_llm.serving.dispatch import failed_result
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
     """Serve one streamed request of `client` (a flame_llm.serving.client.Client) on its loop, handing each chunk
     to `push` (the last with the result)."""
     t0 = time.perf_counter()
+    d = client.dispatch
     p = client._prepare(prompt, sp, asyncio.get_running_loop())
     client.counters["streams"] += 1
     if p.future.done():  # invalid: never sent
@@ -48,29 +50,29 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
     rid, streamed = p.request.id, []
     result: Result | None = None
     while result is None:
-        avoid = sorted(client.shards.avoid) if len(client.shards.avoid) < len(client.actors) else []
+        avoid = sorted(d.shards.avoid) if len(d.shards.avoid) < len(client.actors) else []
         try:
-            (shard,) = await client._route_call([RouteItem(p.chain, p.est_work, sp.max_tokens)], avoid)
+            (shard,) = await d.route_call([RouteItem(p.chain, p.est_work, sp.max_tokens)], avoid)
         except Exception as e:  # the router is down
-            result = client._failed(p, ErrorInfo(ErrorCode.ROUTER_ERROR, f"{type(e).__name__}: {e}"))
+            result = failed_result(p, ErrorInfo(ErrorCode.ROUTER_ERROR, f"{type(e).__name__}: {e}"))
             break
         p.shard = shard
-        why = client.shards.avoid.get(shard)
+        why = d.shards.avoid.get(shard)
         if why is not None:  # no shard is left to serve it
             client.router.complete.remote([Completion(shard, p.est_work, sp.max_tokens, 0, 0)])
-            result = client._failed(p, why)
+            result = failed_result(p, why)
             break
-        payload = encode_requests([p.request], client.model_revision, client.zstd_level)
+        payload = encode_requests([p.request], client.model_revision, d.zstd_level)
         try:
             r = await _one_stream(client, shard, payload, rid, streamed, push)
         except (RayActorError, ActorUnschedulableError) as e:
             client.router.complete.remote([Completion(shard, p.est_work, sp.max_tokens, 0, 0)])
             if streamed or p.attempts >= client.max_retries:
-                result = client._failed(p, ErrorInfo(ErrorCode.SHARD_DIED, f"shard {shard} died while streaming "
+                result = failed_result(p, ErrorInfo(ErrorCode.SHARD_DIED, f"shard {shard} died while streaming "
                                                      f"this request: {type(e).__name__}: {e}"))
                 break
-            if not await client.shards.await_restart(shard, e):
-                client.shards.lose_shard(shard, e)
+            if not await d.shards.await_restart(shard, e):
+                d.shards.lose_shard(shard, e)
             p.attempts += 1
             client.counters["retries"] += 1
             continue
@@ -84,7 +86,7 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
             if err.code is ErrorCode.OVERLOADED:
                 await asyncio.sleep(err.retry_after_s or 0.0)
             else:
-                client.shards.avoid_shard(shard, err)
+                d.shards.avoid_shard(shard, err)
             continue
         result = r
     result.id = rid
@@ -96,7 +98,7 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
 async def _one_stream(client, shard: int, payload: bytes, rid: str, streamed: list[int],
                       push: Callable[[StreamChunk], None]) -> Result:
     """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard."""
-    gen = client.actors[shard].stream.remote(payload, client.caller)
+    gen = client.actors[shard].stream.remote(payload, client.dispatch.caller)
     try:
         async for ref in gen:
             item = await ref
@@ -107,6 +109,6 @@ async def _one_stream(client, shard: int, payload: bytes, rid: str, streamed: li
             (r,) = decode_results(item)
             return r
     except asyncio.CancelledError:
-        client.abort_on(shard, [rid])
+        client.dispatch.abort_on(shard, [rid])
         raise
     raise RayActorError()  # the generator ended without its result: the actor died under it

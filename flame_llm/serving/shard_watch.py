@@ -42,7 +42,9 @@ class ShardWatch:
 
     def lose_shard(self, shard: int, e: BaseException) -> None:
         """The shard did not come back (or cannot): route around it, drop its prefixes, watch for a replacement."""
-        if shard not in self.avoid:
+        prior = self.avoid.get(shard)
+        # once per loss: a shard avoided only because it was draining (as a node going down does) is lost now
+        if prior is None or prior.code is not ErrorCode.SHARD_UNAVAILABLE:
             self.router.drop_shard.remote(shard)
         why = "cannot be placed again (its node is gone)" if isinstance(e, ActorUnschedulableError) else \
             f"did not come back within {self.restart_timeout_s}s"
