@@ -245,6 +245,8 @@ class EngineActor:
         return {"shard": self.shard, "device": self.device, "node": self.node_id, "name": self.name,
                 "incarnation": self.incarnation, "restarted": self.restarted, "pid": os.getpid(), "model": self.model,
                 "model_revision": self.model_revision, **self.limits.to_dict(), "draining": self.draining,
+                # requests it takes without rejecting (in flight + queued): a client's flow-control credit
+                "admission_capacity": self.admission.max_requests + self.admission.max_queued,
                 "engine_failed": self.engine.failed}
 
     @ray.method(concurrency_group=CONTROL_GROUP)

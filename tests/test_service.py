@@ -159,14 +159,58 @@ def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):
 
 
 def test_overloaded_requests_are_retried(service):
+    """Without flow control (the flag off: the behaviour before it) a burst past a shard's 8 + 8 is rejected
+    in part and the rejected requests are retried until they complete."""
+    from flame_llm.serving.client import Client
+
+    svc, _ = service
+    client = Client.for_service(svc, flow_control=False)
+    try:
+        before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
+        prompts = _prompts(48, 16, seed=11)  # 24 per shard against 8 in flight + 8 queued
+        res = client.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+        assert [r["error"] for r in res] == [None] * 48
+        rejected = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) - before
+        assert rejected > 0 and client.counters["retries"] >= rejected
+        assert max(r["timings"]["attempts"] for r in res) > 1
+        assert client.counters["credit_waits"] == 0
+    finally:
+        client.close()
+
+
+def test_flow_control_keeps_a_burst_within_the_shards_capacity(service):
+    """With flow control (the default) the same burst waits at the client: no shard ever holds more of this
+    client's requests than it admits (8 in flight + 8 queued), nothing is rejected, every result is the one
+    the flag-off client gets."""
+    from flame_llm.serving.client import Client
+
     svc, client = service
+    assert {h["admission_capacity"] for h in svc.health} == {16}
     before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
-    prompts = _prompts(48, 16, seed=11)  # 24 per shard against 8 in flight + 8 queued
-    res = client.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    prompts = _prompts(48, 16, seed=11)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    peak = dict.fromkeys(client.dispatch.outstanding, 0)
+    real_release = client.dispatch._release_held
+
+    def watched(shard):  # runs on the client loop after every credit change
+        real_release(shard)
+        peak[shard] = max(peak[shard], client.dispatch.outstanding[shard])
+
+    client.dispatch._release_held = watched
+    try:
+        res = client.generate(prompts, sp)
+    finally:
+        del client.dispatch._release_held
     assert [r["error"] for r in res] == [None] * 48
-    rejected = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) - before
-    assert rejected > 0 and client.counters["retries"] >= rejected
-    assert max(r["timings"]["attempts"] for r in res) > 1
+    assert sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) == before
+    assert max(r["timings"]["attempts"] for r in res) == 1
+    assert 0 < max(peak.values()) <= 16 and client.counters["credit_waits"] > 0
+    assert client.dispatch.outstanding == dict.fromkeys(peak, 0) and not any(client.dispatch.held.values())
+    off = Client.for_service(svc, flow_control=False)
+    try:
+        assert [r["output_token_ids"] for r in off.generate(prompts, sp)] == [r["output_token_ids"] for r in res]
+    finally:
+        off.close()
 
 
 def _raw(obj) -> bytes:

@@ -57,7 +57,7 @@ class Client:
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
         self.counters = {"batches": 0, "streams": 0, "aborts_sent": 0, "route_calls": 0, "route_retries": 0,
-                         "retries": 0, "restarts_seen": 0,
+                         "retries": 0, "restarts_seen": 0, "credit_waits": 0,
                          # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds
                          # in routing calls, request encoding and result decoding
                          "payload_raw_bytes": 0, "payload_wire_bytes": 0, "route_s": 0.0, "encode_s": 0.0,

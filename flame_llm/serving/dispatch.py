@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 
 import ray
 import zstandard
@@ -16,7 +17,7 @@ from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from flame_llm.protocol.routing_key import Completion, RouteItem
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
-from flame_llm.protocol.wire import decode_results, encode_requests
+from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, encode_requests
 from flame_llm.serving.batcher import Pending, ShardBatcher
 from flame_llm.serving.service import SHARD_PREFIX
 from flame_llm.serving.service_config import ClientConfig
@@ -25,6 +26,7 @@ from flame_llm.serving.shard_watch import ShardWatch
 log = logging.getLogger(__name__)
 ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router is made again
 SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
+CREDIT_PARTS = 2  # a shard's credit leaves in halves: one answered half frees room while the other runs
 
 
 def failed_result(p: Pending, error: ErrorInfo) -> Result:
@@ -44,6 +46,15 @@ class Dispatcher:
                                  lookup=self.lookup_shard)
         self.batchers = {s: ShardBatcher(s, self.send, config.max_batch_prompts, config.batch_window_ms / 1000.0,
                                          max_payload_bytes) for s in actors}
+        self.max_batch_prompts, self.max_payload_bytes = config.max_batch_prompts, max_payload_bytes
+        # flow control: this client keeps at most a shard's admission capacity (in flight + queued requests)
+        # unanswered there, so a burst waits here instead of being rejected and retried after a hint
+        self.capacity = {s: h.get("admission_capacity") if config.flow_control else None
+                         for s, h in zip(actors, health, strict=True)}
+        self.credit_chunk = {s: max(1, c // CREDIT_PARTS) for s, c in self.capacity.items() if c}
+        self.outstanding = dict.fromkeys(actors, 0)
+        self.held: dict[int, deque[Pending]] = {s: deque() for s in actors}
+        self._tasks: set[asyncio.Task] = set()
 
     def abort_on(self, shard: int, request_ids: list[str]) -> None:
         self.counters["aborts_sent"] += len(request_ids)
@@ -105,6 +116,51 @@ class Dispatcher:
         return await self.router.route.remote(items, avoid)
 
     async def send(self, shard: int, batch: list[Pending]) -> None:
+        """A formed batch of the shard's batcher. With flow control, it waits in the shard's credit queue and
+        leaves in parts of at most credit_chunk requests while the shard has room for them."""
+        if self.capacity.get(shard) is None:
+            await self._send_guarded(shard, batch)
+            return
+        self.held[shard].extend(batch)
+        self._release_held(shard)
+
+    def _release_held(self, shard: int) -> None:
+        """Send the shard's held requests that fit its remaining credit; a shard routed around now gets none:
+        they are routed again."""
+        held, cap = self.held[shard], self.capacity[shard]
+        if shard in self.shards.avoid and held:
+            again = [p for p in held if not p.future.done()]
+            held.clear()
+            self._spawn(self.route_again(again))
+            return
+        while held:
+            room = min(cap - self.outstanding[shard], self.credit_chunk[shard], self.max_batch_prompts)
+            if room <= 0:
+                self.counters["credit_waits"] += 1
+                return
+            part, nbytes = [], BATCH_OVERHEAD
+            while held and len(part) < room and nbytes + held[0].wire_bytes <= self.max_payload_bytes:
+                p = held.popleft()
+                if not p.future.done():  # abandoned while it waited
+                    part.append(p)
+                    nbytes += p.wire_bytes
+            if part:
+                self.outstanding[shard] += len(part)
+                self._spawn(self._send_counted(shard, part))
+
+    async def _send_counted(self, shard: int, part: list[Pending]) -> None:
+        try:
+            await self._send_guarded(shard, part)
+        finally:
+            self.outstanding[shard] -= len(part)
+            self._release_held(shard)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_guarded(self, shard: int, batch: list[Pending]) -> None:
         try:
             await self._send_batch(shard, batch)
         except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever

@@ -39,6 +39,7 @@ class ClientConfig:
     max_retries: int = 20  # resubmissions of one request (overloaded, draining or dead shard)
     restart_timeout_s: float = 300.0  # how long to wait for a dead shard to come back
     flush_formed: bool = True  # send a generate() call's batches at once (false: the three rules above only)
+    flow_control: bool = True  # at most a shard's admission capacity unanswered there (false: rejections retried)
 
     def __post_init__(self) -> None:
         _need("client", "max_batch_prompts", _int(self.max_batch_prompts)
@@ -51,6 +52,7 @@ class ClientConfig:
         _need("client", "restart_timeout_s", _num(self.restart_timeout_s) and self.restart_timeout_s > 0,
               "a number > 0", self.restart_timeout_s)
         _need("client", "flush_formed", isinstance(self.flush_formed, bool), "true or false", self.flush_formed)
+        _need("client", "flow_control", isinstance(self.flow_control, bool), "true or false", self.flow_control)
 
 
 @dataclass(slots=True)
