@@ -19,7 +19,7 @@ import ray
 import zstandard
 
 from actors.admission import Admission, Overloaded, request_cost
-from actors.host import EngineHost, stream_request
+from actors.host import EngineHost
 from actors.inflight import Inflight
 from actors.metrics import shard_histograms
 from actors.pinning import ShardPlacement
@@ -193,7 +193,7 @@ class EngineActor:
             if emit is None:
                 out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id)
             else:
-                async for x in stream_request(self.engine, item.prompt_token_ids, sp, item.id):
+                async for x in self.engine.stream_chunks(item.prompt_token_ids, sp, item.id):
                     if isinstance(x, list):
                         emit(x)
                     else:

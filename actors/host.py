@@ -9,13 +9,10 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from actors.pinning import pin_visible_device, verify_device
 from flame_llm.engine.async_engine import AsyncEngine
-from flame_llm.outputs import RequestOutput
-from flame_llm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -59,32 +56,3 @@ class EngineHost:
     def stop(self) -> None:
         gc.unfreeze()
         self.engine.shutdown()
-
-
-async def stream_request(engine: AsyncEngine, prompt: Sequence[int], sampling: SamplingParams,
-                         request_id: str) -> AsyncIterator[list[int] | RequestOutput]:
-    """The request's new token ids as the engine samples them (every id waiting is taken at once, so a slow
-    reader gets fewer, larger chunks), then its RequestOutput. Closing the iterator early (or cancelling the
-    task reading it) aborts the request in the engine.
-
-    AsyncEngine.stream yields token ids only; this needs the final output too (finish reason, cached tokens),
-    so it reads the engine's stream queue and future from AsyncEngine._submit until the engine offers that."""
-    _, pending = engine._submit(prompt, sampling, request_id, stream=True)
-    try:
-        done = False
-        while not done:
-            tok = await pending.stream.get()
-            if tok is None:
-                break
-            chunk = [tok]
-            while not pending.stream.empty():
-                tok = pending.stream.get_nowait()
-                if tok is None:
-                    done = True
-                    break
-                chunk.append(tok)
-            yield chunk
-        yield await pending.future  # re-raises the engine's failure of this request
-    finally:
-        if not pending.future.done():
-            engine.abort(request_id)

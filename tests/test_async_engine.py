@@ -38,6 +38,33 @@ def test_stream_yields_tokens_in_order(engine):
     assert toks == full.output_token_ids and len(toks) == 8
 
 
+def test_stream_chunks_end_with_the_output_and_an_early_close_aborts(engine):
+    """stream_chunks: lists of new token ids, then the RequestOutput; leaving the loop early aborts the request
+    (the engine is idle again long before 4,000 tokens would have been sampled)."""
+    from flame_llm.outputs import RequestOutput
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+
+    async def main():
+        items = [x async for x in engine.stream_chunks([9, 8, 7], sp, request_id="chunks")]
+        agen = engine.stream_chunks([1, 2, 3], long, request_id="left-early")
+        first = await agen.__anext__()
+        await agen.aclose()
+        deadline = time.monotonic() + 10
+        while not engine.engine.scheduler.is_finished():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return items, first
+
+    items, first = asyncio.run(main())
+    *chunks, out = items
+    assert isinstance(out, RequestOutput) and out.finish_reason == "length"
+    assert all(isinstance(c, list) and c for c in chunks)
+    assert [t for c in chunks for t in c] == out.output_token_ids and len(out.output_token_ids) == 8
+    assert isinstance(first, list) and first
+
+
 def test_abort_finishes_with_abort(engine):
     sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
 

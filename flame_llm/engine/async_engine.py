@@ -93,14 +93,33 @@ class AsyncEngine:
     async def stream(self, prompt_token_ids: str | Seq[int], sampling_params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[int]:
         """Yields output token ids as they are produced; the final RequestOutput is not yielded."""
+        async for chunk in self.stream_chunks(prompt_token_ids, sampling_params, request_id):
+            if isinstance(chunk, list):
+                for tok in chunk:
+                    yield tok
+
+    async def stream_chunks(self, prompt_token_ids: str | Seq[int], sampling_params: SamplingParams,
+                            request_id: str | None = None) -> AsyncIterator[list[int] | RequestOutput]:
+        """The request's new token ids as lists (every id waiting is taken at once, so a slow reader gets fewer,
+        larger chunks), then its RequestOutput (finish reason, cached tokens). A failure of the request or of
+        the engine loop is raised after the tokens it had. Closing the iterator early (or cancelling the task
+        reading it) aborts the request."""
         rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=True)
         try:
-            while True:
+            done = False
+            while not done:
                 tok = await pending.stream.get()
                 if tok is None:
                     break
-                yield tok
-            await pending.future  # re-raises a failure of the engine loop
+                chunk = [tok]
+                while not pending.stream.empty():
+                    tok = pending.stream.get_nowait()
+                    if tok is None:
+                        done = True
+                        break
+                    chunk.append(tok)
+                yield chunk
+            yield await pending.future
         finally:
             if not pending.future.done():
                 self.abort(rid)

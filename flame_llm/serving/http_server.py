@@ -26,9 +26,7 @@ class EngineBackend:
     """The http_app backend over one AsyncEngine (the caller owns the engine's life)."""
 
     def __init__(self, engine, device: str = "cpu", model_name: str | None = None) -> None:
-        from actors.host import stream_request
-
-        self.engine, self.device, self._stream_request = engine, device, stream_request
+        self.engine, self.device = engine, device
         mc = engine.config.model_config
         self.limits = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len)
         try:
@@ -77,7 +75,7 @@ class EngineBackend:
     async def stream(self, prompt, sp):
         rid, t0 = next(self._ids), time.perf_counter()
         self.counters["requests"] += 1
-        agen = self._stream_request(self.engine, prompt, sp, rid)
+        agen = self.engine.stream_chunks(prompt, sp, rid)
         try:
             async for x in agen:
                 if isinstance(x, list):
