@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import signal
 import sys
 import time
 
+from flame_llm.cli_serve import attach_service, print_placement, serve, stop
 from flame_llm.serving.http_app import HttpConfig
 from flame_llm.serving.http_server import ARGUMENTS as SERVE_HTTP_ARGS
 from flame_llm.serving.service_config import DEFAULT_NAMESPACE
@@ -22,7 +21,6 @@ DEMO_CONFIG = {"model": "tiny", "engine": {"max_model_len": 1024, "max_num_batch
                                             "cpu_kvcache_gib": 0.0625},
                "placement": {"num_shards": 2, "cpu_per_shard": 0.5}, "shard": {"torch_threads": 1},
                "router": {"policy": "cumulative"}, "ray": {"num_cpus": 2}}
-SUPERVISE_EVERY_S = 2.0  # serve: between looks for shards whose node is gone
 
 
 def _at_least(low: int):
@@ -45,95 +43,6 @@ ARGS = {
     "address": (("--address",), {"help": "Ray address (unset: the config's, or auto: the Ray on this machine)"}),
     "json": (("--json",), {"action": "store_true", "help": "print JSON instead of a table"}),
 }
-
-
-def _config(args):
-    from flame_llm.serving.service_config import ServiceConfig, load_service_config, with_ray
-
-    namespace, address = getattr(args, "namespace", None), getattr(args, "address", None)
-    if args.config:
-        return load_service_config(args.config, namespace, address)
-    return with_ray(ServiceConfig(), namespace, address)
-
-
-def _attach(args) -> str:
-    """Connect this process to the service's Ray cluster; returns the service's namespace (without --namespace
-    or --config: the default one, or the one namespace that runs a service)."""
-    from flame_llm.serving.ray_attach import attach
-    from flame_llm.serving.service import resolve_namespace
-
-    cfg = _config(args)
-    attach(cfg.ray.namespace, cfg.ray.address or "auto")
-    explicit = getattr(args, "namespace", None) is not None or getattr(args, "config", None)
-    return resolve_namespace(cfg.ray.namespace if explicit else None)
-
-
-def _print_placement(health: list[dict]) -> None:
-    print(f"{'shard':>5}  {'name':<6}  {'device':<40}  node")
-    for h in health:
-        print(f"{h['shard']:>5}  {h['name']:<6}  {h['device']:<40}  {h['node']}")
-
-
-def serve(args) -> int:
-    import dataclasses
-
-    import ray
-
-    from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
-    from flame_llm.serving.service import start_service
-
-    cfg = _config(args)
-    http = dataclasses.replace(cfg.http, **{k: v for k, v in (("host", args.host), ("port", args.http_port),
-                                                               ("api_key", args.api_key)) if v is not None})
-    if args.no_http:
-        http = dataclasses.replace(http, enabled=False)
-    if args.detach and cfg.ray.address is None:
-        raise SystemExit("serve --detach needs ray.address (a local Ray started here ends with this process)")
-    started_ray = not ray.is_initialized() and cfg.ray.address is None
-    svc = start_service(cfg, detached=args.detach, source=args.config or "the default config")
-    lifetime = "detached" if args.detach else None
-    try:  # the handle is kept: a non-detached actor ends when its last handle goes
-        door, address = start_frontdoor(cfg.ray.namespace, http, lifetime) if http.enabled else (None, None)
-    except RuntimeError:
-        svc.stop(timeout_s=10)
-        raise
-    print(f"flame-llm service in namespace {cfg.ray.namespace!r}: {len(svc.actors)} shards, "
-          f"router policy {cfg.router.policy}; ray address: {ray.get_runtime_context().gcs_address}")
-    _print_placement(svc.health)
-    if address:
-        print(f"listening on {address} (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, "
-              f"/metrics{'; bearer token required' if http.api_key else ''})")
-    if os.environ.get("RAY_AUTH_MODE") == "token":  # Ray turned token auth on for the cluster it started
-        print("other processes connect with RAY_AUTH_MODE=token set (Ray's token file is ~/.ray/auth_token; "
-              "flame-llm sets it when that file exists)")
-    if args.detach:
-        return 0
-    print("serving; Ctrl-C or flame-llm stop ends it", flush=True)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    next_look = time.monotonic() + SUPERVISE_EVERY_S
-    try:
-        while not stopping:
-            time.sleep(0.5)
-            if not svc.running():
-                print("the service was stopped (flame-llm stop); exiting", flush=True)
-                break
-            if time.monotonic() >= next_look:
-                next_look = time.monotonic() + SUPERVISE_EVERY_S
-                try:
-                    svc.replace_lost_shards()
-                except Exception as e:  # noqa: BLE001 - try again next round
-                    log.warning("replacing lost shards failed: %s", e)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if svc.running():
-            stop_frontdoor(cfg.ray.namespace)
-            svc.stop()
-        del door
-        if started_ray:
-            ray.shutdown()  # the local Ray this process started ends with it
-    return 0
 
 
 def _read_prompts(path: str) -> list:
@@ -170,7 +79,7 @@ def submit(args) -> int:
         prompts = [rng.integers(3, args.vocab, size=args.prompt_len).tolist() for _ in range(args.num_prompts)]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                         ignore_eos=args.ignore_eos)
-    namespace = _attach(args)
+    namespace = attach_service(args)
     client = Client.connect(namespace)
     t0 = time.perf_counter()
     try:
@@ -207,7 +116,7 @@ def status(args) -> int:
     from flame_llm.serving.metrics import DECISIONS, quantile, shard_figures
     from flame_llm.serving.service import status as service_status
 
-    st = service_status(_attach(args))
+    st = service_status(attach_service(args))
     if args.json:
         print(json.dumps(st, indent=2, default=str))
         return 0
@@ -241,17 +150,6 @@ def _seconds(v: float | None) -> str:
     return f"<={v:g}s" if v != float("inf") else ">120s"
 
 
-def stop(args) -> int:
-    from flame_llm.serving.frontdoor import stop_frontdoor
-    from flame_llm.serving.service import stop as stop_service
-
-    namespace = _attach(args)
-    door = stop_frontdoor(namespace)
-    print(f"stopped {stop_service(namespace)} engine actors{' and the front door' if door else ''} in namespace "
-          f"{namespace!r}; the flame-llm serve that started them exits")
-    return 0
-
-
 def demo(args) -> int:
     """Local Ray, two CPU shards of the tiny default model, one batch: two documents x four questions."""
     import numpy as np
@@ -265,7 +163,7 @@ def demo(args) -> int:
     print(f"starting local Ray with {cfg.placement.num_shards} CPU shards of model {cfg.model!r} ...", flush=True)
     client = start_local(cfg)
     try:
-        _print_placement(client.service.health)
+        print_placement(client.service.health)
         rng = np.random.default_rng(0)
         docs = [rng.integers(3, 512, size=300).tolist() for _ in range(2)]
         prompts = [doc + rng.integers(3, 512, size=12).tolist() for doc in docs for _ in range(4)]

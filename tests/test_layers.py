@@ -26,6 +26,7 @@ LAYERS = [
     ("router", ("serving: shards", 6)),
     ("flame_llm.serving", ("serving", 7)),
     ("flame_llm.cli", ("app", 8)),
+    ("flame_llm.cli_serve", ("app", 8)),
     ("bench", ("bench", 9)),
 ]
 
