@@ -1,7 +1,8 @@
 """The systems a burst runs against, behind one small interface: start() -> info, run_burst(requests,
-max_tokens) -> (release perf_counter, records), stats(), stop().
+max_tokens) -> (release perf_counter, records), stats(), stop(); load mode adds http_replicas().
 
-- flame: the service (router + one engine actor per device) through the Python client.
+- flame: the service (router + one engine actor per device) through the Python client (bursts) or its
+  HTTP front door (load mode).
 - engine: one `flame_llm.serving.http_server` process per device, driven by the sticky-prefix HTTP client.
 - vllm: one `vllm serve` process per device, same client; config "default" or "seed" (eager, Triton attention).
 Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label
@@ -81,7 +82,8 @@ def make_system(system: SystemConfig, setup: Setup, tag: str):
 class FlameSystem:
     def __init__(self, system: SystemConfig, setup: Setup, tag: str):
         self.system, self.setup, self.tag = system, setup, tag
-        self.service = self.client = None
+        self.service = self.client = self.namespace = None
+        self._door: tuple | None = None  # (front door actor, its URL), when load mode opened it
         self._before: dict = {}
         self._loop = asyncio.new_event_loop()
 
@@ -97,6 +99,7 @@ class FlameSystem:
             gpu_uuids=list(s.devices) if s.on_gpu else [], policy=self.system.policy, spill_factor=s.spill_factor,
             address=s.ray_address, namespace=f"bench-{uuid.uuid4().hex[:10]}", startup_timeout_s=s.startup_timeout_s)
         init_ray(cfg)
+        self.namespace = cfg.ray.namespace
         self.service = start_service(cfg)
         placed = [p.gpu_uuid or p.name for p in self.service.placements]
         if placed != s.devices:
@@ -126,6 +129,16 @@ class FlameSystem:
                             "done_source": "request" if done_at is not None else "burst"})
         return t_release, records
 
+    def http_replicas(self) -> list[Replica]:
+        """The service's HTTP front door (opened on first use, on a free port of this node) as the one replica:
+        load mode drives flame over HTTP like the other systems; the router places requests behind it."""
+        if self._door is None:
+            from flame_llm.serving.frontdoor import start_frontdoor
+            from flame_llm.serving.http_app import HttpConfig
+
+            self._door = start_frontdoor(self.namespace, HttpConfig(port=free_port(), served_model_name="bench"))
+        return [Replica(0, self._door[1], ",".join(self.setup.devices))]
+
     def _counters(self) -> dict:
         import ray
         actors = ray.get([a.stats.remote() for a in self.service.actors.values()])
@@ -144,6 +157,11 @@ class FlameSystem:
         return {"router": ray.get(self.service.router.stats.remote()), "client": after["client"], "burst": burst}
 
     def stop(self) -> None:
+        if self._door is not None:
+            from flame_llm.serving.frontdoor import stop_frontdoor
+
+            stop_frontdoor(self.namespace)
+            self._door = None
         if self.client is not None:
             self.client.close()
         if self.service is not None:

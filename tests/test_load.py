@@ -1,5 +1,6 @@
 """Sustained-load mode on CPU: the Poisson stream, the per-window figures recomputed from the raw outcomes,
-and the whole `flame-llm bench --mode load` path against our engine's HTTP server on the tiny model."""
+and the whole `flame-llm bench --mode load` path against the service's HTTP front door and our engine's HTTP
+server on the tiny model."""
 import json
 import os
 
@@ -37,21 +38,23 @@ def test_window_figures_come_from_the_outcomes():
 
 
 @pytest.mark.slow
-def test_load_mode_against_the_engine_server(tmp_path):
+def test_load_mode_against_the_front_door_and_the_engine_server(tmp_path):
     out = tmp_path / "load"
-    argv = ["bench", "--mode", "load", "--systems", "engine", "--model", "tiny", "--load-format", "auto",
+    argv = ["bench", "--mode", "load", "--systems", "flame,engine", "--model", "tiny", "--load-format", "auto",
             "--rates", "2,6", "--duration-s", "4", "--drain-s", "60", "--docs", "4", "--doc-tokens", "96",
             "--question-tokens", "8", "--output-tokens", "4", "--warmup-requests", "2", "--max-model-len", "512",
             "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--engine-json",
             '{"cpu_kvcache_gib": 0.0625}', "--out", str(out)]
     assert cli.main(argv) == 0
-    (rec,) = load_records(str(out))
-    cfg = LoadConfig(**{k: tuple(v) if k == "rates" else v for k, v in rec["config"].items()})
-    assert [w["offered_rps"] for w in rec["windows"]] == [2.0, 6.0]
-    for window, raw in zip(rec["windows"], rec["outcomes"]):
-        outs = [Outcome(**o) for o in raw]
-        assert window == json.loads(json.dumps(summarize(outs, window["offered_rps"], cfg)))  # the raw says so
-        assert window["completed"] == len(outs) > 0 and window["failed"] == window["rejected"] == 0
-        assert all(o.output_tokens == 4 for o in outs)
+    recs = sorted(load_records(str(out)), key=lambda r: ["flame", "engine"].index(r["system"]))  # --systems order
+    assert [r["system"] for r in recs] == ["flame", "engine"]
+    for rec in recs:
+        cfg = LoadConfig(**{k: tuple(v) if k == "rates" else v for k, v in rec["config"].items()})
+        assert [w["offered_rps"] for w in rec["windows"]] == [2.0, 6.0]
+        for window, raw in zip(rec["windows"], rec["outcomes"]):
+            outs = [Outcome(**o) for o in raw]
+            assert window == json.loads(json.dumps(summarize(outs, window["offered_rps"], cfg)))  # the raw says so
+            assert window["completed"] == len(outs) > 0 and window["failed"] == window["rejected"] == 0
+            assert all(o.output_tokens == 4 for o in outs)
     md = open(os.path.join(out, "load-report.md")).read()
-    assert md == render([rec]) and os.path.getsize(os.path.join(out, "load-report.png")) > 10_000
+    assert md == render(recs) and os.path.getsize(os.path.join(out, "load-report.png")) > 10_000
