@@ -101,8 +101,8 @@ def _ms(p: dict, k: str) -> str:
 
 
 def plot(records: list[dict], path: str) -> bool:
-    """Latency (TTFT p50/p99, e2e p50) against offered load for every system on one chart; False without
-    matplotlib."""
+    """Latency (TTFT and e2e, p50 and p99) and throughput against offered load, every system on one chart, one
+    colour each; False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -110,22 +110,31 @@ def plot(records: list[dict], path: str) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for rec in records:
+    top = 0.0
+    for k, rec in enumerate(records):
+        c = f"C{k}"  # one colour per system in every panel; p99 dashed, achieved dotted
         ws = [w for w in rec["windows"] if w["ttft_s"]]
         x = [w["offered_rps"] for w in ws]
-        axes[0].plot(x, [w["ttft_s"]["p50"] for w in ws], "o-", label=f"{rec['system']} p50")
-        axes[0].plot(x, [w["ttft_s"]["p99"] for w in ws], "o--", label=f"{rec['system']} p99")
-        axes[1].plot(x, [w["e2e_s"]["p50"] for w in ws], "o-", label=rec["system"])
-        axes[2].plot([w["offered_rps"] for w in rec["windows"]], [w["goodput_rps"] for w in rec["windows"]], "o-",
+        axes[0].plot(x, [w["ttft_s"]["p50"] for w in ws], "o-", color=c, label=f"{rec['system']} p50")
+        axes[0].plot(x, [w["ttft_s"]["p99"] for w in ws], "o--", color=c, label=f"{rec['system']} p99")
+        top = max([top, *(w["ttft_s"]["p99"] for w in ws)])
+        axes[1].plot(x, [w["e2e_s"]["p50"] for w in ws], "o-", color=c, label=f"{rec['system']} p50")
+        axes[1].plot(x, [w["e2e_s"]["p99"] for w in ws], "o--", color=c, label=f"{rec['system']} p99")
+        offered = [w["offered_rps"] for w in rec["windows"]]
+        axes[2].plot(offered, [w["goodput_rps"] for w in rec["windows"]], "o-", color=c,
                      label=f"{rec['system']} goodput")
-        axes[2].plot([w["offered_rps"] for w in rec["windows"]], [w["achieved_rps"] for w in rec["windows"]], "x:",
+        axes[2].plot(offered, [w["achieved_rps"] for w in rec["windows"]], "x:", color=c,
                      label=f"{rec['system']} achieved")
     if records:
         slo = records[0]["config"]["slo_ttft_s"]
-        axes[0].axhline(slo, color="grey", lw=0.8, ls=":", label=f"SLO {slo} s")
-    for ax, title, ylabel in ((axes[0], "time to first token", "s"), (axes[1], "end-to-end latency p50", "s"),
+        if slo <= 2 * top:  # the SLO line only where it does not flatten the curves
+            axes[0].axhline(slo, color="grey", lw=0.8, ls=":", label=f"SLO {slo} s")
+        else:
+            axes[0].set_title(f"time to first token (SLO {slo} s, off the scale)")
+    for ax, title, ylabel in ((axes[0], "time to first token", "s"), (axes[1], "end-to-end latency", "s"),
                               (axes[2], "throughput", "req/s")):
-        ax.set_title(title)
+        if not ax.get_title():
+            ax.set_title(title)
         ax.set_xlabel("offered load (req/s)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
