@@ -213,6 +213,62 @@ def test_flow_control_keeps_a_burst_within_the_shards_capacity(service):
         off.close()
 
 
+def test_streams_take_flow_control_credit_too(service):
+    """40 concurrent streams against shards that admit 8 + 8: they wait for credit at the client (no rejection,
+    one attempt each), a batch beside them as well, and each stream's tokens are what generate() returns; a
+    stream cancelled while it waits for credit leaves nothing behind."""
+    svc, client = service
+    before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
+    prompts = _prompts(40, 16, seed=21)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    d = client.dispatch
+    peak = dict.fromkeys(d.outstanding, 0)
+    real_take = d.take_credit
+
+    async def watched(shard):
+        took = await real_take(shard)
+        peak[shard] = max(peak[shard], d.outstanding[shard])
+        return took
+
+    async def one(prompt):
+        chunks = [c async for c in client.stream_chunks(prompt, sp)]
+        return [t for c in chunks for t in c.token_ids], chunks[-1].result
+
+    async def main():
+        streams = asyncio.gather(*(one(p) for p in prompts))
+        batch = client.agenerate(_prompts(16, 16, seed=22), sp)
+        return await streams, await batch
+
+    d.take_credit = watched
+    try:
+        streamed, batch = asyncio.run(main())
+    finally:
+        del d.take_credit
+    assert [r["error"] for _, r in streamed] == [None] * 40 and [r["error"] for r in batch] == [None] * 16
+    assert sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) == before
+    assert all(r["timings"]["attempts"] == 1 for _, r in streamed) and 0 < max(peak.values()) <= 16
+    assert [toks for toks, _ in streamed] == [r["output_token_ids"] for r in client.generate(prompts, sp)]
+    assert d.outstanding == dict.fromkeys(peak, 0) and not any(d.credit_waiters.values())
+
+    async def cancelled_while_waiting():
+        full = dict(d.outstanding)
+        for s in d.outstanding:
+            d.outstanding[s] = d.capacity[s]  # no room anywhere: the stream waits for credit
+        task = asyncio.ensure_future(one(prompts[0]))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if any(d.credit_waiters.values()):
+                break
+        assert any(d.credit_waiters.values())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        d.outstanding.update(full)
+
+    asyncio.run_coroutine_threadsafe(cancelled_while_waiting(), client._loop).result(timeout=30)
+    assert client.generate(prompts[:2], sp)[0]["error"] is None and d.outstanding == dict.fromkeys(peak, 0)
+
+
 def _raw(obj) -> bytes:
     return zstandard.ZstdCompressor().compress(msgpack.packb(obj, use_bin_type=True))
 

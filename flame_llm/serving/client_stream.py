@@ -63,6 +63,7 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
             result = failed_result(p, why)
             break
         payload = encode_requests([p.request], client.model_revision, d.zstd_level)
+        took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
         try:
             r = await _one_stream(client, shard, payload, rid, streamed, push)
         except (RayActorError, ActorUnschedulableError) as e:
@@ -76,6 +77,9 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
             p.attempts += 1
             client.counters["retries"] += 1
             continue
+        finally:
+            if took:
+                d.give_credit(shard)
         err = r.error
         ok = err is None
         client.router.complete.remote([Completion(shard, p.est_work, sp.max_tokens, r.prompt_tokens if ok else 0,

@@ -54,6 +54,7 @@ class Dispatcher:
         self.credit_chunk = {s: max(1, c // CREDIT_PARTS) for s, c in self.capacity.items() if c}
         self.outstanding = dict.fromkeys(actors, 0)
         self.held: dict[int, deque[Pending]] = {s: deque() for s in actors}
+        self.credit_waiters: dict[int, deque[asyncio.Future]] = {s: deque() for s in actors}  # streams
         self._tasks: set[asyncio.Task] = set()
 
     def abort_on(self, shard: int, request_ids: list[str]) -> None:
@@ -125,14 +126,13 @@ class Dispatcher:
         self._release_held(shard)
 
     def _release_held(self, shard: int) -> None:
-        """Send the shard's held requests that fit its remaining credit; a shard routed around now gets none:
-        they are routed again."""
+        """Send the shard's held requests that fit its remaining credit (a shard routed around now gets none:
+        they are routed again), then wake the streams waiting for what is left."""
         held, cap = self.held[shard], self.capacity[shard]
         if shard in self.shards.avoid and held:
             again = [p for p in held if not p.future.done()]
             held.clear()
             self._spawn(self.route_again(again))
-            return
         while held:
             room = min(cap - self.outstanding[shard], self.credit_chunk[shard], self.max_batch_prompts)
             if room <= 0:
@@ -147,6 +147,39 @@ class Dispatcher:
             if part:
                 self.outstanding[shard] += len(part)
                 self._spawn(self._send_counted(shard, part))
+        self._wake(shard)
+
+    def _wake(self, shard: int) -> None:
+        """Wake as many streams waiting for the shard's credit as it has room for (they take it themselves)."""
+        waiters = self.credit_waiters[shard]
+        room = self.capacity[shard] - self.outstanding[shard]
+        while waiters and room > 0:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                room -= 1
+
+    async def take_credit(self, shard: int) -> bool:
+        """One unit of the shard's credit for a stream (held batches go first); False without flow control."""
+        cap = self.capacity.get(shard)
+        if cap is None:
+            return False
+        while self.outstanding[shard] >= cap or self.held[shard]:
+            fut = asyncio.get_running_loop().create_future()
+            self.credit_waiters[shard].append(fut)
+            self.counters["credit_waits"] += 1
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # woken, then cancelled: the wake goes to the next one
+                    self._wake(shard)
+                raise
+        self.outstanding[shard] += 1
+        return True
+
+    def give_credit(self, shard: int) -> None:
+        self.outstanding[shard] -= 1
+        self._release_held(shard)
 
     async def _send_counted(self, shard: int, part: list[Pending]) -> None:
         try:
