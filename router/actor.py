@@ -3,7 +3,9 @@
 One `route` call per formed batch; completions come back batched (the client may fire them without
 waiting). The actor runs one call at a time, so the policy needs no locks. It takes no CPU from the
 scheduler (num_cpus=0): routing a batch is sub-millisecond work and must never wait for a free CPU.
-Restarted by Ray if it dies; a restarted router starts with an empty map (every prefix is unseen).
+Restarted by Ray if it dies; a restarted router starts with an empty map (every prefix is unseen). It lives
+on the cluster's head node (Ray's `node:__internal_head__` resource): losing a worker node never costs the
+map, and losing the head node ends the cluster anyway.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from flame_llm.protocol.routing_key import Completion, RouteItem
 from router.policy import RouterConfig, RouterPolicy
 
 ROUTER_NAME = "flame-router"
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -38,7 +41,7 @@ class Router:
         return self._policy.num_shards, self._policy.config
 
     def stats(self) -> dict:
-        return self._policy.stats()
+        return {**self._policy.stats(), "node": ray.get_runtime_context().get_node_id()}
 
 
 def start_router(num_shards: int, config: RouterConfig | None = None, *, name: str = ROUTER_NAME, namespace: str,
@@ -52,8 +55,8 @@ def start_router(num_shards: int, config: RouterConfig | None = None, *, name: s
     RouterPolicy(num_shards, config)  # bad values raise here, in the caller, not in a dead actor
     if lifetime not in (None, "detached", "non_detached"):
         raise ValueError(f"lifetime must be None, 'detached' or 'non_detached'; got {lifetime!r}")
-    handle = Router.options(name=name, namespace=namespace, get_if_exists=True, lifetime=lifetime).remote(
-        num_shards, config)
+    handle = Router.options(name=name, namespace=namespace, get_if_exists=True, lifetime=lifetime,
+                            resources={HEAD_RESOURCE: 0.001}).remote(num_shards, config)
     running_shards, running = ray.get(handle.config.remote())
     diff = {"num_shards": (running_shards, num_shards)} if running_shards != num_shards else {}
     diff.update({f: (getattr(running, f), getattr(config, f)) for f in RouterConfig.__dataclass_fields__

@@ -82,6 +82,7 @@ def test_a_lost_node_loses_no_request_and_its_shard_is_replaced(cluster, tiny_ll
         service_mod.plan_shards = original
     client = Client.for_service(svc, restart_timeout_s=60.0)
     try:
+        assert ray.get(svc.router.stats.remote())["node"] == head_id  # the routing map lives on the head node
         rng = np.random.default_rng(1)
         prompts = [rng.integers(3, 512, size=24).tolist() for _ in range(64)]
         sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
