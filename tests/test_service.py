@@ -360,6 +360,12 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
     try:
         with pytest.raises(RuntimeError, match="shards serve different model revisions"):
             make_client(None, svc.router, {0: svc.actors[0], 1: other.actors[0]})
+        for ns, n_shards in (("test-other", 1), ("test-service", 2)):  # two services run: each by its namespace
+            named = Client.connect(namespace=ns)
+            try:
+                assert (named.namespace, len(named.actors)) == (ns, n_shards)
+            finally:
+                named.close()
         strict = Client.for_service(other, max_retries=0)  # no resubmission: requests lost with a shard say so
         out = {}
         t = threading.Thread(target=lambda: out.update(res=strict.generate(_prompts(4, 20, seed=16), SamplingParams(

@@ -34,7 +34,7 @@ from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher, failed_result
-from flame_llm.serving.service import Service, attach, find_service, start_service
+from flame_llm.serving.service import Service, attach, find_service, resolve_namespace, start_service
 from flame_llm.serving.service_config import ClientConfig, ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class Client:
     def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:
         """A client of the service running in `namespace` of the Ray cluster at `address` (namespace None: the
         default one, or the one namespace that runs a service)."""
-        namespace = attach(namespace, address)
+        attach(namespace, address)
+        namespace = resolve_namespace(namespace)
         router, actors = find_service(namespace)
         return make_client(None, router, actors, namespace=namespace, **kwargs)
 
