@@ -144,7 +144,14 @@ class EngineActor:
                                                                   chunks.put_nowait))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         try:
-            while (chunk := await chunks.get()) is not None:
+            done = False
+            while not done and (chunk := await chunks.get()) is not None:
+                while not chunks.empty():  # what queued while the last chunk was in transit leaves as one object
+                    more = chunks.get_nowait()
+                    if more is None:
+                        done = True
+                        break
+                    chunk = chunk + more
                 yield chunk
             yield self._encode([task.result()])
         finally:

@@ -108,16 +108,15 @@ class AsyncEngine:
         try:
             done = False
             while not done:
-                tok = await pending.stream.get()
-                if tok is None:
+                chunk = await pending.stream.get()  # each step's new tokens arrive as one list
+                if chunk is None:
                     break
-                chunk = [tok]
                 while not pending.stream.empty():
-                    tok = pending.stream.get_nowait()
-                    if tok is None:
+                    more = pending.stream.get_nowait()
+                    if more is None:
                         done = True
                         break
-                    chunk.append(tok)
+                    chunk += more
                 yield chunk
             yield await pending.future
         finally:
@@ -193,7 +192,7 @@ class AsyncEngine:
         new = seq.completion_token_ids[p.num_streamed:]
         if new:
             p.num_streamed += len(new)
-            _call(p.loop, _put_many, p.stream, new)
+            _call(p.loop, p.stream.put_nowait, new)  # a fresh list: the slice copies
 
     def _deliver(self, seq: Sequence) -> None:
         p = self._pending.pop(seq.request_id, None)
@@ -235,11 +234,6 @@ def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass
-
-
-def _put_many(queue: asyncio.Queue, items: list[int]) -> None:
-    for x in items:
-        queue.put_nowait(x)
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

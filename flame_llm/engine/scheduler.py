@@ -85,7 +85,8 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], list[int]]:
         """Sequences to run this step and how many new tokens each computes."""
         self._step_start = time.perf_counter()
-        batch = _Batch(self.max_num_batched_tokens, self.same_step_sharing)
+        # publishing rows as they are scheduled only helps a waiting request admitted in this step
+        batch = _Batch(self.max_num_batched_tokens, self.same_step_sharing and bool(self.waiting))
         if self.enable_chunked_prefill:
             preemptions = self.counts.num_preemptions
             self._schedule_running(batch)

@@ -151,8 +151,10 @@ def upload(staging: Staging, x: StepInputs, split_decodes: bool = False) -> Devi
     arrays = {"ids": x.input_ids, "pos": x.positions, "slots": x.slot_mapping, "rows": x.logits_rows,
               "pending": x.pending_rows, "src": x.pending_src, "cu": x.cu_seqlens_q, "lens": x.seq_lens,
               "tables": x.block_tables}
-    lens = np.diff(x.cu_seqlens_q)
-    d = int(np.argmin(lens == 1)) if split_decodes and not x.is_decode else 0  # leading one-token segments
+    d, lens = 0, None
+    if split_decodes and not x.is_decode:
+        lens = np.diff(x.cu_seqlens_q)
+        d = int(np.argmin(lens == 1))  # leading one-token segments
     if d:
         arrays["cu_rest"] = (x.cu_seqlens_q[d:] - d).astype(np.int32)
     t = staging.put(arrays)

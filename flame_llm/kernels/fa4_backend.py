@@ -53,16 +53,21 @@ def fa4_unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: i
     return None
 
 
-def _compile_keys() -> list:
-    """Kernel variants FA4 holds in memory (compiled here, or loaded from its disk cache)."""
+@functools.cache
+def _compile_cache():
+    """FA4's in-memory kernel variants (compiled here, or loaded from its disk cache): a dict of its keys."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     cache = _flash_attn_fwd.compile_cache
-    return list(getattr(cache, "cache", cache))  # a JITCache wraps its dict
+    return getattr(cache, "cache", cache)  # a JITCache wraps its dict
 
 
-def _compile_cache_size() -> int:
-    return len(_compile_keys())
+def _compile_keys() -> list:
+    return list(_compile_cache())
+
+
+def _compile_cache_size() -> int:  # checked after every eager step: no list of the keys
+    return len(_compile_cache())
 
 
 _compiles_at_warmup: int | None = None
