@@ -59,27 +59,33 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
         p.shard = shard
         why = d.shards.avoid.get(shard)
         if why is not None:  # no shard is left to serve it
-            client.router.complete.remote([Completion(shard, p.est_work, sp.max_tokens, 0, 0)])
+            d.forget(shard, [p])
             result = failed_result(p, why)
             break
         payload = encode_requests([p.request], client.model_revision, d.zstd_level)
-        took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
+        r, lost = None, None
         try:
-            r = await _one_stream(client, shard, payload, rid, streamed, push)
+            took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
+            try:
+                r = await _one_stream(client, shard, payload, rid, streamed, push)
+            finally:
+                if took:
+                    d.give_credit(shard)
         except (RayActorError, ActorUnschedulableError) as e:
-            client.router.complete.remote([Completion(shard, p.est_work, sp.max_tokens, 0, 0)])
+            lost = e
+        finally:
+            if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered there
+                d.forget(shard, [p])
+        if lost is not None:
             if streamed or p.attempts >= client.max_retries:
                 result = failed_result(p, ErrorInfo(ErrorCode.SHARD_DIED, f"shard {shard} died while streaming "
-                                                     f"this request: {type(e).__name__}: {e}"))
+                                                    f"this request: {type(lost).__name__}: {lost}"))
                 break
-            if not await d.shards.await_restart(shard, e):
-                d.shards.lose_shard(shard, e)
+            if not await d.shards.await_restart(shard, lost):
+                d.shards.lose_shard(shard, lost)
             p.attempts += 1
             client.counters["retries"] += 1
             continue
-        finally:
-            if took:
-                d.give_credit(shard)
         err = r.error
         ok = err is None
         client.router.complete.remote([Completion(shard, p.est_work, sp.max_tokens, r.prompt_tokens if ok else 0,

@@ -53,8 +53,8 @@ class Dispatcher:
                          for s, h in zip(actors, health, strict=True)}
         self.credit_chunk = {s: max(1, c // CREDIT_PARTS) for s, c in self.capacity.items() if c}
         self.outstanding = dict.fromkeys(actors, 0)
-        self.held: dict[int, deque[Pending]] = {s: deque() for s in actors}
-        self.credit_waiters: dict[int, deque[asyncio.Future]] = {s: deque() for s in actors}  # streams
+        # per shard, in turn for its credit: held requests, and futures of streams waiting for a unit
+        self.held: dict[int, deque[Pending | asyncio.Future]] = {s: deque() for s in actors}
         self._tasks: set[asyncio.Task] = set()
 
     def abort_on(self, shard: int, request_ids: list[str]) -> None:
@@ -89,16 +89,16 @@ class Dispatcher:
         for p, s in zip(batch, shards, strict=True):
             p.shard = s
             if p.future.done():  # abandoned while its route was asked for
-                released.append(Completion(s, p.est_work, p.request.sampling.max_tokens, 0, 0))
+                released.append(p)
                 continue
             why = self.shards.avoid.get(s)
             if why is None:
                 self.batchers[s].add(p)
             else:  # no shard is left to serve it
                 p.future.set_result(failed_result(p, why))
-                released.append(Completion(s, p.est_work, p.request.sampling.max_tokens, 0, 0))
-        if released:
-            self.router.complete.remote(released)
+                released.append(p)
+        for s in {p.shard for p in released}:
+            self.forget(s, [p for p in released if p.shard == s])
         if self.flush_formed:
             for s in set(shards) - set(self.shards.avoid):
                 self.batchers[s].flush("formed")
@@ -126,56 +126,72 @@ class Dispatcher:
         self._release_held(shard)
 
     def _release_held(self, shard: int) -> None:
-        """Send the shard's held requests that fit its remaining credit (a shard routed around now gets none:
-        they are routed again), then wake the streams waiting for what is left."""
+        """Serve the shard's credit queue in order while it has room: held requests leave in parts, a waiting
+        stream is granted its unit (a shard routed around now sends nothing: its held requests are routed
+        again, its streams go on and meet the shard's state themselves)."""
         held, cap = self.held[shard], self.capacity[shard]
-        if shard in self.shards.avoid and held:
-            again = [p for p in held if not p.future.done()]
-            held.clear()
-            self._spawn(self.route_again(again))
+        avoided = shard in self.shards.avoid
+        part, nbytes, limit = [], BATCH_OVERHEAD, min(self.credit_chunk[shard], self.max_batch_prompts)
+        again, gone = [], []
         while held:
-            room = min(cap - self.outstanding[shard], self.credit_chunk[shard], self.max_batch_prompts)
-            if room <= 0:
+            item = held[0]
+            if not avoided and cap - self.outstanding[shard] - len(part) <= 0:
                 self.counters["credit_waits"] += 1
-                return
-            part, nbytes = [], BATCH_OVERHEAD
-            while held and len(part) < room and nbytes + held[0].wire_bytes <= self.max_payload_bytes:
-                p = held.popleft()
-                if not p.future.done():  # abandoned while it waited
-                    part.append(p)
-                    nbytes += p.wire_bytes
-            if part:
-                self.outstanding[shard] += len(part)
-                self._spawn(self._send_counted(shard, part))
-        self._wake(shard)
+                break
+            if isinstance(item, asyncio.Future):  # a stream waiting for credit
+                held.popleft()
+                if not item.done():
+                    self.outstanding[shard] += 1
+                    item.set_result(None)
+                continue
+            if not avoided and part and (len(part) >= limit or nbytes + item.wire_bytes > self.max_payload_bytes):
+                self._send_part(shard, part)
+                part, nbytes = [], BATCH_OVERHEAD
+                continue
+            held.popleft()
+            if item.future.done():  # abandoned while it waited
+                gone.append(item)
+            elif avoided:
+                again.append(item)
+            else:
+                part.append(item)
+                nbytes += item.wire_bytes
+        if part:
+            self._send_part(shard, part)
+        self.forget(shard, gone + again)
+        if again:
+            self._spawn(self.route_again(again))
 
-    def _wake(self, shard: int) -> None:
-        """Wake as many streams waiting for the shard's credit as it has room for (they take it themselves)."""
-        waiters = self.credit_waiters[shard]
-        room = self.capacity[shard] - self.outstanding[shard]
-        while waiters and room > 0:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                room -= 1
+    def _send_part(self, shard: int, part: list[Pending]) -> None:
+        self.outstanding[shard] += len(part)
+        self._spawn(self._send_counted(shard, part))
 
     async def take_credit(self, shard: int) -> bool:
-        """One unit of the shard's credit for a stream (held batches go first); False without flow control."""
+        """One unit of the shard's credit for a stream, in turn with the requests held before it; False without
+        flow control."""
         cap = self.capacity.get(shard)
         if cap is None:
             return False
-        while self.outstanding[shard] >= cap or self.held[shard]:
-            fut = asyncio.get_running_loop().create_future()
-            self.credit_waiters[shard].append(fut)
-            self.counters["credit_waits"] += 1
-            try:
-                await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():  # woken, then cancelled: the wake goes to the next one
-                    self._wake(shard)
-                raise
-        self.outstanding[shard] += 1
+        if self.outstanding[shard] < cap and not self.held[shard]:
+            self.outstanding[shard] += 1
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self.held[shard].append(fut)
+        self.counters["credit_waits"] += 1
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted, then cancelled: the unit goes back
+                self.give_credit(shard)
+            raise
         return True
+
+    def forget(self, shard: int, ps: list[Pending]) -> None:
+        """Routed requests that will not be answered by the shard: their estimated work leaves the router's
+        count of the shard's outstanding work."""
+        if ps:
+            self.router.complete.remote([Completion(shard, p.est_work, p.request.sampling.max_tokens, 0, 0)
+                                         for p in ps])
 
     def give_credit(self, shard: int) -> None:
         self.outstanding[shard] -= 1
@@ -198,9 +214,10 @@ class Dispatcher:
             await self._send_batch(shard, batch)
         except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
             log.exception("shard %d: batch of %d failed", shard, len(batch))
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")))
+            unanswered = [p for p in batch if not p.future.done()]
+            for p in unanswered:
+                p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")))
+            self.forget(shard, unanswered)
 
     async def _send_batch(self, shard: int, batch: list[Pending]) -> None:
         self.counters["batches"] += 1
@@ -284,4 +301,10 @@ class Dispatcher:
     def retry(self, p: Pending, delay_s: float) -> None:
         p.attempts += 1
         self.counters["retries"] += 1
-        asyncio.get_running_loop().call_later(delay_s, lambda: p.future.done() or self.batchers[p.shard].add(p))
+        asyncio.get_running_loop().call_later(delay_s, self._retry_now, p)
+
+    def _retry_now(self, p: Pending) -> None:
+        if p.future.done():  # abandoned during its retry delay
+            self.forget(p.shard, [p])
+        else:
+            self.batchers[p.shard].add(p)
