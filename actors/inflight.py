@@ -4,11 +4,14 @@ results, so its requests must not hold admission slots and KV blocks until they 
 
 Every request runs in its own task on the actor's submit loop; aborting it cancels that task (the engine
 request is aborted by AsyncEngine when its awaiting task is cancelled). An abort that arrives before its
-request is remembered for a while, so a request that was cancelled while on its way is never started."""
+request is remembered for a while, so a request that was cancelled while on its way is never started. `abort`
+runs on the actor's control threads, the rest on the submit loop: one lock makes registering a request and
+aborting it exclusive (an abort sees the task, or the request sees the abort)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -41,59 +44,68 @@ class Inflight:
         self.loop: asyncio.AbstractEventLoop | None = None  # the submit loop (abort comes from another thread)
         self.watcher: asyncio.Task | None = None
         self.counters = {"aborted": 0, "aborted_dead_caller": 0}
+        self._lock = threading.Lock()
 
     def add(self, rid: str, caller: str | None) -> bool:
         """Register the current task as serving `rid` for `caller`; False when it was aborted already."""
-        if self.aborted.pop(rid, None) is not None:
-            return False
-        self.loop = asyncio.get_running_loop()
-        self.tasks[rid] = asyncio.current_task()
-        if caller:
-            self.callers.setdefault(caller, set()).add(rid)
-            if self.watcher is None:
-                self.watcher = self.loop.create_task(self._watch())
+        with self._lock:
+            if self.aborted.pop(rid, None) is not None:
+                return False
+            self.loop = asyncio.get_running_loop()
+            self.tasks[rid] = asyncio.current_task()
+            if caller:
+                self.callers.setdefault(caller, set()).add(rid)
+        if caller and self.watcher is None:
+            self.watcher = self.loop.create_task(self._watch())
         return True
 
     def remove(self, rid: str, caller: str | None) -> None:
-        self.tasks.pop(rid, None)
-        ids = self.callers.get(caller) if caller else None
-        if ids is not None:
-            ids.discard(rid)
-            if not ids:
-                del self.callers[caller]
+        with self._lock:
+            self.tasks.pop(rid, None)
+            ids = self.callers.get(caller) if caller else None
+            if ids is not None:
+                ids.discard(rid)
+                if not ids:
+                    del self.callers[caller]
 
     def was_aborted(self, rid: str) -> bool:
         """Whether `rid`'s cancellation is one of ours (an abort), not the actor's own shutdown."""
-        return rid in self.aborted
+        with self._lock:
+            return rid in self.aborted
 
     def abort(self, rids: list[str]) -> int:
         """Cancel the tasks serving `rids` (from any thread); remember the others. The number found."""
         now = time.monotonic()
         found = 0
-        for rid in rids:
-            self.aborted[rid] = now
-            self.aborted.move_to_end(rid)
-            task = self.tasks.get(rid)
-            if task is not None and self.loop is not None:
-                found += 1
-                self.loop.call_soon_threadsafe(task.cancel)
-        while self.aborted and (len(self.aborted) > REMEMBER_ABORTS
-                                or now - next(iter(self.aborted.values())) > REMEMBER_ABORTS_S):
-            self.aborted.popitem(last=False)
-        self.counters["aborted"] += found
+        with self._lock:
+            for rid in rids:
+                self.aborted[rid] = now
+                self.aborted.move_to_end(rid)
+                task = self.tasks.get(rid)
+                if task is not None and self.loop is not None:
+                    found += 1
+                    self.loop.call_soon_threadsafe(task.cancel)
+            while self.aborted and (len(self.aborted) > REMEMBER_ABORTS
+                                    or now - next(iter(self.aborted.values())) > REMEMBER_ABORTS_S):
+                self.aborted.popitem(last=False)
+            self.counters["aborted"] += found
         return found
 
     def forget(self, rid: str) -> None:
-        self.aborted.pop(rid, None)
+        with self._lock:
+            self.aborted.pop(rid, None)
 
     async def _watch(self) -> None:
         """Abort the requests of callers whose Ray job died; ends when no caller is left."""
         try:
             while self.callers:
                 await asyncio.sleep(WATCH_INTERVAL_S)
-                dead = await asyncio.to_thread(dead_jobs, set(self.callers))
+                with self._lock:
+                    callers = set(self.callers)
+                dead = await asyncio.to_thread(dead_jobs, callers)
                 for job in dead:
-                    rids = list(self.callers.pop(job, ()))
+                    with self._lock:
+                        rids = list(self.callers.pop(job, ()))
                     log.warning("caller job %s is gone: aborting its %d requests", job, len(rids))
                     self.counters["aborted_dead_caller"] += len(rids)
                     self.abort(rids)
