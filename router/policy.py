@@ -119,11 +119,11 @@ class RouterPolicy:
                 else:
                     s = known
                     counters["hit"] += 1
-                for h in chain:  # refresh what is known, register the rest to s (all of it when it moved)
-                    if h not in owner:
+                for h in chain:  # refresh what is known, register the rest to s (and when it moved, the avoided
+                    if h not in owner:  # shards' blocks; a healthy shard keeps what it has cached)
                         owner[h] = s
                     else:
-                        if moved:
+                        if moved and owner[h] in avoid:
                             owner[h] = s
                         owner.move_to_end(h)
                 while len(owner) > self.max_entries:

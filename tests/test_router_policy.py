@@ -239,6 +239,18 @@ def test_lru_map_is_bounded_and_refreshed_on_use():
     assert p.stats()["entries"] <= 8
 
 
+def test_a_move_takes_only_the_avoided_shards_blocks():
+    """A prompt whose longest known block is on an avoided shard moves that shard's blocks; a shorter prefix a
+    healthy shard owns (and has cached) stays with it."""
+    r = RouterPolicy(3)
+    assert r.route_batch([(_chain(1), 10.0, 0), (_chain(5), 10.0, 0)]) == [0, 1]
+    assert r.route_batch([(_chain(1, 2), 1.0, 0)]) == [0]  # 0 owns blocks 1 and 2
+    r._owner[2] = 1  # block 2 on shard 1 (as a spill leaves it), block 1 still on shard 0
+    assert r.route_batch([(_chain(1, 2, 3), 1.0, 0)], avoid=[1]) == [2]  # longest known is on 1: moves
+    assert r.route_batch([(_chain(1), 1.0, 0)]) == [0]  # the healthy owner of the shorter prefix keeps it
+    assert r.route_batch([(_chain(1, 2), 1.0, 0)]) == [2]
+
+
 def test_avoided_shards_get_nothing_and_their_prefixes_move():
     p = RouterPolicy(3)
     assert p.route_batch([(_chain(1, 2), 10.0, 0), (_chain(3), 10.0, 0), (_chain(4), 10.0, 0)]) == [0, 1, 2]
