@@ -33,7 +33,9 @@ def load_config(a, vocab_size: int) -> LoadConfig:
 def run_system(label: str, o, cfg: LoadConfig, out_dir: str, warmup_requests: int) -> dict:
     """Start the system fresh, warm it up, run every rate's window, stop it; the raw record (also written)."""
     setup = build_setup(o, os.path.join(out_dir, "logs"))
-    system = make_system(parse_system(label, o.policy), setup, f"load-{label}")
+    parsed = parse_system(label, o.policy)
+    cfg = dataclasses.replace(cfg, policy=parsed.policy)  # the client's placement: "-rr" labels round-robin
+    system = make_system(parsed, setup, f"load-{label}")
     info = system.start()
     try:
         replicas = system.http_replicas()

@@ -146,8 +146,11 @@ async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: 
             sent = time.perf_counter()
             out = Outcome(sent - t0, d, k)
             outcomes.append(out)
-            tasks.append(asyncio.ensure_future(stream_one(session, replicas[k].url, prompt, cfg.output_tokens,
-                                                          out, sent, model)))
+            task = asyncio.ensure_future(stream_one(session, replicas[k].url, prompt, cfg.output_tokens, out, sent,
+                                                    model))
+            # the policy's outstanding work leaves with the request (load_guarded places by it)
+            task.add_done_callback(lambda _, k=k, work=work: policy.complete(k, work, cfg.output_tokens, 0, 0))
+            tasks.append(task)
         done, pending = await asyncio.wait(tasks, timeout=cfg.drain_s) if tasks else (set(), set())
         for task in pending:
             task.cancel()

@@ -1,6 +1,6 @@
 """Sustained-load mode on CPU: the Poisson stream, the per-window figures recomputed from the raw outcomes,
 and the whole `flame-llm bench --mode load` path against the service's HTTP front door and our engine's HTTP
-server on the tiny model."""
+servers placed round-robin, on the tiny model."""
 import json
 import os
 
@@ -40,14 +40,17 @@ def test_window_figures_come_from_the_outcomes():
 @pytest.mark.slow
 def test_load_mode_against_the_front_door_and_the_engine_server(tmp_path):
     out = tmp_path / "load"
-    argv = ["bench", "--mode", "load", "--systems", "flame,engine", "--model", "tiny", "--load-format", "auto",
+    argv = ["bench", "--mode", "load", "--systems", "flame,engine-rr", "--model", "tiny", "--load-format", "auto",
             "--rates", "2,6", "--duration-s", "4", "--drain-s", "60", "--docs", "4", "--doc-tokens", "96",
             "--question-tokens", "8", "--output-tokens", "4", "--warmup-requests", "2", "--max-model-len", "512",
             "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--engine-json",
             '{"cpu_kvcache_gib": 0.0625}', "--out", str(out)]
     assert cli.main(argv) == 0
-    recs = sorted(load_records(str(out)), key=lambda r: ["flame", "engine"].index(r["system"]))  # --systems order
-    assert [r["system"] for r in recs] == ["flame", "engine"]
+    recs = sorted(load_records(str(out)), key=lambda r: ["flame", "engine-rr"].index(r["system"]))  # --systems order
+    assert [r["system"] for r in recs] == ["flame", "engine-rr"]
+    assert [r["config"]["policy"] for r in recs] == ["cumulative", "round_robin"]  # "-rr": the affinity A/B
+    rr = [o["replica"] for window in recs[1]["outcomes"] for o in window]
+    assert rr[:4] == [0, 1, 0, 1]
     for rec in recs:
         cfg = LoadConfig(**{k: tuple(v) if k == "rates" else v for k, v in rec["config"].items()})
         assert [w["offered_rps"] for w in rec["windows"]] == [2.0, 6.0]
