@@ -112,11 +112,9 @@ def local_gpu_uuids() -> list[str]:
     return parse_nvidia_smi(out.stdout)
 
 
-def plan_shards(nodes: list[NodeGPUs], num_shards: int | str = "auto", cpu_shards: int = 2,
-                only_uuids: tuple[str, ...] = ()) -> list[ShardPlacement]:
-    """Shard k -> (node, UUID). GPUs are used node by node (nodes in the given order), each at most
-    once. "auto": one shard per GPU on every node, or `cpu_shards` CPU shards when there are none."""
-    assert nodes, "no alive Ray nodes"
+def gpu_slots(nodes: list[NodeGPUs], only_uuids: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(node, UUID) of every GPU a shard may take, node by node: those of `only_uuids` when given, at most as
+    many per node as Ray accounts for; ValueError for a GPU listed twice or an asked UUID found nowhere."""
     slots: list[tuple[str, str]] = []
     seen: set[str] = set()
     for node in nodes:
@@ -133,6 +131,15 @@ def plan_shards(nodes: list[NodeGPUs], num_shards: int | str = "auto", cpu_shard
     missing = [u for u in only_uuids if u not in seen]
     if missing:
         raise ValueError(f"gpu_uuids: {missing} not found on any node")
+    return slots
+
+
+def plan_shards(nodes: list[NodeGPUs], num_shards: int | str = "auto", cpu_shards: int = 2,
+                only_uuids: tuple[str, ...] = ()) -> list[ShardPlacement]:
+    """Shard k -> (node, UUID). GPUs are used node by node (nodes in the given order), each at most
+    once. "auto": one shard per GPU on every node, or `cpu_shards` CPU shards when there are none."""
+    assert nodes, "no alive Ray nodes"
+    slots = gpu_slots(nodes, only_uuids)
     if slots:
         n = len(slots) if num_shards == "auto" else num_shards
         if not isinstance(n, int) or not 1 <= n <= len(slots):
@@ -182,19 +189,20 @@ def verify_device(expected_uuid: str, shard: str) -> None:
     check_device(expected_uuid, actual, count, shard)
 
 
-def replacement_placement(nodes: list[NodeGPUs], taken: set[tuple[str, str | None]],
-                          old: ShardPlacement) -> ShardPlacement | None:
-    """Where shard `old`, whose node is gone, goes now: a GPU shard to a GPU (by UUID) of an alive node that no
-    shard holds, a CPU shard to the alive node with the fewest shards (`taken`: the (node, UUID) pairs of the
-    shards that live). None when no GPU is free (the caller tries again later)."""
+def replacement_placement(nodes: list[NodeGPUs], taken: set[tuple[str, str | None]], old: ShardPlacement,
+                          only_uuids: tuple[str, ...] = ()) -> ShardPlacement | None:
+    """Where shard `old`, whose node is gone, goes now: a GPU shard to a GPU (by UUID, one of `only_uuids` when
+    the service was given them) of an alive node that no shard holds, a CPU shard to the alive node with the
+    fewest shards (`taken`: the (node, UUID) pairs of the shards that live). None when no GPU is free (the
+    caller tries again later)."""
     if not nodes:
         return None
     if old.gpu_uuid is not None:
-        for node in nodes:
-            uuids = node.gpu_uuids[:node.num_ray_gpus] if node.num_ray_gpus else node.gpu_uuids
-            for u in uuids:
-                if (node.node_id, u) not in taken and all(u != t for _, t in taken):
-                    return ShardPlacement(old.shard, old.name, node.node_id, u)
+        held = {u for _, u in taken}
+        alive = [u for u in only_uuids if any(u in n.gpu_uuids for n in nodes)]  # the lost node's are gone
+        for node_id, u in gpu_slots(nodes, tuple(alive) if only_uuids else ()):
+            if u not in held:
+                return ShardPlacement(old.shard, old.name, node_id, u)
         return None
     load = {n.node_id: 0 for n in nodes}
     for node_id, _ in taken:

@@ -10,6 +10,7 @@ from actors.pinning import (
     parse_nvidia_smi,
     pin_visible_device,
     plan_shards,
+    replacement_placement,
 )
 
 FAKE_UUIDS_A = ("GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-aaaaaaaa-0000-0000-0000-000000000001")
@@ -84,3 +85,20 @@ def test_pin_visible_device_sets_uuid(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
     pin_visible_device(FAKE_UUIDS_A[1])
     assert os.environ["CUDA_VISIBLE_DEVICES"] == FAKE_UUIDS_A[1]
+
+
+def test_a_lost_gpu_shard_goes_to_a_free_gpu_the_service_may_use():
+    """Shard 1 lived on node-b, which is gone: its replacement takes a GPU of node-a that no shard holds, and
+    only one of the service's gpu_uuids when it was given them."""
+    from actors.pinning import ShardPlacement
+
+    a = NodeGPUs("node-a", FAKE_UUIDS_A + ("GPU-aaaaaaaa-0000-0000-0000-000000000002",), 3)
+    old = ShardPlacement(1, "gpu-1", "node-b", FAKE_UUIDS_B[0])
+    taken = {("node-a", FAKE_UUIDS_A[0])}
+    assert replacement_placement([a], taken, old).gpu_uuid == FAKE_UUIDS_A[1]
+    allowed = (FAKE_UUIDS_A[0], a.gpu_uuids[2], FAKE_UUIDS_B[0])  # the service's gpu_uuids (B's are gone)
+    new = replacement_placement([a], taken, old, allowed)
+    assert (new.shard, new.name, new.node_id, new.gpu_uuid) == (1, "gpu-1", "node-a", a.gpu_uuids[2])
+    assert replacement_placement([a], taken | {("node-a", a.gpu_uuids[2])}, old, allowed) is None  # none free
+    cpu = replacement_placement([a, NodeGPUs("node-c", ())], {("node-a", None)}, ShardPlacement(0, "cpu-0", "x", None))
+    assert (cpu.node_id, cpu.gpu_uuid) == ("node-c", None)  # a CPU shard: the node with the fewest shards

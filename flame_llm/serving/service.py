@@ -51,7 +51,7 @@ class Service:
         replaced = []
         for k in lost:
             old = self.placements[k]
-            new = replacement_placement(nodes, taken, old)
+            new = replacement_placement(nodes, taken, old, tuple(self.cfg.placement.gpu_uuids))
             if new is None:
                 log.warning("shard %s lost its node %s; no free GPU to place it on yet", old.name, old.node_id)
                 continue
