@@ -16,6 +16,7 @@ from flame_llm.serving.http_app import HttpConfig
 
 log = logging.getLogger(__name__)
 FRONTDOOR_NAME = "flame-frontdoor"
+HEALTH_TIMEOUT_S = 5.0
 
 
 def load_tokenizer(model_dir: str):
@@ -56,13 +57,19 @@ class ClientBackend:
         return self.client.stream_chunks(prompt, sp)
 
     async def health(self) -> dict:
-        from flame_llm.serving.service import status
+        """Every shard's health() at once (a probe target: no stats, no actor lookups); a shard that does not
+        answer within HEALTH_TIMEOUT_S counts as down."""
+        async def one(actor) -> bool:
+            try:
+                return not (await asyncio.wait_for(actor.health.remote(), HEALTH_TIMEOUT_S))["draining"]
+            except Exception:  # noqa: BLE001 - dead, restarting or slow: not up
+                return False
 
-        st = await asyncio.to_thread(status, self.client.namespace)
-        up = [s for s in st["shards"] if "error" not in s]
+        actors = list(self.client.actors.values())
+        up = sum(await asyncio.gather(*(one(a) for a in actors)))
         info = {"status": "ok" if up else "unavailable", "model": self.model_names[1],
-                "model_name": self.model_names[0], "namespace": st["namespace"],
-                "shards": len(st["shards"]), "shards_up": len(up), **self.limits.to_dict()}
+                "model_name": self.model_names[0], "namespace": self.client.namespace,
+                "shards": len(actors), "shards_up": up, **self.limits.to_dict()}
         if not up:
             info["message"] = "no shard answers"
         return info

@@ -106,8 +106,8 @@ _HTTP = HttpConfig()  # the defaults
 # (flags, add_argument kwargs): the `flame-llm serve-http` options
 ARGUMENTS = [
     (("--model",), {"required": True, "help": "model directory, or 'tiny' for the embedded default"}),
-    (("--host",), {"default": "127.0.0.1"}),
-    (("--port",), {"type": int, "default": 8000}),
+    (("--host",), {"default": _HTTP.host}),
+    (("--port",), {"type": int, "default": _HTTP.port}),
     (("--gpu-uuid",), {"default": None, "help": "pin to this GPU (CUDA_VISIBLE_DEVICES=UUID, verified)"}),
     (("--device-name",), {"default": "cpu", "help": "what responses report as device without a GPU"}),
     (("--served-model-name",), {"default": None, "help": "the model name clients send (default: the directory's)"}),
