@@ -70,6 +70,19 @@ def test_poison_fails_alone_in_the_step_it_shares(tiny_llama, async_scheduling):
     assert {k: o.output_token_ids for k, o in again.items()} == {k: o.output_token_ids for k, o in reference.items()}
 
 
+def test_poison_fails_alone_with_speculative_decoding(tiny_llama):
+    """The speculative engine's plain step (the poison's prefill) finishes the poison with its error instead of
+    committing its placeholder token (the next step then died on its parameters)."""
+    engine = LLMEngine(Config.from_kwargs(tiny_llama, block_size=16, speculative_model=tiny_llama,
+                                          num_speculative_tokens=2))
+    outs = _run_engine(engine, with_poison=True)
+    poison = outs.pop("poison")
+    assert poison.finish_reason == "error" and poison.output_token_ids == []
+    assert poison.metrics["error"].startswith("sampling failed for this request (OverflowError")
+    assert len(outs) == 15 and all(len(o.output_token_ids) == 6 for o in outs.values())
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     eng = AsyncEngine.from_args(tiny_llama, block_size=16)

@@ -31,7 +31,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                           cc.enable_lru)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler) if draft is not None else None
+        self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler, self.fail_rows) if draft is not None \
+            else None
         self._tokenizer = None
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -126,15 +127,20 @@ class LLMEngine:
         for i in done.failed:
             tokens[i] = None
         finished = self.scheduler.complete(done.seqs, tokens, done.info)
-        for i, message in done.failed.items():
-            seq = done.seqs[i]
+        self.fail_rows(done.seqs, done.failed, finished)
+        return finished
+
+    def fail_rows(self, seqs: list[Sequence], failed: dict[int, str], finished: list[Sequence]) -> None:
+        """Finish the rows whose sampling failed on their own with reason "error" (the step is otherwise
+        complete; their token was not appended), adding them to `finished`."""
+        for i, message in failed.items():
+            seq = seqs[i]
             if seq.is_finished:  # aborted meanwhile
                 continue
             logger.warning("request %s failed in the step and is finished alone: %s", seq.request_id, message)
             self._errors[seq.seq_id] = message
             self.scheduler.finish(seq, "error")
             finished.append(seq)
-        return finished
 
     def take_error(self, seq: Sequence) -> str | None:
         """Why a sequence finished with reason "error" (once; make_output takes it)."""

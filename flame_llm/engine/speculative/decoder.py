@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -31,8 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 class SpecDecoder:
-    def __init__(self, config: Config, target: ModelRunner, draft: DraftRunner, scheduler: Scheduler) -> None:
+    def __init__(self, config: Config, target: ModelRunner, draft: DraftRunner, scheduler: Scheduler,
+                 fail_rows: Callable[[list[Sequence], dict[int, str], list[Sequence]], None]) -> None:
         self.target, self.draft, self.scheduler = target, draft, scheduler
+        self.fail_rows = fail_rows  # LLMEngine.fail_rows: a row whose sampling failed alone finishes with "error"
         self.k = config.speculative_config.num_speculative_tokens
         self.max_batch_size = min(config.speculative_config.speculative_max_batch_size,
                                   config.scheduler_config.max_num_seqs)
@@ -132,8 +135,13 @@ class SpecDecoder:
                 drafted[i] = ends[i]
         else:
             self.num_plain_decode_steps += 1
-        token_ids = self.target.run(seqs, num_tokens)
-        return self._commit(seqs, [[] if t is None else [t] for t in token_ids], num_tokens, drafted)
+        handle = self.target.launch(seqs, num_tokens)
+        token_ids = handle.tokens()
+        for i in handle.failed:  # its greedy placeholder is not its token
+            token_ids[i] = None
+        finished = self._commit(seqs, [[] if t is None else [t] for t in token_ids], num_tokens, drafted)
+        self.fail_rows(seqs, handle.failed, finished)
+        return finished
 
     def _commit(self, seqs: list[Sequence], token_ids: list[list[int]], num_verified: list[int],
                 draft_computed: list[int]) -> list[Sequence]:
