@@ -16,7 +16,6 @@ import uuid
 from dataclasses import dataclass
 
 import ray
-import zstandard
 
 from actors.admission import Admission, Overloaded, request_cost
 from actors.host import EngineHost
@@ -35,7 +34,7 @@ from flame_llm.protocol.types import (
     WireError,
     prompt_digest,
 )
-from flame_llm.protocol.wire import decode_requests, encode_results
+from flame_llm.protocol.wire import decode_requests, decoded_size, encode_results
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ class EngineActor:
         self.counters["batches"] += 1
         try:
             batch = decode_requests(payload, self.limits, expected_revision=self.model_revision)
-            raw = zstandard.frame_content_size(payload)  # a readable frame: its header says the decoded size
+            raw = decoded_size(payload)  # a readable frame: its header says the decoded size
         except WireError as e:
             self.counters["bad_batches"] += 1
             return self._result(None, error=ErrorInfo(e.code, str(e)))

@@ -34,6 +34,7 @@ import numpy as np
 import zstandard
 
 from flame_llm.protocol.types import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_BATCH_REQUESTS,
     EngineLimits,
     ErrorCode,
@@ -43,7 +44,7 @@ from flame_llm.protocol.types import (
     Result,
     WireError,
 )
-from flame_llm.protocol.wire import decode_requests, decode_results, encode_requests, encode_results
+from flame_llm.protocol.wire import WIRE_VERSION, decode_requests, decode_results, encode_requests, encode_results
 from flame_llm.sampling_params import SamplingParams
 
 MAX_SECONDS = 1.0
@@ -112,7 +113,7 @@ def _results(rng: random.Random) -> list[Result]:
 
 def _valid_obj(target: str, rng: random.Random) -> object:
     if target == "requests":
-        return {"version": 1, "model_revision": "rev", "requests": [r.to_wire() for r in _requests(rng)]}
+        return {"version": WIRE_VERSION, "model_revision": "rev", "requests": [r.to_wire() for r in _requests(rng)]}
     return [r.to_wire() for r in _results(rng)]
 
 
@@ -207,7 +208,7 @@ def _structure_bomb(target: str, budget: int, rng: random.Random) -> bytes:
     n = min(rng.randint(1, budget // 4), 8192 + (rng.random() < 0.1), max(1, (budget - 64) // len(item)))
     body = b"\xdd" + n.to_bytes(4, "big") + item * n
     if target == "requests":
-        head = msgpack.packb({"version": 1, "model_revision": "r"})
+        head = msgpack.packb({"version": WIRE_VERSION, "model_revision": "r"})
         body = bytes([0x83]) + head[1:] + msgpack.packb("requests") + body
     return _zstd(body, rng)
 
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inputs", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-payload-bytes", type=int, default=4 << 20, help="both decoders' budget")
+    ap.add_argument("--max-payload-bytes", type=int, default=DEFAULT_MAX_PAYLOAD_BYTES, help="both decoders' budget")
     ap.add_argument("--mem-every", type=int, default=1, help="trace the memory of every n-th input (and every bomb)")
     ap.add_argument("--out", default=None, help="write the summary as JSON here")
     args = ap.parse_args(argv)

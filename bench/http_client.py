@@ -20,6 +20,8 @@ from flame_llm.protocol.routing_key import RouteItem, estimate_prefill_work, pre
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
 from router.policy import RouterConfig, RouterPolicy
 
+SERVED_MODEL_NAME = "bench"  # the model name every benchmarked HTTP server serves under
+
 
 @dataclass(slots=True)
 class Replica:
@@ -30,7 +32,7 @@ class Replica:
 
 class StickyHttpClient:
     def __init__(self, replicas: list[Replica], model_revision: str, policy: str = "cumulative",
-                 spill_factor: float = 1.25, model_name: str = "bench", return_token_ids: bool = False,
+                 spill_factor: float = 1.25, model_name: str = SERVED_MODEL_NAME, return_token_ids: bool = False,
                  timeout_s: float = 3600.0):
         if [r.shard for r in replicas] != list(range(len(replicas))):
             raise ValueError(f"replicas must be shards 0..{len(replicas) - 1} in order; got "

@@ -14,13 +14,12 @@ import os
 
 from tqdm import tqdm
 
-from bench.loadgen import LoadConfig, make_documents, run_rate, summarize
+from bench.loadgen import LOAD_FORMAT, LoadConfig, make_documents, run_rate, summarize
 from bench.loadgen import record as load_record
 from bench.runner import build_setup
 from bench.systems import make_system, parse_system
 
 log = logging.getLogger(__name__)
-LOAD_FORMAT = "flame-load-raw/1"
 
 
 def load_config(a, vocab_size: int) -> LoadConfig:

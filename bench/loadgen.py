@@ -19,9 +19,11 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 import numpy as np
 
-from bench.http_client import Replica
+from bench.http_client import SERVED_MODEL_NAME, Replica
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.policy import RouterConfig, RouterPolicy
+
+LOAD_FORMAT = "flame-load-raw/1"  # the raw record of one system's series
 
 
 @dataclass(slots=True)
@@ -125,7 +127,7 @@ def _chunk_tokens(chunk: dict) -> int:
 
 
 async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: np.ndarray, model_revision: str,
-                   model: str = "bench", window_seed: int = 0) -> list[Outcome]:
+                   model: str = SERVED_MODEL_NAME, window_seed: int = 0) -> list[Outcome]:
     """One window at `rate`: every release on time, each request streamed; the outcomes in release order."""
     rng = np.random.default_rng(cfg.seed * 1_000_003 + window_seed)
     times = arrivals(rate, cfg.duration_s, cfg.seed * 7919 + window_seed)
@@ -193,6 +195,6 @@ def saturation(windows: list[dict]) -> float:
 
 def record(system: str, cfg: LoadConfig, windows: list[dict], outcomes: list[list[Outcome]], info: dict) -> dict:
     """The raw record of one system's series: config, per-window summaries and every request's outcome."""
-    return {"format": "flame-load-raw/1", "system": system, "config": asdict(cfg), "info": info,
+    return {"format": LOAD_FORMAT, "system": system, "config": asdict(cfg), "info": info,
             "windows": windows, "saturation_rps": saturation(windows),
             "outcomes": [[asdict(o) for o in window] for window in outcomes]}

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from bench.gpus import gpu_index, verify_processes, wait_gpus_idle
-from bench.http_client import Replica, StickyHttpClient
+from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
 from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ class FlameSystem:
             from flame_llm.serving.frontdoor import start_frontdoor
             from flame_llm.serving.http_app import HttpConfig
 
-            self._door = start_frontdoor(self.namespace, HttpConfig(port=free_port(), served_model_name="bench"))
+            http = HttpConfig(port=free_port(), served_model_name=SERVED_MODEL_NAME)
+            self._door = start_frontdoor(self.namespace, http)
         return [Replica(0, self._door[1], ",".join(self.setup.devices))]
 
     def _counters(self) -> dict:
@@ -190,7 +191,7 @@ class HttpSystem:
         if self.system.kind == "engine":
             engine = {**s.engine, "device": "cuda" if s.on_gpu else "cpu"}
             cmd = [sys.executable, "-m", "flame_llm.serving.http_server", "--model", s.model, "--port", str(port),
-                   "--served-model-name", "bench", "--load-format", s.load_format,
+                   "--served-model-name", SERVED_MODEL_NAME, "--load-format", s.load_format,
                    "--engine-json", json.dumps(engine), "--torch-threads", str(s.torch_threads)]
             cmd += ["--gpu-uuid", device] if s.on_gpu else ["--device-name", device]
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,7 +199,7 @@ class HttpSystem:
             return cmd, env
         e = s.engine
         cmd = [s.vllm_bin, "serve", s.model, "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", "bench", "--load-format", s.load_format, "--skip-tokenizer-init",
+               "--served-model-name", SERVED_MODEL_NAME, "--load-format", s.load_format, "--skip-tokenizer-init",
                "--max-model-len", str(e["max_model_len"]), "--max-num-seqs", str(e["max_num_seqs"]),
                "--max-num-batched-tokens", str(e["max_num_batched_tokens"]), "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--gpu-memory-utilization", str(s.gpu_memory_utilization),

@@ -86,6 +86,11 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+def decoded_size(payload: bytes) -> int:
+    """The decoded (msgpack) size a readable payload's zstd frame header declares; -1 when it declares none."""
+    return zstandard.frame_content_size(payload)
+
+
 def _inflate(payload: bytes, budget: int, what: str) -> bytes:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise WireError(ErrorCode.BAD_ZSTD, f"{what} payload must be bytes; got {type(payload).__name__}")

@@ -16,7 +16,6 @@ class TextStream:
         self.prefix_offset = self.read_offset = 0
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False  # a stop string matched
-        self.tokens_at_stop = 0  # output tokens when it matched
 
     def feed(self, token_ids: list[int]) -> str:
         """The new text these tokens make that is safe to show now."""
@@ -59,4 +58,3 @@ class TextStream:
         if hits:
             self.text = self.text[:min(hits)]
             self.stopped = True
-            self.tokens_at_stop = len(self.ids)

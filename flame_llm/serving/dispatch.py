@@ -12,12 +12,11 @@ import time
 from collections import deque
 
 import ray
-import zstandard
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from flame_llm.protocol.routing_key import Completion, RouteItem
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
-from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, encode_requests
+from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, decoded_size, encode_requests
 from flame_llm.serving.batcher import Pending, ShardBatcher
 from flame_llm.serving.service import SHARD_PREFIX
 from flame_llm.serving.service_config import ClientConfig
@@ -227,7 +226,7 @@ class Dispatcher:
         c = self.counters
         c["encode_s"] += t1 - t0
         c["payload_wire_bytes"] += len(payload)
-        c["payload_raw_bytes"] += zstandard.frame_content_size(payload)  # the msgpack size, from the header
+        c["payload_raw_bytes"] += decoded_size(payload)  # the msgpack size, from the header
         try:
             reply = await self.actors[shard].submit.remote(payload, self.caller)
             t_dec = time.perf_counter()

@@ -9,6 +9,7 @@ import time
 
 from aiohttp import web
 
+from flame_llm.protocol.types import Result
 from flame_llm.serving import openai_api as api
 from flame_llm.serving.detok import TextStream
 
@@ -38,9 +39,7 @@ async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tupl
     finally:
         await agen.aclose()
     if result is None:  # stopped by a stop string before the engine finished: it was aborted there
-        result = {"id": None, "output_token_ids": ids, "finish_reason": "stop", "prompt_tokens": len(prompt),
-                  "cached_tokens": 0, "shard": -1, "device": "", "node": "", "timings": {}, "error": None,
-                  "prompt_digest": ""}
+        result = Result(None, output_token_ids=ids, finish_reason="stop", prompt_tokens=len(prompt)).to_dict()
     elif ts is not None and ts.stopped:
         result = {**result, "finish_reason": "stop"}
     return result, (ts.text if ts is not None else "")
