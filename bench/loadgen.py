@@ -20,10 +20,14 @@ import aiohttp
 import numpy as np
 
 from bench.http_client import SERVED_MODEL_NAME, Replica
+from bench.traces import TraceConfig
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.policy import RouterConfig, RouterPolicy
 
 LOAD_FORMAT = "flame-load-raw/1"  # the raw record of one system's series
+
+
+_T = TraceConfig()
 
 
 @dataclass(slots=True)
@@ -31,12 +35,12 @@ class LoadConfig:
     rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)  # offered requests per second, one window each
     duration_s: float = 60.0  # of each window (arrivals stop at its end)
     drain_s: float = 120.0  # how long requests still running at the window's end may take
-    num_docs: int = 64  # documents of the mix; a request asks about one, uniformly drawn
-    doc_tokens: int = 8192
-    question_tokens: int = 64
-    output_tokens: int = 16
-    vocab_size: int = 128256
-    seed: int = 0
+    num_docs: int = _T.num_docs  # documents of the mix (the seed's traces'); a request asks about one, uniformly
+    doc_tokens: int = _T.doc_tokens
+    question_tokens: int = _T.question_tokens
+    output_tokens: int = _T.output_tokens
+    vocab_size: int = _T.vocab_size
+    seed: int = _T.seed
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.1
     policy: str = "cumulative"  # placement over several replicas ("round_robin": the affinity A/B)

@@ -23,13 +23,15 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
+from actors.engine_actor import ShardOptions
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.client import Client
 from flame_llm.serving.service import start_service
 from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
-AMPLE = (1024, 4096)  # the shard's default bounds: (max_inflight_requests, max_queued_requests)
+_SHARD = ShardOptions()
+AMPLE = (_SHARD.max_inflight_requests, _SHARD.max_queued_requests)  # the shard's default bounds
 
 
 def one_round(args, name: str, bounds: tuple[int, int], flow_control: bool, prompts: list[list[int]],

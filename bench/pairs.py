@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
+from bench.loadgen import LoadConfig
 from bench.report import render_markdown, write_report
 from bench.runner import RUN_ARGUMENTS, local_ray_scope, options_from_args, run_one
 from bench.systems import parse_system
@@ -27,6 +28,7 @@ from bench.traces import TRACE_NAMES
 log = logging.getLogger(__name__)
 
 
+_L = LoadConfig()  # load mode's defaults
 # (flags, add_argument kwargs): the `flame-llm bench` options
 ARGUMENTS = [
     (("--mode",), {"default": "burst", "choices": ("burst", "load"),
@@ -38,12 +40,16 @@ ARGUMENTS = [
     (("--pair-start",), {"type": int, "default": 0, "help": "index of the first pair (to split the pairs of one "
                          "report over several commands writing to the same --out)"}),
     *RUN_ARGUMENTS,
-    (("--rates",), {"default": "0.5,1,2,4", "help": "load mode: offered requests per second, comma-separated"}),
-    (("--duration-s",), {"type": float, "default": 60.0, "help": "load mode: seconds of each rate's window"}),
-    (("--drain-s",), {"type": float, "default": 120.0, "help": "load mode: wait for running requests after a window"}),
+    (("--rates",), {"default": ",".join(f"{r:g}" for r in _L.rates),
+                    "help": "load mode: offered requests per second, comma-separated"}),
+    (("--duration-s",), {"type": float, "default": _L.duration_s, "help": "load mode: seconds of each rate's window"}),
+    (("--drain-s",), {"type": float, "default": _L.drain_s,
+                      "help": "load mode: wait for running requests after a window"}),
     (("--warmup-requests",), {"type": int, "default": 8, "help": "load mode: requests on other documents first"}),
-    (("--slo-ttft-s",), {"type": float, "default": 2.0, "help": "load mode: goodput's time-to-first-token bound"}),
-    (("--slo-tpot-s",), {"type": float, "default": 0.1, "help": "load mode: goodput's time-per-output-token bound"}),
+    (("--slo-ttft-s",), {"type": float, "default": _L.slo_ttft_s,
+                         "help": "load mode: goodput's time-to-first-token bound"}),
+    (("--slo-tpot-s",), {"type": float, "default": _L.slo_tpot_s,
+                         "help": "load mode: goodput's time-per-output-token bound"}),
 ]
 
 
