@@ -18,6 +18,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from flame_llm.limits import max_output_tokens
+
 HINT_MIN_S = 0.01
 HINT_MAX_S = 30.0
 HINT_COLD_S = 0.5  # first hint before any release was measured
@@ -32,7 +34,7 @@ def request_cost(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int
     """The tokens a request is charged: its prompt plus the output the engine can produce, which stops at
     max_model_len (a max_tokens of 10**9 is charged as what fits, not as 10**9)."""
     assert prompt_tokens >= 0 and max_tokens >= 1 and max_model_len >= 1
-    return prompt_tokens + max(1, min(max_tokens, max_model_len - prompt_tokens))
+    return prompt_tokens + max_output_tokens(prompt_tokens, max_tokens, max_model_len)
 
 
 class Overloaded(Exception):

@@ -291,6 +291,22 @@ def test_a_stream_left_early_leaves_no_outstanding_work_at_the_router(service):
     _wait_idle(svc, 5.0)
 
 
+def test_the_router_estimates_a_huge_max_tokens_as_what_fits(service):
+    """A request asking for 10**9 tokens is routed with the output it can produce (up to max_model_len), the
+    same rule admission charges (flame_llm.limits.max_output_tokens), not with 10**9 decode tokens."""
+    svc, client = service
+    from router.policy import RouterConfig
+
+    huge = SamplingParams(temperature=0.0, max_tokens=10**9, ignore_eos=True)
+    loop = asyncio.new_event_loop()
+    try:
+        p = client._prepare(_prompts(1, 20, seed=41)[0], huge, loop)
+    finally:
+        loop.close()
+    assert p.est_decode == ENGINE["max_model_len"] - 20
+    assert RouterConfig().decode_cost * p.est_decode < 10**6  # a bounded share of the shard's estimated work
+
+
 def _raw(obj) -> bytes:
     return zstandard.ZstdCompressor().compress(msgpack.packb(obj, use_bin_type=True))
 

@@ -20,6 +20,7 @@ class Pending:
     future: asyncio.Future
     shard: int = -1
     attempts: int = 0
+    est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
 
 
 class ShardBatcher:

@@ -19,6 +19,7 @@ import uuid
 import numpy as np
 import ray
 
+from flame_llm.limits import max_output_tokens
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import (
     DEFAULT_ZSTD_LEVEL,
@@ -183,6 +184,7 @@ class Client:
             return p
         p.chain = prefix_chain(tokens, self.model_revision)
         p.est_work = estimate_prefill_work(len(tokens))
+        p.est_decode = max_output_tokens(len(tokens), sp.max_tokens, self.limits.max_model_len)
         return p
 
     async def _generate(self, prompts: list, sampling_params, use_tqdm: bool) -> list[dict]:

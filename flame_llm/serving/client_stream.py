@@ -52,7 +52,7 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
     while result is None:
         avoid = sorted(d.shards.avoid) if len(d.shards.avoid) < len(client.actors) else []
         try:
-            (shard,) = await d.route_call([RouteItem(p.chain, p.est_work, sp.max_tokens)], avoid)
+            (shard,) = await d.route_call([RouteItem(p.chain, p.est_work, p.est_decode)], avoid)
         except Exception as e:  # the router is down
             result = failed_result(p, ErrorInfo(ErrorCode.ROUTER_ERROR, f"{type(e).__name__}: {e}"))
             break
@@ -88,7 +88,7 @@ async def stream_request(client, prompt, sp: SamplingParams, push: Callable[[Str
             continue
         err = r.error
         ok = err is None
-        client.router.complete.remote([Completion(shard, p.est_work, sp.max_tokens, r.prompt_tokens if ok else 0,
+        client.router.complete.remote([Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0,
                                                   r.cached_tokens if ok else 0)])
         if err is not None and err.code.retryable and not streamed and p.attempts < client.max_retries:
             p.attempts += 1

@@ -76,7 +76,7 @@ class Dispatcher:
         # with every shard avoided, route as usual: the answer says which shard the requests cannot reach
         avoid = sorted(self.shards.avoid) if len(self.shards.avoid) < len(self.actors) else []
         try:
-            shards = await self.route_call([RouteItem(p.chain, p.est_work, p.request.sampling.max_tokens)
+            shards = await self.route_call([RouteItem(p.chain, p.est_work, p.est_decode)
                                              for p in batch], avoid)
         except Exception as e:  # the router is down: every request of the batch gets the error
             for p in batch:
@@ -189,7 +189,7 @@ class Dispatcher:
         """Routed requests that will not be answered by the shard: their estimated work leaves the router's
         count of the shard's outstanding work."""
         if ps:
-            self.router.complete.remote([Completion(shard, p.est_work, p.request.sampling.max_tokens, 0, 0)
+            self.router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0)
                                          for p in ps])
 
     def give_credit(self, shard: int) -> None:
@@ -243,22 +243,22 @@ class Dispatcher:
         completions, reroute = [], []
         for p, r in zip(batch, results, strict=True):
             assert r.id in (p.request.id, None), "results come back in input order"
-            err, max_tokens = r.error, p.request.sampling.max_tokens
+            err, decode = r.error, p.est_decode
             if p.future.done():  # abandoned by its caller (and aborted on the shard)
-                completions.append(Completion(shard, p.est_work, max_tokens, 0, 0))
+                completions.append(Completion(shard, p.est_work, decode, 0, 0))
                 continue
             if err is not None and err.code.retryable and p.attempts < self.max_retries:
                 if err.code is ErrorCode.OVERLOADED:  # the same shard, once its queue has room
                     self.retry(p, err.retry_after_s or 0.0)
                 else:  # draining: another shard serves it
                     reroute.append(p)
-                    completions.append(Completion(shard, p.est_work, max_tokens, 0, 0))
+                    completions.append(Completion(shard, p.est_work, decode, 0, 0))
                     self.shards.avoid_shard(shard, err)
                 continue
             r.id = p.request.id
             r.timings.update(encode_s=t1 - t0, roundtrip_s=t2 - t1, attempts=p.attempts + 1, done_at=t2)
             ok = err is None
-            completions.append(Completion(shard, p.est_work, max_tokens, r.prompt_tokens if ok else 0,
+            completions.append(Completion(shard, p.est_work, decode, r.prompt_tokens if ok else 0,
                                           r.cached_tokens if ok else 0))
             if not p.future.done():
                 p.future.set_result(r)
