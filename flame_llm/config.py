@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 
 from transformers import AutoConfig, PretrainedConfig
 
+from flame_llm.layers.fusion import parse_gemm_epilogues
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 ATTENTION_BACKENDS = ("auto", "fa4", "triton", "flash_attn", "torch")
 FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen")
@@ -90,6 +92,7 @@ class RunnerConfig:
     # fresh-only prefill steps on the triton backend: our kernel, or torch SDPA ("sdpa": cuDNN on the H200,
     # 513 vs 407 TFLOP/s for dense 8K causal) on the fresh K/V; SDPA may build a plan per new length
     fresh_prefill_backend: str = "triton"
+    gemm_epilogues: str = ""  # ops fused into GEMM epilogues, e.g. "swiglu=triton,residual=cublas" (layers/fusion.py)
 
 
 @dataclass(slots=True)
@@ -154,6 +157,7 @@ class Config:
                r.mixed_decode_attention)
         _check(r.fresh_prefill_backend in FRESH_PREFILL_BACKENDS, "fresh_prefill_backend",
                f"one of {FRESH_PREFILL_BACKENDS}", r.fresh_prefill_backend)
+        parse_gemm_epilogues(r.gemm_epilogues)  # ValueError names the field and the allowed values
         _check(_int(c.block_size) and c.block_size >= 16 and c.block_size % 16 == 0, "block_size",
                "a positive multiple of 16", c.block_size)
         _check(_int(c.num_kvcache_blocks) and (c.num_kvcache_blocks == -1 or c.num_kvcache_blocks >= 1),
