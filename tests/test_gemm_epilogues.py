@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 from helpers import make_prompts  # noqa: E402
 
 from flame_llm import LLM, SamplingParams  # noqa: E402
-from flame_llm.config import Config  # noqa: E402
+from flame_llm.config import Config, parse_gemm_epilogues  # noqa: E402
 from flame_llm.kernels.gemm_epilogue import (  # noqa: E402
     EPI_NONE,
     EPI_RESIDUAL,
@@ -21,8 +21,7 @@ from flame_llm.kernels.gemm_epilogue import (  # noqa: E402
     swiglu_linear,
     triton_gemm,
 )
-from flame_llm.layers.fusion import configure_gemm_epilogues, parse_gemm_epilogues  # noqa: E402
-from flame_llm.models.llama import MLP, DecoderLayer  # noqa: E402
+from flame_llm.models.llama import MLP, DecoderLayer, configure_gemm_epilogues  # noqa: E402
 
 SMALL = (32, 16, 16, 2, 4, 1)  # tiles the interpreter runs in seconds
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flame_llm.config import parse_gemm_epilogues
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import (
     Linear,
@@ -31,7 +32,7 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.qk_norm = qk_norm
-        self.residual_impl: str | None = None  # Config.gemm_epilogues (layers/fusion.py)
+        self.residual_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -64,7 +65,7 @@ class MLP(nn.Module):
                                                            "up": cfg.intermediate_size}, bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias)
         self.act_fn = SiluAndMul()
-        self.swiglu_impl: str | None = None  # Config.gemm_epilogues (layers/fusion.py)
+        self.swiglu_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
         self.residual_impl: str | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,7 +88,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.residual_impl: str | None = None  # Config.gemm_epilogues (layers/fusion.py)
+        self.residual_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -162,3 +163,21 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
+
+
+def configure_gemm_epilogues(model: nn.Module, spec: str) -> dict[str, str]:
+    """Set Config.gemm_epilogues on every decoder layer of `model`: "swiglu=triton|quack" (SiLU-mul in the
+    gate/up GEMM's epilogue), "residual=cublas|triton|quack" (the residual add in the o / down GEMMs'; the
+    norms after them then have no add); "" is today's path. Off CUDA each runs as its torch composition."""
+    ops = parse_gemm_epilogues(spec)
+    for m in model.modules():
+        biases = []
+        if isinstance(m, MLP):
+            biases = [m.gate_up_proj.bias if "swiglu" in ops else None, m.down_proj.bias if "residual" in ops else None]
+            m.swiglu_impl, m.residual_impl = ops.get("swiglu"), ops.get("residual")
+        elif isinstance(m, (DecoderAttention, DecoderLayer)):
+            biases = [m.o_proj.bias] if isinstance(m, DecoderAttention) and "residual" in ops else []
+            m.residual_impl = ops.get("residual")
+        if any(b is not None for b in biases):
+            raise ValueError("config field 'gemm_epilogues': fused epilogues do not take projection biases")
+    return ops
