@@ -170,10 +170,14 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     fresh_prefill_backend: the path of fresh-only prefill steps: "triton" (our kernel, as every other step) or
     torch's dense attention on the fresh k/v: "sdpa" (torch picks), "cudnn", "flash", "efficient" (SDPA
-    restricted to that backend), "varlen" (torch.nn.attention.varlen.varlen_attn)."""
+    restricted to that backend), "varlen" (torch.nn.attention.varlen.varlen_attn), or "fa4" (flash-attn-4's
+    dense varlen kernel)."""
     if fresh_prefill_backend not in FRESH_PREFILL_BACKENDS:
         raise ValueError(f"fresh_prefill_backend {fresh_prefill_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if fresh_prefill_backend != "triton" and meta.fresh_only and not meta.is_decode:
+        if fresh_prefill_backend == "fa4":
+            from flame_llm.kernels.fa4_backend import fa4_dense_prefill
+            return fa4_dense_prefill(q, k, v, meta, scale)
         return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)
