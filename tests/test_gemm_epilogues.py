@@ -69,7 +69,10 @@ def test_greedy_outputs_identical_with_epilogues_on_and_off(tiny_model):
     gives the same greedy tokens as today's (fp32 on CPU)."""
     prompts = make_prompts()
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(tiny_model, block_size=16)
+    # fp32 (the Triton GEMM's fp32 dots are exact), eager: a decode graph captured before the switch would
+    # replay the old path (the runner sets the epilogues before it captures)
+    kw = dict(dtype="float32", attention_backend="triton", enforce_eager=True) if torch.cuda.is_available() else {}
+    llm = LLM(tiny_model, block_size=16, **kw)
     model = llm.engine.model_runner.model
     off = [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert configure_gemm_epilogues(model, "swiglu=triton,residual=cublas") == {"swiglu": "triton",
@@ -77,7 +80,7 @@ def test_greedy_outputs_identical_with_epilogues_on_and_off(tiny_model):
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     assert layers and all(m.residual_impl == "cublas" for m in layers)
     assert all(m.swiglu_impl == "triton" for m in model.modules() if isinstance(m, MLP))
-    llm2 = LLM(tiny_model, block_size=16)
+    llm2 = LLM(tiny_model, block_size=16, **kw)
     configure_gemm_epilogues(llm2.engine.model_runner.model, "swiglu=triton,residual=cublas")
     on = [o.output_token_ids for o in llm2.generate(prompts, sp, use_tqdm=False)]
     assert on == off

@@ -32,7 +32,8 @@ CONFIGS = {EPI_NONE: (128, 256, 64, 8, 8, 3), EPI_SWIGLU: (128, 128, 64, 8, 8, 3
 @triton.jit(do_not_specialize=["M"])
 def _gemm_epilogue_kernel(a_desc, b_desc, out_ptr, res_ptr, M, N, K, stride_om, stride_rm, N_UP,
                           EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m * num_n
@@ -51,10 +52,10 @@ def _gemm_epilogue_kernel(a_desc, b_desc, out_ptr, res_ptr, M, N, K, stride_om, 
         for k in range(0, K, BLOCK_K):
             a = a_desc.load([off_m, k])
             b = b_desc.load([off_n, k])
-            acc = tl.dot(a, b.T, acc)
+            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
             if EPI == 1:
                 b_up = b_desc.load([N_UP + off_n, k])
-                acc_up = tl.dot(a, b_up.T, acc_up)
+                acc_up = tl.dot(a, b_up.T, acc_up, input_precision=DOT_PRECISION)
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -102,6 +103,7 @@ def triton_gemm(x: torch.Tensor, weight: torch.Tensor, epi: int = EPI_NONE, resi
     _gemm_epilogue_kernel[(min(num_progs, tiles),)](
         a_desc, b_desc, out, residual, m, n, k, out.stride(0), residual.stride(0), n,
         EPI=epi, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_PROGS=num_progs,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 stays exact (tests)
         num_warps=warps, num_stages=stages)
     return out
 
