@@ -17,7 +17,7 @@ import os
 import torch
 
 from flame_llm.kernels.metadata import AttentionMetadata
-from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv
+from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv, warmup_all_variants
 
 logger = logging.getLogger(__name__)
 MIN_CAPABILITY = (9, 0)  # Hopper and newer: the kernels FA4 was measured with on this project
@@ -212,6 +212,9 @@ def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: 
         if _DENSE_FRESH["on"] and k_lens == q_lens and num_blocks * block_size >= sum(q_lens):
             kv = k_cache.view(-1, num_kv_heads, head_dim)[: sum(q_lens)]  # any finite keys: only compiles
             fa4_dense_prefill(q, kv, kv, meta, scale)
+    # a mixed step's decode rows go to our Triton decode kernel with a split count that follows the step:
+    # compile each split count's variant now, not under load
+    warmup_all_variants(k_cache, v_cache, num_heads, scale, decode_only=True)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     _compiles_at_warmup = _compile_cache_size()
