@@ -88,8 +88,11 @@ case $stage in
         --engine-json "$cfg" --label "$cfg" --out "$OUT/ab$k-$trace.json" 2>&1 | grep -E "^engine|\|" | tail -9
       k=$((k + 1))
     done ;;
-  split)  # e.g. `split --systems engine --traces reuse`: the kernel split and offline req/s
-    timeout 560 python3 -m bench.kernel_split --out "$OUT/split.json" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -40 ;;
+  split)  # e.g. `split --systems vllm,engine --traces no-reuse --warmup-rounds 1`: the kernel split, A-B-B-A,
+    # vLLM in its own process with only its bundle's site beside this checkout (its pins differ from FA4's)
+    timeout 520 python3 -m bench.kernel_split --vllm-pythonpath /tmp/vsite/site --measure-ceiling \
+      --out "$OUT/split.json" "$@" > "$OUT/split.log" 2>&1
+    grep -v -e INFO -e WARNING -e '^run ' "$OUT/split.log" | grep -e '^|' -e 'not measured' -e failed | tail -60 ;;
   burst)  # one trace's pairs in one call, e.g. `burst reuse engine,vllm,flame`; SPLIT=1 first runs the
     # offline engine on the same trace (kernel split + the offline req/s that serve-http is held to)
     trace=$1 systems=$2
@@ -101,6 +104,13 @@ case $stage in
     timeout ${PAIRS_TIMEOUT:-540} python3 -m bench.pairs --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" \
       --out /tmp/r "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -30
     tar czf "$OUT/pairs-$trace.tgz" -C /tmp r ;;
+  fusion)  # issue 19 items 2-3: fused GEMM epilogues and fresh-prefill attention against today's path, then the
+    # new paths' tests on the GPU (the Triton epilogue GEMM, FA4's dense fresh path, warmup of every variant)
+    timeout 330 python3 bench/fusion_probe.py --out "$OUT/fusion.json" "$@" > "$OUT/fusion.log" 2>&1
+    grep -e '^|' -e Error "$OUT/fusion.log" | tail -45
+    timeout 150 python3 -m pytest tests/test_gemm_epilogues.py tests/test_gpu_fa4.py tests/test_gpu_variants.py -q \
+      -p no:warnings > "$OUT/fusion-tests.log" 2>&1
+    grep -E "passed|failed|^E " "$OUT/fusion-tests.log" | tail -12 ;;
   sleep)  # hold the warm machine (and its unpacked /tmp) while a fix is made here
     sleep "${1:-60}" ;;
   *) echo "unknown stage $stage"; exit 2 ;;

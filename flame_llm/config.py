@@ -11,7 +11,25 @@ from transformers import AutoConfig, PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 ATTENTION_BACKENDS = ("auto", "fa4", "triton", "flash_attn", "torch")
-FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen")
+FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen", "fa4")
+# RunnerConfig.gemm_epilogues: op -> the GEMMs that can carry it in their epilogue (kernels/gemm_epilogue.py)
+GEMM_EPILOGUE_IMPLS = {"swiglu": ("triton", "quack"), "residual": ("cublas", "triton", "quack")}
+
+
+def parse_gemm_epilogues(spec: str) -> dict[str, str]:
+    """{op: impl} of a comma-separated OP=IMPL spec; ValueError names the field, the part and what is allowed."""
+    if not isinstance(spec, str):
+        raise ValueError(f"config field 'gemm_epilogues' must be a string; got {spec!r}")
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        op, _, impl = part.partition("=")
+        if impl not in GEMM_EPILOGUE_IMPLS.get(op, ()) or op in out:
+            known = "; ".join(f"{o}=" + "|".join(i) for o, i in GEMM_EPILOGUE_IMPLS.items())
+            raise ValueError(f"config field 'gemm_epilogues': {part!r} is not one of {known} (each op once)")
+        out[op] = impl
+    return out
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
@@ -90,6 +108,7 @@ class RunnerConfig:
     # fresh-only prefill steps on the triton backend: our kernel, or torch SDPA ("sdpa": cuDNN on the H200,
     # 513 vs 407 TFLOP/s for dense 8K causal) on the fresh K/V; SDPA may build a plan per new length
     fresh_prefill_backend: str = "triton"
+    gemm_epilogues: str = ""  # ops fused into GEMM epilogues, e.g. "swiglu=triton,residual=cublas"
 
 
 @dataclass(slots=True)
@@ -154,6 +173,7 @@ class Config:
                r.mixed_decode_attention)
         _check(r.fresh_prefill_backend in FRESH_PREFILL_BACKENDS, "fresh_prefill_backend",
                f"one of {FRESH_PREFILL_BACKENDS}", r.fresh_prefill_backend)
+        parse_gemm_epilogues(r.gemm_epilogues)  # ValueError names the field and the allowed values
         _check(_int(c.block_size) and c.block_size >= 16 and c.block_size % 16 == 0, "block_size",
                "a positive multiple of 16", c.block_size)
         _check(_int(c.num_kvcache_blocks) and (c.num_kvcache_blocks == -1 or c.num_kvcache_blocks >= 1),

@@ -16,7 +16,7 @@ from helpers import CASES_ATTENTION, make_case, reference  # noqa: E402
 
 from flame_llm.engine.model_runner import resolve_backend  # noqa: E402
 from flame_llm.kernels import fa4_backend  # noqa: E402
-from flame_llm.kernels.torch_attention import paged_attention  # noqa: E402
+from flame_llm.kernels.torch_attention import dense_causal_attention, paged_attention  # noqa: E402
 
 
 class FakeFa4VarlenFunc:
@@ -27,7 +27,12 @@ class FakeFa4VarlenFunc:
         self.compile_cache: dict = {}
 
     def __call__(self, q, k, v, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
-                 page_table=None, softmax_scale=None, causal=False, **kw):
+                 page_table=None, softmax_scale=None, causal=False, cu_seqlens_k=None, **kw):
+        if page_table is None:  # the dense varlen kernel on fresh k/v
+            assert causal and seqused_k is None and cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q
+            self.calls.append(dict(dense=True, max_seqlen_q=max_seqlen_q, batch=len(cu_seqlens_q) - 1))
+            self.compile_cache[("dense", max_seqlen_q > 32)] = True
+            return dense_causal_attention(q, k, v, cu_seqlens_q, softmax_scale), None
         assert causal and page_table.dtype == torch.int32 and seqused_k.dtype == torch.int32
         assert (page_table >= 0).all(), "page tables are padded with a real block, never -1"
         self.calls.append(dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=len(seqused_k)))
@@ -61,6 +66,32 @@ def test_fa4_forward_plumbing(fake_fa4, name):
     else:
         assert fake_fa4.calls == [dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                                        batch=len(case["seq_lens"]))]
+
+
+def test_fresh_steps_take_the_dense_kernel_with_fresh_prefill_backend_fa4(fake_fa4):
+    case = CASES_ATTENTION["fresh_ragged_gqa4_d64_bs16"] | dict(device="cpu", pad_rows=0)
+    (q, k, v, k_cache, v_cache), meta = make_case(**case)
+    assert meta.fresh_only
+    meta.block_tables = meta.block_tables.clamp(min=0)
+    scale = case["head_dim"] ** -0.5
+    k_ref, v_ref, ref = reference(q, k, v, k_cache, v_cache, meta, len(case["seq_lens"]), scale)
+    out = fa4_backend.fa4_attention_forward(q, k, v, k_cache, v_cache, meta, scale, fresh_prefill_backend="fa4")
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)  # still stored for later steps
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert fake_fa4.calls == [dict(dense=True, max_seqlen_q=meta.max_seqlen_q, batch=len(case["seq_lens"]))]
+    # a step with cached keys stays on the paged kernel
+    case = CASES_ATTENTION["prefix_chunks_gqa1_d128_bs32"] | dict(device="cpu", pad_rows=0)
+    (q, k, v, k_cache, v_cache), meta = make_case(**case)
+    meta.block_tables = meta.block_tables.clamp(min=0)
+    fa4_backend.fa4_attention_forward(q, k, v, k_cache, v_cache, meta, 0.1, fresh_prefill_backend="fa4")
+    assert "dense" not in fake_fa4.calls[-1]
+
+
+def test_warmup_compiles_the_dense_variants_when_they_are_used(fake_fa4, monkeypatch):
+    cache = torch.zeros(64, 16, 2, 16)
+    monkeypatch.setitem(fa4_backend._DENSE_FRESH, "on", True)
+    fa4_backend.warmup(cache, cache, 4, 0.25, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
+    assert {("dense", False), ("dense", True)} <= set(fake_fa4.compile_cache)
 
 
 def test_mixed_step_sends_leading_decode_rows_to_triton_and_the_rest_to_fa4(fake_fa4):

@@ -7,6 +7,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 from helpers import CASES_ATTENTION, POISON, make_case, reference  # noqa: E402
 
 from flame_llm.kernels import triton_attention as ta  # noqa: E402
@@ -229,3 +230,52 @@ def test_batched_torch_decode_buffers_are_per_thread():
     for t in threads:
         t.join()
     assert not bad
+
+
+def test_split_counts_and_tile_configs_form_a_closed_set():
+    """Every step shape within the engine's limits picks a (tile config, split count) that
+    warmup_all_variants compiles: before, split counts took any value 1..64 (a JIT compile each)."""
+    import random
+
+    rng = random.Random(0)
+    for group in (1, 4, 8):
+        configs = set(ta.reachable_configs(group))
+        assert set(ta.reachable_configs(group, decode_only=True)) <= configs
+        splits = set(ta.split_choices())
+        assert splits == {1, 2, 4, 8, 16, 32, 64}
+        seen = set()
+        for _ in range(3000):
+            b = rng.randint(1, 64)
+            q = 1 if rng.random() < 0.5 else rng.randint(1, 8192 // b)
+            k = rng.randint(q, 32768)
+            meta = ta.AttentionMetadata(None, None, None, None, q, k, is_decode=q == 1)
+            cfg = ta.pick_config(meta, group)
+            q_tiles = 1 if meta.is_decode else -(-q // (cfg.block_m // triton.next_power_of_2(group)))
+            n = ta.pick_num_splits(q_tiles * b * 8, k, 132)
+            seen.add((cfg, n))
+            assert cfg in configs and n in splits
+        assert len(seen) <= len(configs) * len(splits)
+
+
+def test_step_varying_arguments_are_not_specialised():
+    """Triton keys a compile on == 1 / % 16 of ints and the 16-byte alignment of pointers; the metadata
+    pointers (slices of one staging buffer) and the block-table stride change per step. Checked on the
+    compiled kernels' JITFunctions (the interpreter has no specialisation), in a fresh process."""
+    import subprocess
+    import sys
+    code = ("from flame_llm.kernels.triton_kernels import paged_attention_kernel as p, store_kv_kernel as s, "
+            "combine_splits_kernel as c\nfrom flame_llm.kernels.fused import _rope_qk_kernel as r\n"
+            "for k in (p, s, c, r):\n"
+            "    print(sorted(x.name for x in k.params if x.do_not_specialize))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split("\n")[:4] == [
+        "['bt_ptr', 'cu_q_ptr', 'seq_lens_ptr', 'stride_bt', 'stride_psplit']", "['slot_ptr']",
+        "['stride_psplit']", "['pos_ptr']"]
+
+
+def test_warmup_all_variants_runs_every_config_and_split():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = torch.randn(4, 16, 2, 16, device=dev)
+    n = ta.warmup_all_variants(cache, cache, 8, 0.25, decode_only=True)
+    assert n == len(ta.reachable_configs(4, decode_only=True)) * len(ta.split_choices())

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flame_llm.kernels.triton_kernels import _jit
+
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
@@ -60,7 +62,7 @@ def _rope_rows(x_ptr, t, pos, cache_ptr, stride_t, stride_h, num_heads, HALF: tl
     tl.store(base + HALF, (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype), mask=hmask[:, None])
 
 
-@triton.jit
+@_jit
 def _rope_qk_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
                     num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

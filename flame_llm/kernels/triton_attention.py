@@ -80,7 +80,48 @@ def pick_num_splits(num_programs: int, max_seqlen_k: int, num_sms: int) -> int:
     if num_programs >= num_sms:
         return 1
     want = triton.cdiv(2 * num_sms, num_programs)
-    return max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
+    n = max(1, min(want, max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)  # a power of two: NUM_SPLITS is a constexpr, so a closed set of compiles
+
+
+def split_choices() -> list[int]:
+    """Every num_splits pick_num_splits can return (powers of two up to MAX_SPLITS)."""
+    return [1 << i for i in range(MAX_SPLITS.bit_length()) if 1 << i <= MAX_SPLITS]
+
+
+def reachable_configs(group: int, decode_only: bool = False) -> list[TileConfig]:
+    """Every tile config pick_config can return for a GQA group (decode_only: decode steps alone)."""
+    group_pad = triton.next_power_of_2(group)
+    metas = [AttentionMetadata(None, None, None, None, 1, 1, is_decode=True)]
+    if not decode_only:
+        metas += [AttentionMetadata(None, None, None, None, q, q) for q in range(1, SMALL_Q_ROWS // group_pad + 2)]
+    return sorted({pick_config(m, group) for m in metas})
+
+
+@torch.inference_mode()
+def warmup_all_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+                        decode_only: bool = False) -> int:
+    """Compile every paged-attention and split-combine variant serving can reach (each reachable tile config
+    x each split count) for this cache's dtype and shapes, so none compiles just in time under load.
+    decode_only: the configs of decode steps alone (the fa4 backend sends only those rows here).
+    Returns how many launches it made; each variant compiles once (or loads from Triton's disk cache)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    dev = k_cache.device
+    group = num_heads // num_kv_heads
+    n = 0
+    for cfg in reachable_configs(group, decode_only):
+        q_len = max(1, cfg.block_m // triton.next_power_of_2(group))  # tokens of one query tile
+        if k_cache.dtype == torch.float32:  # as paged_attention_triton adjusts a picked config
+            cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
+        q = torch.zeros(q_len, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(torch.tensor([0, q_len], **i32), torch.tensor([q_len], **i32),
+                                 torch.zeros(1, 1, **i32), torch.empty(0, dtype=torch.int64, device=dev),
+                                 q_len, q_len)
+        for splits in split_choices():
+            paged_attention_triton(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
+            n += 1
+    return n
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -170,10 +211,14 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     fresh_prefill_backend: the path of fresh-only prefill steps: "triton" (our kernel, as every other step) or
     torch's dense attention on the fresh k/v: "sdpa" (torch picks), "cudnn", "flash", "efficient" (SDPA
-    restricted to that backend), "varlen" (torch.nn.attention.varlen.varlen_attn)."""
+    restricted to that backend), "varlen" (torch.nn.attention.varlen.varlen_attn), or "fa4" (flash-attn-4's
+    dense varlen kernel)."""
     if fresh_prefill_backend not in FRESH_PREFILL_BACKENDS:
         raise ValueError(f"fresh_prefill_backend {fresh_prefill_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if fresh_prefill_backend != "triton" and meta.fresh_only and not meta.is_decode:
+        if fresh_prefill_backend == "fa4":
+            from flame_llm.kernels.fa4_backend import fa4_dense_prefill
+            return fa4_dense_prefill(q, k, v, meta, scale)
         return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)

@@ -10,11 +10,27 @@ few tiles on the diagonal are masked; tiles past the last query position are nev
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2."""
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
 
+# Arguments that change from step to step but buy nothing from Triton's value specialisation (== 1, % 16,
+# 16-byte pointer alignment): the metadata pointers are slices of one staging buffer at any offset, and the
+# block-table width and split stride follow the step's shape. Left specialised, each new combination is a
+# JIT compile mid-serving (seconds); not specialised, one compile serves every step (issue 18 item 3).
+STEP_VARYING = ("slot_ptr", "pos_ptr", "cu_q_ptr", "seq_lens_ptr", "bt_ptr", "stride_bt", "stride_psplit")
 
-@triton.jit
+
+def _jit(fn):
+    names = [n for n in inspect.signature(fn).parameters if n in STEP_VARYING]
+    kwargs = {"do_not_specialize": names}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        kwargs["do_not_specialize_on_alignment"] = names
+    return triton.jit(**kwargs)(fn)
+
+
+@_jit
 def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -83,7 +99,7 @@ def _attend(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, head_off, lo, hi
     return acc, l_i, m_i
 
 
-@triton.jit
+@_jit
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         cu_q_ptr, seq_lens_ptr, bt_ptr, qk_scale,
@@ -152,7 +168,7 @@ def paged_attention_kernel(
         tl.store(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
 
 
-@triton.jit
+@_jit
 def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, stride_psplit,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):

@@ -19,8 +19,11 @@ def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
         from flame_llm.kernels.flash_backend import flash_attention_forward
         return flash_attention_forward
     if name == "fa4":
-        from flame_llm.kernels.fa4_backend import fa4_attention_forward
-        return fa4_attention_forward
+        import functools
+
+        from flame_llm.kernels.fa4_backend import fa4_attention_forward, use_dense_fresh
+        use_dense_fresh(fresh_prefill_backend == "fa4")  # its warmup then compiles the dense variants too
+        return functools.partial(fa4_attention_forward, fresh_prefill_backend=fresh_prefill_backend)
     raise ValueError(f"attention_backend {name!r} is not one of 'torch', 'triton', 'flash_attn', 'fa4'")
 
 

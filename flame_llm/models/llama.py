@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flame_llm.config import parse_gemm_epilogues
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import (
     Linear,
@@ -31,11 +32,14 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.qk_norm = qk_norm
+        self.residual_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        """o_proj(attention(x)), plus `residual` in o_proj's epilogue when given (residual_impl set)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -44,8 +48,11 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
-        return self.o_proj(o.flatten(1, -1))
+        o = self.attn(q, k, v).flatten(1, -1)
+        if residual is not None:
+            from flame_llm.kernels.gemm_epilogue import residual_linear
+            return residual_linear(o, self.o_proj.weight, residual, self.residual_impl)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -58,9 +65,20 @@ class MLP(nn.Module):
                                                            "up": cfg.intermediate_size}, bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias)
         self.act_fn = SiluAndMul()
+        self.swiglu_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
+        self.residual_impl: str | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate) * up), plus `residual` in down's epilogue when given (residual_impl set)."""
+        if self.swiglu_impl is not None:
+            from flame_llm.kernels.gemm_epilogue import swiglu_linear
+            h = swiglu_linear(x, self.gate_up_proj.weight, self.swiglu_impl)
+        else:
+            h = self.act_fn(self.gate_up_proj(x))
+        if residual is not None:
+            from flame_llm.kernels.gemm_epilogue import residual_linear
+            return residual_linear(h, self.down_proj.weight, residual, self.residual_impl)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -70,9 +88,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.residual_impl is not None:
+            # `hidden` is the residual stream itself: o_proj and down_proj add into it in their epilogues,
+            # so each norm has no add (returns (stream, None); DecoderModel knows the form)
+            assert residual is None, "every layer fuses the residual or none does"
+            hidden = self.self_attn(positions, self.input_layernorm(hidden), residual=hidden)
+            return self.mlp(self.post_attention_layernorm(hidden), residual=hidden), None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -104,6 +129,8 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # residual fused into the GEMMs: hidden is the stream
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -136,3 +163,21 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
+
+
+def configure_gemm_epilogues(model: nn.Module, spec: str) -> dict[str, str]:
+    """Set Config.gemm_epilogues on every decoder layer of `model`: "swiglu=triton|quack" (SiLU-mul in the
+    gate/up GEMM's epilogue), "residual=cublas|triton|quack" (the residual add in the o / down GEMMs'; the
+    norms after them then have no add); "" is today's path. Off CUDA each runs as its torch composition."""
+    ops = parse_gemm_epilogues(spec)
+    for m in model.modules():
+        biases = []
+        if isinstance(m, MLP):
+            biases = [m.gate_up_proj.bias if "swiglu" in ops else None, m.down_proj.bias if "residual" in ops else None]
+            m.swiglu_impl, m.residual_impl = ops.get("swiglu"), ops.get("residual")
+        elif isinstance(m, (DecoderAttention, DecoderLayer)):
+            biases = [m.o_proj.bias] if isinstance(m, DecoderAttention) and "residual" in ops else []
+            m.residual_impl = ops.get("residual")
+        if any(b is not None for b in biases):
+            raise ValueError("config field 'gemm_epilogues': fused epilogues do not take projection biases")
+    return ops
