@@ -71,7 +71,9 @@ def test_greedy_outputs_identical_with_epilogues_on_and_off(tiny_model):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     # fp32 (the Triton GEMM's fp32 dots are exact), eager: a decode graph captured before the switch would
     # replay the old path (the runner sets the epilogues before it captures)
-    kw = dict(dtype="float32", attention_backend="triton", enforce_eager=True) if torch.cuda.is_available() else {}
+    # two engines in one process: a fixed KV pool (profiling would leave the second one no memory on a GPU)
+    kw = dict(dtype="float32", attention_backend="triton", enforce_eager=True,
+              num_kvcache_blocks=64) if torch.cuda.is_available() else {}
     llm = LLM(tiny_model, block_size=16, **kw)
     model = llm.engine.model_runner.model
     off = [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
