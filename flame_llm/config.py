@@ -148,7 +148,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         check_str("speculative_model", self.speculative_model, optional=True, what="a model directory", **_F)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0, **_F)
-        check_int("speculative_max_batch_size", self.speculative_max_batch_size, 1, **_F)
+        check_int("speculative_max_batch_size", self.speculative_max_batch_size, 0,
+                  limit="an integer >= 0 (0: never speculate)", **_F)
 
     @property
     def enabled(self) -> bool:

@@ -94,6 +94,8 @@ def test_the_callers_error_class_carries_the_field():
     (lambda: EngineConfig.from_kwargs(max_num_seqs=0), "engine field 'max_num_seqs' must be an integer >= 1; got 0"),
     (lambda: EngineConfig.from_kwargs(gpu_memory_utilization=0), "engine field 'gpu_memory_utilization' must be a "
                                                                  "number in (0, 1]; got 0"),
+    (lambda: EngineConfig.from_kwargs(speculative_max_batch_size=-1), "engine field 'speculative_max_batch_size' "
+                                                                      "must be an integer >= 0 (0: never speculate)"),
     (lambda: EngineConfig.from_kwargs(eos_token_ids=[1, -1]), "engine field 'eos_token_ids' must be a list of token "
                                                               "ids"),
 ])
