@@ -34,7 +34,8 @@ from flame_llm.protocol.types import (
     WireError,
     prompt_digest,
 )
-from flame_llm.protocol.wire import decode_requests, decoded_size, encode_results
+from flame_llm.protocol.wire import MAX_LEVEL, MIN_LEVEL, decode_requests, decoded_size, encode_results
+from flame_llm.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,8 @@ class ShardOptions:
     def __post_init__(self) -> None:
         for name, low, high in (("torch_threads", 1, 1 << 10), ("max_inflight_tokens", 1, 1 << 40),
                                 ("max_inflight_requests", 1, 1 << 30), ("max_queued_requests", 0, 1 << 30),
-                                ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", 1, 19)):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and low <= v <= high):
-                raise ValueError(f"shard field {name!r} must be an integer in [{low}, {high}]; got {v!r}")
+                                ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", MIN_LEVEL, MAX_LEVEL)):
+            check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
 
 
 class EngineActor:

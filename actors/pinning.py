@@ -21,6 +21,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+from flame_llm.validate import check, check_int, check_number, is_int
+
 log = logging.getLogger(__name__)
 
 
@@ -35,24 +37,15 @@ class PlacementConfig:
 
     def __post_init__(self) -> None:
         n = self.num_shards
-        _need(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1), "num_shards",
-              "'auto' or an integer >= 1", n)
-        _need(_int(self.cpu_shards) and self.cpu_shards >= 1, "cpu_shards", "an integer >= 1", self.cpu_shards)
-        _need(isinstance(self.cpu_per_shard, (int, float)) and not isinstance(self.cpu_per_shard, bool)
-              and self.cpu_per_shard >= 0, "cpu_per_shard", "a number >= 0", self.cpu_per_shard)
-        _need(isinstance(self.gpu_uuids, list) and all(isinstance(u, str) for u in self.gpu_uuids), "gpu_uuids",
-              "a list of GPU UUID strings", self.gpu_uuids)
-        _need(_int(self.max_restarts) and self.max_restarts >= -1, "max_restarts", "an integer >= -1",
-              self.max_restarts)
+        check(n == "auto" or (is_int(n) and n >= 1), "num_shards", "'auto' or an integer >= 1", n, **_F)
+        check_int("cpu_shards", self.cpu_shards, 1, **_F)
+        check_number("cpu_per_shard", self.cpu_per_shard, 0, **_F)
+        check(isinstance(self.gpu_uuids, list) and all(isinstance(u, str) for u in self.gpu_uuids), "gpu_uuids",
+              "a list of GPU UUID strings", self.gpu_uuids, **_F)
+        check_int("max_restarts", self.max_restarts, -1, **_F)
 
 
-def _int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _need(ok: bool, name: str, limit: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"placement field {name!r} must be {limit}; got {value!r}")
+_F = {"where": "placement field"}
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from flame_llm.protocol.types import prompt_digest  # the one digest: client, servers and bench agree
+from flame_llm.validate import check_choice, check_int
 
 TRACE_NAMES = ("no-reuse", "reuse")
 # the seed's engine limits, the same for every system of a comparison (flame, engine, vLLM)
@@ -35,21 +36,13 @@ class TraceConfig:
     token_low: int = 0  # ids are drawn from [token_low, vocab_size)
 
     def __post_init__(self) -> None:
-        checks = [
-            ("name", self.name in TRACE_NAMES, f"one of {TRACE_NAMES}"),
-            ("num_docs", _int(self.num_docs) and self.num_docs >= 1, "an integer >= 1"),
-            ("questions", _int(self.questions) and self.questions >= 1, "an integer >= 1"),
-            ("doc_tokens", _int(self.doc_tokens) and self.doc_tokens >= 1, "an integer >= 1"),
-            ("question_tokens", _int(self.question_tokens) and self.question_tokens >= 1, "an integer >= 1"),
-            ("output_tokens", _int(self.output_tokens) and self.output_tokens >= 1, "an integer >= 1"),
-            ("seed", _int(self.seed) and self.seed >= 0, "an integer >= 0"),
-            ("token_low", _int(self.token_low) and self.token_low >= 0, "an integer >= 0"),
-            ("vocab_size", _int(self.vocab_size) and self.vocab_size >= self.token_low + 4,
-             f"an integer >= token_low + 4 ({self.token_low + 4})"),
-        ]
-        for field, ok, limit in checks:
-            if not ok:
-                raise ValueError(f"trace field {field!r} must be {limit}; got {getattr(self, field)!r}")
+        check_choice("name", self.name, TRACE_NAMES, where="trace field")
+        for name in ("num_docs", "questions", "doc_tokens", "question_tokens", "output_tokens"):
+            check_int(name, getattr(self, name), 1, where="trace field")
+        check_int("seed", self.seed, 0, where="trace field")
+        check_int("token_low", self.token_low, 0, where="trace field")
+        check_int("vocab_size", self.vocab_size, self.token_low + 4,
+                  limit=f"an integer >= token_low + 4 ({self.token_low + 4})", where="trace field")
 
     @property
     def questions_per_doc(self) -> int:
@@ -110,12 +103,7 @@ def make_trace(cfg: TraceConfig, shift: int = 0, id_prefix: str = "") -> Trace:
 
 def warmup_traces(cfg: TraceConfig, rounds: int = 2) -> list[Trace]:
     """`rounds` shifted copies of the trace, each with its own nonzero shift (distinct modulo the range)."""
-    if not _int(rounds) or rounds < 0:
-        raise ValueError(f"warmup rounds must be an integer >= 0; got {rounds!r}")
+    check_int("rounds", rounds, 0, where="warmup")
     span = cfg.vocab_size - cfg.token_low
     step = max(1, span // (rounds + 1))
     return [make_trace(cfg, shift=k * step, id_prefix=f"w{k}-") for k in range(1, rounds + 1)]
-
-
-def _int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -28,6 +28,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
+from flame_llm.validate import check_choice, check_int, check_number
 
 POLICIES = ("cumulative", "load_guarded", "round_robin")
 
@@ -41,18 +42,10 @@ class RouterConfig:
     decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"router field 'policy' must be one of {', '.join(POLICIES)}; got {self.policy!r}")
-        if not _num(self.spill_factor) or self.spill_factor < 1.0:
-            raise ValueError(f"router field 'spill_factor' must be a number >= 1.0; got {self.spill_factor!r}")
-        if not isinstance(self.max_entries, int) or isinstance(self.max_entries, bool) or self.max_entries < 1:
-            raise ValueError(f"router field 'max_entries' must be an integer >= 1; got {self.max_entries!r}")
-        if not _num(self.decode_cost) or self.decode_cost < 0:
-            raise ValueError(f"router field 'decode_cost' must be a number >= 0; got {self.decode_cost!r}")
-
-
-def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+        check_choice("policy", self.policy, POLICIES, where="router field")
+        check_number("spill_factor", self.spill_factor, 1.0, where="router field")
+        check_int("max_entries", self.max_entries, 1, where="router field")
+        check_number("decode_cost", self.decode_cost, 0, where="router field")
 
 
 class RouterPolicy:

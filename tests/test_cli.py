@@ -21,7 +21,8 @@ def test_one_default_namespace():
 
 def test_shipped_configs_load():
     svc = load_service_config(os.path.join(REPO, "configs", "service.yaml"))
-    assert svc.load_format == "dummy" and svc.engine["max_model_len"] == 32768
+    assert svc.engine.model_config.load_format == "dummy" and svc.engine.model_config.max_model_len == 32768
+    assert svc.engine_kwargs() == {"load_format": "dummy", "max_model_len": 32768, "enable_chunked_prefill": True}
     assert svc.placement.num_shards == "auto"
     demo = load_service_config(os.path.join(REPO, "configs", "demo.yaml"))
     assert demo.model == "tiny" and demo.placement.num_shards == 2
@@ -52,19 +53,25 @@ def test_reference_yaml_is_generated_from_the_dataclasses():
     ({"placement": [1]}, "section 'placement' must be a mapping of its fields"),
     ({"router": {"policy": "random"}}, "router field 'policy' must be one of"),
     ({"router": {"spill_factor": 0.5}}, "router field 'spill_factor' must be a number >= 1.0"),
-    ({"client": {"max_batch_prompts": True}}, r"'client.max_batch_prompts' must be an integer in \[1, 8192\]"),
-    ({"client": {"max_batch_prompts": 8193}}, r"'client.max_batch_prompts' must be an integer in .*; got 8193"),
-    ({"client": {"batch_window_ms": -1}}, "'client.batch_window_ms' must be a number in"),
+    ({"client": {"max_batch_prompts": True}}, r"client field 'max_batch_prompts' must be an integer in \[1, 8192\]"),
+    ({"client": {"max_batch_prompts": 8193}}, r"client field 'max_batch_prompts' must be an integer in .*; got 8193"),
+    ({"client": {"batch_window_ms": -1}}, "client field 'batch_window_ms' must be a number in"),
     ({"shard": {"max_payload_bytes": 10}}, "shard field 'max_payload_bytes' must be an integer in"),
-    ({"shard": {"zstd_level": 30}}, "shard field 'zstd_level' must be an integer in"),
+    ({"shard": {"zstd_level": 30}}, r"shard field 'zstd_level' must be an integer in \[-7, 19\]; got 30"),
     ({"shard": {"max_inflight_tokens": 0}}, "shard field 'max_inflight_tokens'"),
     ({"placement": {"max_restarts": -2}}, "placement field 'max_restarts' must be an integer >= -1"),
-    ({"engine": {"max_num_seq": 4}}, r"'engine' must be a mapping of flame_llm Config fields .*\['max_num_seq'\]"),
-    ({"engine": ["x"]}, "'engine' must be a mapping"),
-    ({"ray": {"namespace": "a b"}}, "'ray.namespace' must be"),
+    ({"engine": {"max_num_seq": 4}}, r"unknown field\(s\) \['max_num_seq'\] in section 'engine'; known: .*"
+                                     "max_num_seqs"),
+    ({"engine": ["x"]}, "section 'engine' must be a mapping"),
+    ({"engine": {"max_num_seqs": 0}}, "test.yaml: engine field 'max_num_seqs' must be an integer >= 1; got 0"),
+    ({"engine": {"enable_chunked_prefill": "yes"}}, "engine field 'enable_chunked_prefill' must be true or false"),
+    ({"engine": {"model": "x"}}, r"unknown field\(s\) \['model'\] in section 'engine'"),
+    ({"ray": {"namespace": "a b"}}, "ray field 'namespace' must be"),
     ({"placement": {"gpu_uuids": "GPU-1"}}, "placement field 'gpu_uuids' must be a list"),
-    ({"load_format": "pt"}, "'load_format' must be one of"),
-    ({"ray": {"address": ""}}, "'ray.address' must be"),
+    ({"engine": {"load_format": "pt"}}, "engine field 'load_format' must be one of 'auto', 'dummy'; got 'pt'"),
+    ({"load_format": "dummy"}, r"unknown field\(s\) \['load_format'\] \(load_format belongs in section 'engine'\)"),
+    ({"ray": {"address": ""}}, "ray field 'address' must be"),
+    ({"http": {"port": 70000}}, r"http field 'port' must be an integer in \[0, 65535\]"),
 ])
 def test_config_errors_name_the_field(raw, match):
     with pytest.raises(ValueError, match=match):
@@ -79,7 +86,7 @@ def test_yaml_file_errors(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_service_config(str(bad))
-    bad.write_text("shard:\n  zstd_level: 0\n")
+    bad.write_text("shard:\n  zstd_level: 20\n")
     with pytest.raises(ValueError, match=r"bad.yaml: shard field 'zstd_level'"):
         load_service_config(str(bad))
     bad.write_text("")
@@ -92,6 +99,23 @@ def test_flat_keywords_build_the_sections():
         (3, "round_robin", "ns", 2)
     with pytest.raises(ValueError, match="unknown service config field 'shards'"):
         ServiceConfig.from_kwargs(shards=3)
+
+
+def test_engine_section_is_the_engines_own_config():
+    """The engine section is parsed into flame_llm's EngineConfig once (flat names, load_format among them):
+    from YAML, from flat keywords and from an `engine` mapping alike."""
+    from flame_llm.config import EngineConfig
+    cfg = ServiceConfig.from_kwargs(model="m", load_format="dummy", engine={"max_num_seqs": 8}, num_shards=2)
+    assert cfg.engine == EngineConfig.from_kwargs(load_format="dummy", max_num_seqs=8)
+    assert cfg.engine_kwargs() == {"load_format": "dummy", "max_num_seqs": 8}
+    assert cfg == config_from_dict({"model": "m", "engine": {"load_format": "dummy", "max_num_seqs": 8},
+                                    "placement": {"num_shards": 2}})
+    with pytest.raises(ValueError, match="'max_num_seqs' is given twice"):
+        ServiceConfig.from_kwargs(engine={"max_num_seqs": 8}, max_num_seqs=4)
+    with pytest.raises(ValueError, match="engine field 'max_num_seqs' must be an integer >= 1; got 0"):
+        ServiceConfig.from_kwargs(max_num_seqs=0)
+    with pytest.raises(ValueError, match="service config field 'engine' must be an EngineConfig"):
+        ServiceConfig(engine={"max_num_seqs": 8})
 
 
 def test_installed_command_adds_the_benchmarks_on_top():
@@ -127,6 +151,7 @@ def test_cli_reports_user_errors(tmp_path, capsys):
     ('{"nonsense": 1}', "--engine-json: unknown config field(s) ['nonsense']; known: "),
     ("[1, 2]", "--engine-json must be a JSON object of flame_llm Config fields"),
     ("{not json", "--engine-json is not valid JSON"),
+    ('{"max_num_seqs": 0}', "--engine-json: engine field 'max_num_seqs' must be an integer >= 1; got 0"),
 ])
 def test_serve_http_names_a_bad_engine_field_in_one_line(capsys, engine_json, words):
     assert main(["serve-http", "--model", "tiny", "--engine-json", engine_json]) == 2

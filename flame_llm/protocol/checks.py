@@ -1,15 +1,15 @@
 """Value checks the protocol's types share: prompt digests and token-id bytes, UTF-8 sizes, finite
 numbers, and map keys for error messages (bounded, like every value an error message shows: see
-flame_llm.sampling_params.brief)."""
+flame_llm.validate.brief)."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from flame_llm.sampling_params import brief
+from flame_llm.sampling_params import TOKEN_ID_LIMIT
+from flame_llm.validate import brief, is_number
 
 
 def prompt_digest(token_ids: list[int] | np.ndarray) -> str:
@@ -24,7 +24,7 @@ def token_bytes(token_ids: list[int] | np.ndarray, where: str) -> bytes:
     arr = np.asarray(token_ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"{where} must be a flat sequence of integers; got dtype {arr.dtype}, shape {arr.shape}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_ID_LIMIT):
         raise ValueError(f"{where} must be in [0, 2**32); got min {arr.min()}, max {arr.max()}")
     return arr.astype("<u4").tobytes()
 
@@ -42,10 +42,4 @@ def key_list(m: dict | set, n: int = 8) -> str:
     return "[" + ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "") + "]"
 
 
-def finite(v: Any) -> bool:
-    """v is an int or float (not a bool) and neither NaN nor infinite."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    return isinstance(v, int) or math.isfinite(v)  # an int is finite (and may be too large for a float)
-
-
+finite = is_number  # an int or a finite float, not a bool: the validators' one rule

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from flame_llm.serving import openai_api as api
 from flame_llm.serving.http_stream import collect, stream_events
+from flame_llm.validate import check_bool, check_int, check_number, check_str
 
 log = logging.getLogger(__name__)
 BACKEND = web.AppKey("backend", object)
@@ -43,34 +44,20 @@ class HttpConfig:
     body_timeout_s: float = 30.0  # a body that has not arrived whole by then is a 408
 
     def __post_init__(self) -> None:
-        for name, ok, limit in (
-                ("enabled", isinstance(self.enabled, bool), "true or false"),
-                ("host", isinstance(self.host, str) and self.host != "", "a host name or address"),
-                ("port", _int(self.port) and 0 <= self.port <= 65535, "an integer in [0, 65535] (0: any free)"),
-                ("api_key", self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""),
-                 "null or a non-empty string"),
-                ("served_model_name", self.served_model_name is None or isinstance(self.served_model_name, str),
-                 "null or a string"),
-                ("max_prompts_per_request", _int(self.max_prompts_per_request) and self.max_prompts_per_request >= 1,
-                 "an integer >= 1"),
-                ("max_tokens_per_request", _int(self.max_tokens_per_request) and self.max_tokens_per_request >= 2,
-                 "an integer >= 2"),
-                ("max_body_bytes", _int(self.max_body_bytes) and self.max_body_bytes >= 1024, "an integer >= 1024"),
-                ("header_timeout_s", _num(self.header_timeout_s) and self.header_timeout_s > 0, "a number > 0"),
-                ("body_timeout_s", _num(self.body_timeout_s) and self.body_timeout_s > 0, "a number > 0")):
-            if not ok:
-                raise ValueError(f"service config field 'http.{name}' must be {limit}; got {getattr(self, name)!r}")
+        w = "http field"
+        check_bool("enabled", self.enabled, where=w)
+        check_str("host", self.host, what="a host name or address", where=w)
+        check_int("port", self.port, 0, 65535, limit="an integer in [0, 65535] (0: any free)", where=w)
+        check_str("api_key", self.api_key, optional=True, where=w)
+        check_str("served_model_name", self.served_model_name, optional=True, empty=True, where=w)
+        check_int("max_prompts_per_request", self.max_prompts_per_request, 1, where=w)
+        check_int("max_tokens_per_request", self.max_tokens_per_request, 2, where=w)
+        check_int("max_body_bytes", self.max_body_bytes, 1024, where=w)
+        check_number("header_timeout_s", self.header_timeout_s, 0, low_open=True, where=w)
+        check_number("body_timeout_s", self.body_timeout_s, 0, low_open=True, where=w)
 
     def request_limits(self) -> api.RequestLimits:
         return api.RequestLimits(self.max_prompts_per_request, self.max_tokens_per_request)
-
-
-def _int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _json_error(e: api.ApiError) -> web.Response:

@@ -3,14 +3,14 @@ in actors/pinning.py, a shard's options in actors/engine_actor.py, the router's 
 the client's and Ray's here), composed into ServiceConfig. The YAML file has one section per part:
 
     model: configs/models/llama-3.1-8b
-    load_format: dummy
-    engine: {max_model_len: 32768, enable_chunked_prefill: true}   # flame_llm Config fields
+    engine: {load_format: dummy, max_model_len: 32768}              # flame_llm engine fields (EngineConfig)
     placement: {num_shards: auto}
     router: {policy: cumulative}
     ray: {namespace: flame}
     http: {port: 8000}                                              # the OpenAI front door
 
-Every field is checked with an error naming section and field. `python -m flame_llm.serving.service_config`
+Every field is checked with an error naming section and field (`engine field 'max_num_seqs' must be ...`).
+ `python -m flame_llm.serving.service_config`
 prints the reference of every field with its default (configs/service.reference.yaml, tested to match)."""
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ import yaml
 
 from actors.engine_actor import ShardOptions
 from actors.pinning import PlacementConfig
+from flame_llm.config import FIELD_NAMES, GROUPS, EngineConfig
 from flame_llm.protocol.types import MAX_BATCH_REQUESTS
 from flame_llm.serving.http_app import HttpConfig
+from flame_llm.validate import check, check_bool, check_int, check_number, check_str
 from router.policy import RouterConfig
 
 DEFAULT_NAMESPACE = "flame"  # the Ray namespace of a service, unless configured
@@ -42,17 +44,13 @@ class ClientConfig:
     flow_control: bool = True  # at most a shard's admission capacity unanswered there (false: rejections retried)
 
     def __post_init__(self) -> None:
-        _need("client", "max_batch_prompts", _int(self.max_batch_prompts)
-              and 1 <= self.max_batch_prompts <= MAX_BATCH_REQUESTS,
-              f"an integer in [1, {MAX_BATCH_REQUESTS}]", self.max_batch_prompts)
-        _need("client", "batch_window_ms", _num(self.batch_window_ms) and 0 <= self.batch_window_ms <= 10_000,
-              "a number in [0, 10000]", self.batch_window_ms)
-        _need("client", "max_retries", _int(self.max_retries) and self.max_retries >= 0, "an integer >= 0",
-              self.max_retries)
-        _need("client", "restart_timeout_s", _num(self.restart_timeout_s) and self.restart_timeout_s > 0,
-              "a number > 0", self.restart_timeout_s)
-        _need("client", "flush_formed", isinstance(self.flush_formed, bool), "true or false", self.flush_formed)
-        _need("client", "flow_control", isinstance(self.flow_control, bool), "true or false", self.flow_control)
+        w = "client field"
+        check_int("max_batch_prompts", self.max_batch_prompts, 1, MAX_BATCH_REQUESTS, where=w)
+        check_number("batch_window_ms", self.batch_window_ms, 0, 10_000, where=w)
+        check_int("max_retries", self.max_retries, 0, where=w)
+        check_number("restart_timeout_s", self.restart_timeout_s, 0, low_open=True, where=w)
+        check_bool("flush_formed", self.flush_formed, where=w)
+        check_bool("flow_control", self.flow_control, where=w)
 
 
 @dataclass(slots=True)
@@ -64,25 +62,29 @@ class RayConfig:
     startup_timeout_s: float = 600.0  # per shard, until it answers health
 
     def __post_init__(self) -> None:
-        a, ns = self.address, self.namespace
-        _need("ray", "address", a is None or (isinstance(a, str) and a != ""), "null, 'auto' or 'host:port'", a)
-        _need("ray", "namespace", isinstance(ns, str) and ns.replace("-", "").replace("_", "").isalnum(),
-              "a non-empty name of letters, digits, '-' and '_'", ns)
-        _need("ray", "num_cpus", self.num_cpus is None or (_int(self.num_cpus) and self.num_cpus >= 1),
-              "null or an integer >= 1", self.num_cpus)
-        _need("ray", "startup_timeout_s", _num(self.startup_timeout_s) and self.startup_timeout_s > 0,
-              "a number > 0", self.startup_timeout_s)
+        a, ns, w = self.address, self.namespace, "ray field"
+        check(a is None or (isinstance(a, str) and a != ""), "address", "null, 'auto' or 'host:port'", a, where=w)
+        check(isinstance(ns, str) and ns.replace("-", "").replace("_", "").isalnum(), "namespace",
+              "a non-empty name of letters, digits, '-' and '_'", ns, where=w)
+        check_int("num_cpus", self.num_cpus, 1, optional=True, where=w)
+        check_number("startup_timeout_s", self.startup_timeout_s, 0, low_open=True, where=w)
+
+
+def _article(name: str) -> str:
+    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
 
 
 SECTIONS = {"placement": PlacementConfig, "shard": ShardOptions, "router": RouterConfig, "client": ClientConfig,
             "ray": RayConfig, "http": HttpConfig}
 
 
+ENGINE_FIELDS = tuple(n for n in FIELD_NAMES if n != "model")  # the `engine` section's (flat) field names
+
+
 @dataclass(slots=True)
 class ServiceConfig:
     model: str = "tiny"  # a model directory, or "tiny" for the embedded default checkpoint
-    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
-    engine: dict = field(default_factory=dict)  # flame_llm Config fields for every engine (flat names)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # every engine's fields (flat names)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     shard: ShardOptions = field(default_factory=ShardOptions)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -91,35 +93,56 @@ class ServiceConfig:
     http: HttpConfig = field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
-        from flame_llm.config import FIELD_NAMES
-
-        _need("", "model", isinstance(self.model, str) and self.model != "", "a model directory or 'tiny'",
-              self.model)
-        _need("", "load_format", self.load_format in ("auto", "dummy"), "one of 'auto', 'dummy'", self.load_format)
-        _need("", "engine", isinstance(self.engine, dict), "a mapping of flame_llm Config fields", self.engine)
-        known = set(FIELD_NAMES) - {"load_format"}
-        unknown = sorted(map(str, set(self.engine) - known))
-        _need("", "engine", not unknown, f"a mapping of flame_llm Config fields ({', '.join(sorted(known))})",
-              unknown)
+        check_str("model", self.model, what="a model directory or 'tiny'", where="service config field")
+        for name, cls in (("engine", EngineConfig), *SECTIONS.items()):
+            check(isinstance(getattr(self, name), cls), name, f"{_article(cls.__name__)} (config_from_dict parses a "
+                  "mapping)", getattr(self, name), where="service config field")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> ServiceConfig:
-        """From flat field names (each unique across the sections): ServiceConfig.from_kwargs(model=...,
-        num_shards=2, namespace="x")."""
-        top = {k: kwargs.pop(k) for k in ("model", "load_format", "engine") if k in kwargs}
-        parts: dict[str, dict] = {s: {} for s in SECTIONS}
+        """From flat field names (each unique across the sections and the engine's fields): ServiceConfig.from_kwargs(
+        model=..., num_shards=2, namespace="x", load_format="dummy"); `engine` may also be a mapping of engine
+        fields."""
+        top = {k: kwargs.pop(k) for k in ("model",) if k in kwargs}
+        engine = kwargs.pop("engine", {})
+        parts: dict[str, dict] = {"engine": dict(engine)} | {s: {} for s in SECTIONS}
         for k, v in kwargs.items():
             section = _SECTION_OF.get(k)
             if section is None:
                 raise ValueError(f"unknown service config field {k!r}; known: {', '.join(sorted(_SECTION_OF))}")
+            if k in parts[section]:
+                raise ValueError(f"service config field {k!r} is given twice (flat and in engine)")
             parts[section][k] = v
-        return cls(**top, **{s: SECTIONS[s](**p) for s, p in parts.items()})
+        return cls(**top, **{s: _section(s, p) for s, p in parts.items()})
 
     def engine_kwargs(self) -> dict:
-        return {"load_format": self.load_format, **self.engine}
+        """The engine fields this config changes from their defaults, as flat keywords (Config.from_kwargs)."""
+        return self.engine.to_kwargs(changed_only=True)
 
 
+def _article(name: str) -> str:
+    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
+
+
+SECTIONS = {"placement": PlacementConfig, "shard": ShardOptions, "router": RouterConfig, "client": ClientConfig,
+            "ray": RayConfig, "http": HttpConfig}
 _SECTION_OF = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+assert not set(_SECTION_OF) & set(ENGINE_FIELDS), "a field name is in a section and the engine"
+_SECTION_OF |= {name: "engine" for name in ENGINE_FIELDS}
+
+
+def _section(name: str, value: object) -> object:
+    """A section's dataclass from a mapping of its fields (an engine section that is one already stays)."""
+    if name == "engine" and isinstance(value, EngineConfig):
+        return value
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise ValueError(f"section {name!r} must be a mapping of its fields; got {value!r:.80}")
+    known = ENGINE_FIELDS if name == "engine" else [f.name for f in dataclasses.fields(SECTIONS[name])]
+    bad = sorted(str(k) for k in value if k not in known)
+    if bad:
+        raise ValueError(f"unknown field(s) {bad} in section {name!r}; known: {', '.join(sorted(known))}")
+    return EngineConfig.from_kwargs(**value) if name == "engine" else SECTIONS[name](**value)
 
 
 def load_service_config(path: str, namespace: str | None = None, address: str | None = None) -> ServiceConfig:
@@ -151,21 +174,8 @@ def config_from_dict(raw: dict, source: str = "config") -> ServiceConfig:
         flat = [k for k in unknown if k in _SECTION_OF]
         hint = f" ({', '.join(f'{k} belongs in section {_SECTION_OF[k]!r}' for k in flat)})" if flat else ""
         raise ValueError(f"{source}: unknown field(s) {unknown}{hint}; known: {', '.join(sorted(top))}")
-    kwargs = {}
     try:
-        for name, value in raw.items():
-            if name in SECTIONS:
-                cls = SECTIONS[name]
-                value = {} if value is None else value
-                if not isinstance(value, dict):
-                    raise ValueError(f"section {name!r} must be a mapping of its fields; got {value!r:.80}")
-                fields_ = {f.name for f in dataclasses.fields(cls)}
-                bad = sorted(str(k) for k in value if k not in fields_)
-                if bad:
-                    raise ValueError(f"unknown field(s) {bad} in section {name!r}; known: {', '.join(sorted(fields_))}")
-                value = cls(**value)
-            kwargs[name] = value
-        return ServiceConfig(**kwargs)
+        return ServiceConfig(**{k: v if k == "model" else _section(k, v) for k, v in raw.items()})
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 
@@ -174,47 +184,40 @@ def reference_yaml() -> str:
     """Every field of every section with its default and its comment, as YAML."""
     lines = ["# flame-llm service config: every field with its default (generated by",
              "# `python -m flame_llm.serving.service_config`; a config file may leave any field out)."]
-    for name, value, doc in _field_docs(ServiceConfig):
-        if name in SECTIONS:
+    default = ServiceConfig()
+    for name, value, doc in _field_docs(ServiceConfig, default):
+        if name == "engine":
+            lines.append(_yaml_line("engine:", doc))
+            for group in GROUPS:
+                for sub, subvalue, subdoc in _field_docs(GROUPS[group], getattr(value, group)):
+                    if sub in ENGINE_FIELDS:
+                        lines.append(_yaml_line(f"  {sub}: {_dump(subvalue)}", subdoc))
+        elif name in SECTIONS:
             lines.append(f"{name}:")
-            for sub, subvalue, subdoc in _field_docs(SECTIONS[name]):
+            for sub, subvalue, subdoc in _field_docs(SECTIONS[name], value):
                 lines.append(_yaml_line(f"  {sub}: {_dump(subvalue)}", subdoc))
         else:
             lines.append(_yaml_line(f"{name}: {_dump(value)}", doc))
     return "\n".join(lines) + "\n"
 
 
-def _field_docs(cls) -> list[tuple[str, object, str]]:
-    """(name, default, the comment on its line in the source) per field of a dataclass."""
+def _field_docs(cls, default: object) -> list[tuple[str, object, str]]:
+    """(name, value in `default`, the comment on its line in the source) per field of a dataclass."""
     comments = {}
     for line in inspect.getsource(cls).splitlines():
         m = re.match(r"\s+(\w+): [^=]+= .*?  # (.*)$", line)
         if m:
             comments[m.group(1)] = m.group(2)
-    default = cls()
     return [(f.name, getattr(default, f.name), comments.get(f.name, "")) for f in dataclasses.fields(cls)]
 
 
 def _dump(value: object) -> str:
+    value = list(value) if isinstance(value, tuple) else value
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip().removesuffix("\n...")
 
 
 def _yaml_line(text: str, doc: str) -> str:
     return f"{text:<40} # {doc}" if doc else text
-
-
-def _int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _need(section: str, name: str, ok: bool, limit: str, value: object) -> None:
-    if not ok:
-        where = f"{section}.{name}" if section else name
-        raise ValueError(f"service config field {where!r} must be {limit}; got {value!r}")
 
 
 if __name__ == "__main__":
