@@ -17,7 +17,12 @@ import os
 import torch
 
 from flame_llm.kernels.metadata import AttentionMetadata
-from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv, warmup_all_variants
+from flame_llm.kernels.triton_attention import (
+    paged_attention_triton,
+    store_kv,
+    triton_attention_forward,
+    warmup_all_variants,
+)
 
 logger = logging.getLogger(__name__)
 MIN_CAPABILITY = (9, 0)  # Hopper and newer: the kernels FA4 was measured with on this project
@@ -132,6 +137,16 @@ def fa4_dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
         out.copy_(res)
         return out
     return res
+
+
+def triton_with_fa4_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The triton backend with fresh_prefill_backend "fa4": fresh-only prefill steps on FA4's dense kernel, every
+    other step on our Triton kernel."""
+    if meta.fresh_only and not meta.is_decode:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return fa4_dense_prefill(q, k, v, meta, scale)
+    return triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
 _DENSE_FRESH = {"on": False}  # set by the attention layers (fresh_prefill_backend "fa4"): warmup covers it

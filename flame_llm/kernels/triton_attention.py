@@ -217,8 +217,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"fresh_prefill_backend {fresh_prefill_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if fresh_prefill_backend != "triton" and meta.fresh_only and not meta.is_decode:
-        if fresh_prefill_backend == "fa4":
-            from flame_llm.kernels.fa4_backend import fa4_dense_prefill
-            return fa4_dense_prefill(q, k, v, meta, scale)
+        # "fa4" on this backend is fa4_backend.triton_with_fa4_fresh (that module imports this one)
+        assert fresh_prefill_backend != "fa4", "layers.attention routes fresh_prefill_backend 'fa4' to fa4_backend"
         return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)

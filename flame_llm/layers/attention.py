@@ -13,6 +13,9 @@ def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
     if name == "triton":
         import functools
 
+        if fresh_prefill_backend == "fa4":
+            from flame_llm.kernels.fa4_backend import triton_with_fa4_fresh
+            return triton_with_fa4_fresh
         from flame_llm.kernels.triton_attention import triton_attention_forward
         return functools.partial(triton_attention_forward, fresh_prefill_backend=fresh_prefill_backend)
     if name == "flash_attn":
