@@ -40,11 +40,11 @@ def measure(model: str, batch: int, context: int, block_size: int, steps: int) -
         t0 = time.perf_counter()
         scheduled = sch.schedule()
         t1 = time.perf_counter()
-        runner.prepare(scheduled.seqs, scheduled.num_scheduled_tokens)  # run() prepares again; only timed here
+        runner.prepare(scheduled.seqs, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens)  # timed only
         t2 = time.perf_counter()
         output = runner.run(scheduled)
         t3 = time.perf_counter()
-        sch.update_from_output(scheduled, output)
+        sch.update_from_output(output)
         t4 = time.perf_counter()
         assert len(scheduled.seqs) == batch == scheduled.total_num_scheduled_tokens, "every step decodes the batch"
         for k, dt in zip(parts, (t1 - t0, t2 - t1, t4 - t3), strict=True):

@@ -58,8 +58,8 @@ class FakeRunner:
         seqs, num_tokens = scheduled.seqs, scheduled.num_scheduled_tokens
         assert len({s.seq_id for s in seqs}) == len(seqs)
         histories = []
-        for seq, n in zip(seqs, num_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for seq, n, start in zip(seqs, num_tokens, scheduled.num_computed_tokens):  # the step's starts
+            end = start + n
             history = list(seq.token_ids)
             if end > seq.num_tokens:  # the one token a running step is sampling for it
                 assert end == seq.num_tokens + 1 and pending is not None and seq.seq_id in pending
@@ -118,7 +118,7 @@ def replay(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max
         trace.append([(s.request_id, n) for s, n in zip(batch, num_tokens)])
         if not asynchronous:
             if batch:
-                sched.update_from_output(scheduled, runner.run(scheduled))
+                sched.update_from_output(runner.run(scheduled))
             partial = [s for s in sched.running if s.num_tokens - s.num_computed_tokens > 1]
             assert not partial or partial == [sched.running[-1]], "decode-first: only the newest may be mid-prefill"
         else:
@@ -127,7 +127,7 @@ def replay(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max
                 prev = {} if inflight is None else {
                     s.seq_id: t for s, t in zip(inflight.scheduled.seqs, inflight.sampled_token_ids) if t is not None}
                 launched = runner.run(scheduled, prev)
-            sched.update_from_output(scheduled, inflight)
+            sched.update_from_output(inflight)
             inflight = launched
         step += 1
     bm = sched.block_manager

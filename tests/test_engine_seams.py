@@ -22,7 +22,8 @@ def test_a_step_passes_typed_outputs_and_a_request_its_typed_metrics(tiny_llama)
     assert scheduled.num_scheduled_tokens == [3] == [scheduled.total_num_scheduled_tokens] and scheduled.has_prefill
     out = eng.model_runner.run(scheduled)
     assert isinstance(out, ModelRunnerOutput) and out.scheduled is scheduled and out.failed == {}
-    assert sched.update_from_output(scheduled, out) == [] and seq.completion_token_ids == out.sampled_token_ids
+    assert scheduled.num_computed_tokens == [0] and seq.num_computed_tokens == 3  # counted launched by schedule()
+    assert sched.update_from_output(out) == [] and seq.completion_token_ids == out.sampled_token_ids
     while not eng.is_finished():
         eng.step()
     res = eng.make_output(seq)

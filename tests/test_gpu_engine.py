@@ -68,7 +68,7 @@ def test_decode_graph_equals_eager_forward(tiny_llama):
     scheduled = eng.scheduler.schedule()
     seqs, nums = scheduled.seqs, scheduled.num_scheduled_tokens
     assert nums == [1] * len(seqs)
-    x = runner.prepare(seqs, nums)
+    x = runner.prepare(seqs, nums, scheduled.num_computed_tokens)
     graphs = runner.graphs
     with torch.inference_mode():
         graph_logits = graphs.replay(x, runner.staging, None).clone()

@@ -119,7 +119,7 @@ class LLMEngine:
             done, self._inflight = self._inflight, handle
         else:
             done = handle
-        finished = sched.update_from_output(scheduled, done.output() if done is not None else None)
+        finished = sched.update_from_output(done.output() if done is not None else None)
         return finished, scheduled.total_num_scheduled_tokens
 
     def abort(self, request_id: str) -> Sequence | None:

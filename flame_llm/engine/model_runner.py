@@ -228,7 +228,7 @@ class ModelRunner:
     def launch(self, scheduled: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         """Enqueue one step; sequences whose next input the running step `prev` samples take it from there."""
         seqs = scheduled.seqs
-        x = self.prepare(seqs, scheduled.num_scheduled_tokens)
+        x = self.prepare(seqs, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens)
         prev_sampled = None
         if x.pending_seqs:
             assert prev is not None and prev.sampled is not None, "a pending token needs the step that samples it"

@@ -12,13 +12,13 @@ soon as every token it fed is known. The tokens are appended once read. For work
 length this reproduces the synchronous schedule step for step; a token that turns out to be a stop token
 ends its sequence one step late (that step's token is dropped).
 
-One entry point after the step, `update_from_output(launched, output)`: `launched` is the SchedulerOutput
-just enqueued on the device (or None), `output` the tokens of a step read now (or None) - the same step
-when synchronous, the one before when asynchronous. Both go through one call, in this order (launch
-bookkeeping, then tokens, then retired blocks), because the order matters: a retired sequence's blocks may
-be freed only after its last fed token is read, and a step must be counted as launched before the runner
-builds the next one. (vLLM v1 does the launch bookkeeping inside schedule(); here the runner reads a
-step's start positions from num_computed_tokens, so it comes after the launch.)"""
+Like vLLM v1's scheduler, schedule() does the launch bookkeeping of the step it returns before the runner
+launches it (the runner reads the step's start positions from SchedulerOutput.num_computed_tokens, not
+from the sequences), so one entry point is left after the step: `update_from_output(output)` with the
+tokens read now - the same step's when synchronous, the step before's when asynchronous, None when
+nothing was read (a first step: it still frees retired sequences' blocks, which must wait until the step
+that reads them is launched). The scheduler's state changes in the same order as when the engine called
+launched/complete/release_retired, so the recorded schedules are unchanged."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,10 +28,11 @@ from flame_llm.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One scheduled step: sequence i computes num_scheduled_tokens[i] positions from its
-    num_computed_tokens (as of schedule(); the scheduler advances it once the step is launched)."""
+    """One scheduled step: sequence i computes num_scheduled_tokens[i] positions from num_computed_tokens[i]
+    (its own counter is already advanced past them, except with speculative decoding)."""
     seqs: list[Sequence]
     num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]
     total_num_scheduled_tokens: int
     schedule_time: float  # perf_counter at schedule(): the step's time is counted from here
     has_prefill: bool  # any prefill tokens (the step's time counts as prefill time)

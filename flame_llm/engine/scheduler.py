@@ -17,12 +17,12 @@ enable_same_step_prefix_sharing: the blocks a segment completes are published wh
 request admitted later in the step hits them (each layer stores a step's K/V before it attends). Off with
 speculative decoding, which publishes only blocks both KV pools hold, after the step.
 
-After the step, one entry point: `update_from_output(launched, output)` (outputs.py says why one call,
-and how asynchronous scheduling uses it).
+schedule() also counts its step as launched (asynchronous scheduling, outputs.py); after the step one
+entry point, `update_from_output(output)`, appends the tokens read.
 
 Speculative decoding: `reserve_lookahead` gives a step's sequences slots for the proposals, and a
-SpeculativeOutput commits what the target verified (launched is None: the commit advances
-num_computed_tokens over verified positions only).
+SpeculativeOutput commits what the target verified (schedule() counts nothing as launched: the commit
+advances num_computed_tokens over verified positions only).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class _Batch:
     share: bool  # publish the blocks each segment completes at once (same-step sharing)
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # num_computed_tokens of each when scheduled
     num_prefill: int = 0
 
 
@@ -60,6 +61,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.enable_chunked_prefill = sc.enable_chunked_prefill
         self.same_step_sharing = config.cache_config.enable_same_step_prefix_sharing and not config.speculative
+        self.speculative = bool(config.speculative)  # steps are committed whole (SpeculativeOutput), not launched
         self.block_manager = block_manager
         self.order = WaitingOrder(sc, block_manager)
         self.waiting: deque[Sequence] = deque()
@@ -94,9 +96,12 @@ class Scheduler:
                 batch.share = False  # a decode-only step admits nobody who could hit its blocks early
                 self._schedule_running(batch)
         total = self.max_num_batched_tokens - batch.budget
+        out = SchedulerOutput(batch.seqs, batch.num_tokens, batch.starts, total, start, batch.num_prefill > 0)
         if batch.seqs:
             self.counts.count_step(batch.num_prefill, total - batch.num_prefill)
-        return SchedulerOutput(batch.seqs, batch.num_tokens, total, start, batch.num_prefill > 0)
+            if not self.speculative:
+                self._launched(out)
+        return out
 
     def _schedule_running(self, batch: _Batch) -> None:
         """Running sequences in order, each with as many tokens as it has left, the budget and the KV
@@ -150,6 +155,7 @@ class Scheduler:
             self.block_manager.publish(seq, upto=seq.num_computed_tokens + n)
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
+        batch.starts.append(seq.num_computed_tokens)
         batch.budget -= n
         if prefill:
             batch.num_prefill += n
@@ -182,13 +188,10 @@ class Scheduler:
         return True
 
     # ---- after the step ----------------------------------------------------------------------------
-    def update_from_output(self, launched: SchedulerOutput | None,
-                           output: ModelRunnerOutput | SpeculativeOutput | None) -> list[Sequence]:
-        """The step's bookkeeping (see the module docstring): count `launched` as enqueued, append the
-        tokens of `output`, finish its rows whose sampling failed on their own with reason "error", free
-        retired sequences' blocks. Returns the sequences that finished."""
-        if launched is not None and launched.seqs:
-            self._launched(launched)
+    def update_from_output(self, output: ModelRunnerOutput | SpeculativeOutput | None) -> list[Sequence]:
+        """After a step is launched: append the tokens of `output` (the step read now, if any; see outputs.py),
+        finish its rows whose sampling failed on their own with reason "error", free retired sequences'
+        blocks. Returns the sequences that finished."""
         finished: list[Sequence] = []
         if output is not None:
             now = time.perf_counter()  # the step's schedule-to-now time is counted as prefill or decode time
@@ -204,7 +207,8 @@ class Scheduler:
         return finished
 
     def _launched(self, scheduled: SchedulerOutput) -> None:
-        """A step is enqueued: advance, publish, count pending."""
+        """The step is as good as enqueued (the runner reads its starts from `scheduled`): advance, publish,
+        count pending tokens, retire sequences their pending token surely ends."""
         bm = self.block_manager
         for seq, n in zip(scheduled.seqs, scheduled.num_scheduled_tokens):
             seq.num_computed_tokens += n
@@ -218,6 +222,7 @@ class Scheduler:
 
     def _complete(self, output: ModelRunnerOutput, now: float) -> list[Sequence]:
         """Append the sampled tokens of a launched step; return the sequences that finished."""
+        assert not self.speculative, "a speculative engine's steps are committed whole (SpeculativeOutput)"
         finished = []
         for seq, token_id in zip(output.scheduled.seqs, output.sampled_token_ids):
             if token_id is None or seq.status == SequenceStatus.FINISHED:

@@ -143,7 +143,7 @@ class SpecDecoder:
     def _commit(self, output: SpeculativeOutput) -> list[Sequence]:
         """Complete the step in the scheduler, publishing only blocks the draft's KV covers too; remember
         how far the draft's KV of each unfinished sequence is valid. Returns the finished sequences."""
-        finished = self.scheduler.update_from_output(None, output)
+        finished = self.scheduler.update_from_output(output)
         for seq, d in zip(output.scheduled.seqs, output.publish_upto):
             if not seq.is_finished:
                 self.draft_state[seq] = (min(d, seq.num_computed_tokens), seq.num_preemptions)
