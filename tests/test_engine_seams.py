@@ -4,11 +4,12 @@ import asyncio
 import gc
 
 import pytest
+import torch
 
 from flame_llm import LLM, AsyncEngine, SamplingParams
 from flame_llm.engine.llm_engine import LLMEngine
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from flame_llm.engine.stalls import GcPauses
+from flame_llm.engine.stalls import GcPauses, triton_kernel_variants
 from flame_llm.limits import max_kv_blocks_in_use
 from flame_llm.outputs import RequestMetrics, RequestOutput
 
@@ -111,3 +112,23 @@ def test_stall_counters_are_in_the_engine_stats(tiny_llama):
     del heap
     assert after["gc_pauses_over_10ms"] >= before["gc_pauses_over_10ms"] + 1
     assert after["gc_pause_max_s"] > 0.010 and after["jit_compiles"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiling a Triton kernel needs CUDA")
+def test_triton_variants_are_counted_as_they_compile():
+    import triton
+    import triton.language as tl
+
+    global _fill  # a module attribute, where triton_kernel_variants looks for kernels
+
+    @triton.jit
+    def _fill(out_ptr, value: tl.constexpr):
+        tl.store(out_ptr + tl.arange(0, 16), tl.full((16,), value, tl.float32))
+
+    out = torch.empty(16, device="cuda")
+    assert triton_kernel_variants(__name__) == 0
+    _fill[(1,)](out, value=1.0)
+    _fill[(1,)](out, value=1.0)  # the same variant: cached
+    assert triton_kernel_variants(__name__) == 1
+    _fill[(1,)](out, value=2.0)  # a new constexpr: a new variant
+    assert triton_kernel_variants(__name__) == 2 and out.tolist() == [2.0] * 16
