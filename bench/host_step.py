@@ -3,6 +3,7 @@ and the runner's input preparation, timed around a real step of the tiny model (
 counted). These are the parts of a step that no GPU work overlaps (the step ends with a sync on the sampled
 tokens), so they bound what an asynchronous scheduler could save. Since issue 21 schedule() also does the
 step's launch bookkeeping that postprocess did before: compare schedule + postprocess across that change.
+
     python -m bench.host_step --batches 1,16,64 --context 4000 --out /tmp/host_step.json
 """
 from __future__ import annotations
