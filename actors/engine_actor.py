@@ -231,8 +231,8 @@ class EngineActor:
         res.prompt_tokens, res.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         res.prompt_digest = prompt_digest(item.prompt_token_ids)
         res.timings = {"queue_s": t_admit - t_start, "engine_s": t_done - t_admit, "total_s": t_done - t_start,
-                       **{k: float(v) for k, v in out.metrics.items()
-                          if k in ("ttft", "tpot") and isinstance(v, (int, float))}}
+                       **{k: float(v) for k, v in (("ttft", out.metrics.ttft), ("tpot", out.metrics.tpot))
+                          if v is not None}}
         for key, name in (("queue_s", "queue_s"), ("total_s", "e2e_s"), ("ttft", "ttft_s"), ("tpot", "tpot_s")):
             if key in res.timings:
                 self.hist[name].observe(res.timings[key])

@@ -139,7 +139,7 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
         timed_generate(llm, prompts(1, 128, hf.vocab_size, 3), SamplingParams(temperature=0, max_tokens=16))
         wall, outs = timed_generate(llm, prompts(1, 128, hf.vocab_size, 4), sp)
-        ttft = outs[0].metrics["ttft"]
+        ttft = outs[0].metrics.ttft
         res["decode_b1"] = {"tok_per_s": 255 / (wall - ttft), "wall_s": wall}
         save()
     if "traces" in parts:

@@ -1,7 +1,8 @@
-"""Host-side cost of one decode step: the scheduler's schedule() and postprocess() and the runner's
-input preparation, timed around a real step of the tiny model (the forward itself is not counted).
-These are the parts of a step that no GPU work overlaps (the step ends with a sync on the sampled
-tokens), so they bound what an asynchronous scheduler could save.
+"""Host-side cost of one decode step: the scheduler's schedule() and update_from_output() ("postprocess")
+and the runner's input preparation, timed around a real step of the tiny model (the forward itself is not
+counted). These are the parts of a step that no GPU work overlaps (the step ends with a sync on the sampled
+tokens), so they bound what an asynchronous scheduler could save. Since issue 21 schedule() also does the
+step's launch bookkeeping that postprocess did before: compare schedule + postprocess across that change.
 
     python -m bench.host_step --batches 1,16,64 --context 4000 --out /tmp/host_step.json
 """
@@ -38,15 +39,15 @@ def measure(model: str, batch: int, context: int, block_size: int, steps: int) -
     parts: dict[str, list[float]] = {"schedule": [], "prepare": [], "postprocess": []}
     for _ in range(steps):
         t0 = time.perf_counter()
-        seqs, num_tokens = sch.schedule()
+        scheduled = sch.schedule()
         t1 = time.perf_counter()
-        runner.prepare(seqs, num_tokens)  # run() prepares again; this call is only for its time
+        runner.prepare(scheduled.seqs, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens)  # timed only
         t2 = time.perf_counter()
-        tokens = runner.run(seqs, num_tokens)
+        output = runner.run(scheduled)
         t3 = time.perf_counter()
-        sch.postprocess(seqs, num_tokens, tokens)
+        sch.update_from_output(output)
         t4 = time.perf_counter()
-        assert len(seqs) == batch and sum(num_tokens) == batch, "every timed step decodes the whole batch"
+        assert len(scheduled.seqs) == batch == scheduled.total_num_scheduled_tokens, "every step decodes the batch"
         for k, dt in zip(parts, (t1 - t0, t2 - t1, t4 - t3), strict=True):
             parts[k].append(dt)
     med = {k: 1e6 * statistics.median(v) for k, v in parts.items()}

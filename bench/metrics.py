@@ -35,10 +35,10 @@ def request_latencies(outputs: Iterable[RequestOutput]) -> tuple[list[float], li
     """(TTFTs, TPOTs) in seconds; a request with one output token has no TPOT."""
     ttft, tpot = [], []
     for out in outputs:
-        if out.metrics.get("ttft") is not None:
-            ttft.append(out.metrics["ttft"])
-        if out.metrics.get("tpot") is not None:
-            tpot.append(out.metrics["tpot"])
+        if out.metrics.ttft is not None:
+            ttft.append(out.metrics.ttft)
+        if out.metrics.tpot is not None:
+            tpot.append(out.metrics.tpot)
     return ttft, tpot
 
 

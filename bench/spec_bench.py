@@ -46,10 +46,10 @@ def measure(llm: LLM, ps: list[list[int]], max_tokens: int) -> tuple[dict, list[
     outs = llm.generate(ps, sp, use_tqdm=False)
     sync()
     wall = time.perf_counter() - t
-    first = max(o.metrics["first_token"] for o in outs)
-    finish = max(o.metrics["finish"] for o in outs)
+    first = max(o.metrics.first_token_time for o in outs)
+    finish = max(o.metrics.finish_time for o in outs)
     decoded = sum(len(o.output_token_ids) - 1 for o in outs)
-    res = {"wall_s": wall, "tpot_p50_ms": 1e3 * statistics.median(o.metrics["tpot"] for o in outs),
+    res = {"wall_s": wall, "tpot_p50_ms": 1e3 * statistics.median(o.metrics.tpot for o in outs),
            "decode_tok_s": decoded / (finish - first), "decode_s": finish - first}
     return res, [o.output_token_ids for o in outs]
 

@@ -12,3 +12,9 @@ def max_output_tokens(prompt_tokens: int, max_tokens: int, max_model_len: int) -
     """The output tokens a request can produce: max_tokens, cut where the sequence reaches max_model_len (at
     least one). What admission charges and the router estimates, so a max_tokens of 10**9 weighs what fits."""
     return max(1, min(max_tokens, max_model_len - prompt_tokens))
+
+
+def max_kv_blocks_in_use(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most KV blocks the running sequences can hold at once: max_num_seqs sequences of max_model_len
+    tokens. A CPU engine's KV pool is no larger (its memory is the host's, held from startup)."""
+    return max_num_seqs * ((max_model_len + block_size - 1) // block_size)

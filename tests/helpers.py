@@ -9,6 +9,7 @@ import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
+from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.kernels.metadata import AttentionMetadata
@@ -51,14 +52,14 @@ class FakeRunner:
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.bs] * self.bs + pos % self.bs
 
-    def run(self, seqs: list[Sequence], num_tokens: list[int],
-            pending: dict[int, int] | None = None) -> list[int | None]:
+    def run(self, scheduled: SchedulerOutput, pending: dict[int, int] | None = None) -> ModelRunnerOutput:
         """One step. `pending`: seq_id -> the token the previous, not yet completed step sampled for that
         sequence (asynchronous scheduling feeds it before the host has appended it)."""
+        seqs, num_tokens = scheduled.seqs, scheduled.num_scheduled_tokens
         assert len({s.seq_id for s in seqs}) == len(seqs)
         histories = []
-        for seq, n in zip(seqs, num_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for seq, n, start in zip(seqs, num_tokens, scheduled.num_computed_tokens):  # the step's starts
+            end = start + n
             history = list(seq.token_ids)
             if end > seq.num_tokens:  # the one token a running step is sampling for it
                 assert end == seq.num_tokens + 1 and pending is not None and seq.seq_id in pending
@@ -73,7 +74,7 @@ class FakeRunner:
             assert [self.kv.get(self.slot(seq, p)) for p in range(end)] == [
                 (t, p) for p, t in enumerate(history)], f"KV of {seq.request_id} is corrupt"
             out.append(next_token(history) if end >= seq.num_tokens else None)
-        return out
+        return ModelRunnerOutput(scheduled, out)
 
 
 def make_workload(seed: int = 0, n: int = 40) -> list[tuple[int, list[int], SamplingParams]]:
@@ -111,25 +112,22 @@ def replay(sched: Scheduler, workload, aborts: dict[int, str] | None = None, max
             sched.add(seq)
         if aborts and step in aborts:
             sched.abort(aborts[step])
-        batch, num_tokens = sched.schedule()
+        scheduled = sched.schedule()
+        batch, num_tokens = scheduled.seqs, scheduled.num_scheduled_tokens
         assert sum(num_tokens) <= sched.max_num_batched_tokens and len(batch) <= sched.max_num_seqs
         trace.append([(s.request_id, n) for s, n in zip(batch, num_tokens)])
         if not asynchronous:
             if batch:
-                sched.postprocess(batch, num_tokens, runner.run(batch, num_tokens))
+                sched.update_from_output(runner.run(scheduled))
             partial = [s for s in sched.running if s.num_tokens - s.num_computed_tokens > 1]
             assert not partial or partial == [sched.running[-1]], "decode-first: only the newest may be mid-prefill"
         else:
             launched = None
             if batch:
-                prev = {} if inflight is None else {s.seq_id: t for s, t in zip(*inflight[:2]) if t is not None}
-                tokens = runner.run(batch, num_tokens, prev)
-                info = sched.step_info()
-                sched.launched(batch, num_tokens)
-                launched = (batch, tokens, info)
-            if inflight is not None:
-                sched.complete(*inflight)
-            sched.release_retired()
+                prev = {} if inflight is None else {
+                    s.seq_id: t for s, t in zip(inflight.scheduled.seqs, inflight.sampled_token_ids) if t is not None}
+                launched = runner.run(scheduled, prev)
+            sched.update_from_output(inflight)
             inflight = launched
         step += 1
     bm = sched.block_manager

@@ -23,7 +23,7 @@ def test_concurrent_generate_matches_offline(engine, tiny_llama):
 
     outs = asyncio.run(main())
     assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in ref]
-    assert all(o.metrics["ttft"] is not None for o in outs)
+    assert all(o.metrics.ttft is not None for o in outs)
 
 
 def test_stream_yields_tokens_in_order(engine):

@@ -65,9 +65,10 @@ def test_decode_graph_equals_eager_forward(tiny_llama):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while eng.scheduler.waiting:
         eng.step()
-    seqs, nums = eng.scheduler.schedule()
+    scheduled = eng.scheduler.schedule()
+    seqs, nums = scheduled.seqs, scheduled.num_scheduled_tokens
     assert nums == [1] * len(seqs)
-    x = runner.prepare(seqs, nums)
+    x = runner.prepare(seqs, nums, scheduled.num_computed_tokens)
     graphs = runner.graphs
     with torch.inference_mode():
         graph_logits = graphs.replay(x, runner.staging, None).clone()

@@ -59,8 +59,8 @@ def test_poison_fails_alone_in_the_step_it_shares(tiny_llama, async_scheduling):
     outs = _run_engine(engine, with_poison=True)
     poison = outs.pop("poison")
     assert poison.finish_reason == "error" and poison.output_token_ids == []
-    assert poison.metrics["error"] == ("sampling failed for this request (OverflowError: int too large to "
-                                       "convert to float)")
+    assert poison.error == ("sampling failed for this request (OverflowError: int too large to "
+                            "convert to float)")
     assert {k: (o.output_token_ids, o.finish_reason) for k, o in outs.items()} == \
         {k: (o.output_token_ids, o.finish_reason) for k, o in reference.items()}
     assert len(outs) == 15 and all(len(o.output_token_ids) == 6 for o in outs.values())
@@ -78,7 +78,7 @@ def test_poison_fails_alone_with_speculative_decoding(tiny_llama):
     outs = _run_engine(engine, with_poison=True)
     poison = outs.pop("poison")
     assert poison.finish_reason == "error" and poison.output_token_ids == []
-    assert poison.metrics["error"].startswith("sampling failed for this request (OverflowError")
+    assert poison.error.startswith("sampling failed for this request (OverflowError")
     assert len(outs) == 15 and all(len(o.output_token_ids) == 6 for o in outs.values())
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -162,14 +162,14 @@ def test_an_output_that_cannot_be_made_fails_that_request_alone(engine, monkeypa
 
 
 def test_a_request_the_engine_cannot_add_fails_alone(engine, monkeypatch):
-    real = engine.engine.add_request
+    real = engine.engine._add_checked  # the engine thread adds what AsyncEngine's entry checked
 
-    def add_request(prompt, params, request_id=None):
+    def add_checked(token_ids, params, request_id=None):
         if request_id == "late-reject":
             raise ValueError("request needs 99 KV blocks; the KV pool has 4")
-        return real(prompt, params, request_id)
+        return real(token_ids, params, request_id)
 
-    monkeypatch.setattr(engine.engine, "add_request", add_request)
+    monkeypatch.setattr(engine.engine, "_add_checked", add_checked)
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     async def main():

@@ -7,7 +7,7 @@ import pytest
 from bench.metrics import percentile, summarize
 from bench.scenario_workloads import SCENARIOS, build_requests, scenario, shifted
 from bench.scenarios import change, compare, main, run, run_isolated, run_variant
-from flame_llm.outputs import RequestOutput
+from flame_llm.outputs import RequestMetrics, RequestOutput
 
 COUNTS = ("prefix_hit_rate", "evictions", "saved_tokens", "steps", "prefill_steps", "decode_steps", "preemptions")
 
@@ -132,7 +132,7 @@ def test_percentile_and_change():
 
 def out(ttft, tpot, n_out=3, prompt=10, cached=4):
     return RequestOutput("r", [1] * prompt, [5] * n_out, "length", prompt, cached,
-                         metrics={"ttft": ttft, "tpot": tpot})
+                         metrics=RequestMetrics(0.0, ttft=ttft, tpot=tpot))
 
 
 def test_summarize_reads_outputs_and_engine_counters():

@@ -17,15 +17,24 @@ from helpers import (
 
 from flame_llm import LLM
 from flame_llm.engine.block_manager import BlockManager
+from flame_llm.engine.outputs import SchedulerOutput, SpeculativeOutput
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence, SequenceStatus
 from flame_llm.sampling_params import SamplingParams
 
 
 class OriginalScheduler(Scheduler):
-    """The pre-feature two-phase policy, frozen verbatim from commit 1c08e51 (the reference)."""
+    """The pre-feature two-phase policy, frozen verbatim from commit 1c08e51 (the reference); schedule() only
+    wraps its tuple in today's SchedulerOutput and counts the step launched, as Scheduler.schedule does."""
 
-    def schedule(self) -> tuple[list[Sequence], list[int]]:
+    def schedule(self) -> SchedulerOutput:
+        seqs, num_tokens = self.frozen_schedule()
+        out = SchedulerOutput(seqs, num_tokens, [s.num_computed_tokens for s in seqs], sum(num_tokens), 0.0, False)
+        if seqs:
+            self._launched(out)
+        return out
+
+    def frozen_schedule(self) -> tuple[list[Sequence], list[int]]:
         bm = self.block_manager
         scheduled: list[Sequence] = []
         num_tokens: list[int] = []
@@ -124,10 +133,10 @@ def seq_of(tokens, max_tokens: int = 8, rid: str | None = None) -> Sequence:
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> list[tuple[str, int]]:
-    seqs, num_tokens = sched.schedule()
-    if seqs:
-        sched.postprocess(seqs, num_tokens, runner.run(seqs, num_tokens))
-    return [(s.request_id, n) for s, n in zip(seqs, num_tokens)]
+    scheduled = sched.schedule()
+    if scheduled.seqs:
+        sched.update_from_output(runner.run(scheduled))
+    return [(s.request_id, n) for s, n in zip(scheduled.seqs, scheduled.num_scheduled_tokens)]
 
 
 def test_chunked_prefill_serves_decodes_first_then_chunks_the_budget(tiny_llama):
@@ -427,15 +436,18 @@ def test_speculative_lookahead_takes_free_blocks_for_all_or_none_and_commits_ver
     b = Sequence(list(range(40, 55)), SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(999,)), BS, "b")
     sched.add(a)
     sched.add(b)
-    step(sched, runner)  # 15-token prompts plus their first token: one block each, 4 free
-    seqs, num_tokens = sched.schedule()
-    assert num_tokens == [1, 1] and sched.block_manager.num_free_blocks == 4
-    assert not sched.reserve_lookahead(seqs, num_tokens, 40)  # 3 more blocks each: nobody gets any
+    first = sched.schedule()  # 15-token prompts plus their first token: one block each, 4 free
+    assert [a.num_computed_tokens, b.num_computed_tokens] == [0, 0]  # a speculative step is committed, not launched
+    tokens = runner.run(first).sampled_token_ids  # a plain step, committed whole as SpecDecoder commits it
+    sched.update_from_output(SpeculativeOutput(first, [[t] for t in tokens], first.num_scheduled_tokens, [15, 15]))
+    scheduled = sched.schedule()
+    assert scheduled.num_scheduled_tokens == [1, 1] and sched.block_manager.num_free_blocks == 4
+    assert not sched.reserve_lookahead(scheduled, 40)  # 3 more blocks each: nobody gets any
     assert sched.block_manager.num_free_blocks == 4 and len(a.block_table) == len(b.block_table) == 1
-    assert sched.reserve_lookahead(seqs, num_tokens, 17)  # 2 more blocks each
+    assert sched.reserve_lookahead(scheduled, 17)  # 2 more blocks each
     assert sched.block_manager.num_free_blocks == 0 and len(a.block_table) == len(b.block_table) == 3
     # a: 3 positions verified, 3 tokens; the draft's KV covers 16 positions. b: stops at its second token
-    finished = sched.complete_speculative(seqs, [[7, 8, 9], [5, 999, 6]], [3, 3], [16, 18])
+    finished = sched.update_from_output(SpeculativeOutput(scheduled, [[7, 8, 9], [5, 999, 6]], [3, 3], [16, 18]))
     assert finished == [b] and b.finish_reason == "stop" and b.completion_token_ids[-2:] == [5, 999]
     assert a.num_tokens == 19 and a.num_computed_tokens == 18 and a.num_published_blocks == 1
     st = sched.stats()

@@ -67,7 +67,7 @@ class AsyncEngine:
             raise RuntimeError(f"engine loop failed: {self._error!r}")
         if self._stopped:
             raise RuntimeError("engine is shut down")
-        ids = self.engine.to_token_ids(prompt)
+        ids = self.engine.to_token_ids(prompt)  # the one check of this request in this process
         self.engine.check_request(ids, params)
         loop = asyncio.get_running_loop()
         pending = _Pending(loop, loop.create_future(), ids, params, asyncio.Queue() if stream else None)
@@ -163,7 +163,7 @@ class AsyncEngine:
             try:
                 for rid, p in adds:
                     try:
-                        p.seq = engine.add_request(p.prompt, p.params, rid)
+                        p.seq = engine._add_checked(p.prompt, p.params, rid)
                     except Exception as e:  # checked in _submit; should it still fail, it fails alone
                         self._fail_one(p, e)
                         continue
@@ -197,7 +197,6 @@ class AsyncEngine:
     def _deliver(self, seq: Sequence) -> None:
         p = self._pending.pop(seq.request_id, None)
         if p is None:
-            self.engine.take_error(seq)
             return
         if self._streams.pop(seq.request_id, None) is not None:
             self._push_tokens(p)
@@ -209,7 +208,7 @@ class AsyncEngine:
                                                             f"{e})"))
             return
         if out.finish_reason == "error":
-            self._fail_one(p, RequestFailed(seq.request_id, out.metrics.get("error", "unknown error")))
+            self._fail_one(p, RequestFailed(seq.request_id, out.error or "unknown error"))
             return
         if p.stream is not None:
             _call(p.loop, p.stream.put_nowait, None)

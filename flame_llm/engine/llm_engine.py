@@ -14,8 +14,9 @@ from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.speculative.decoder import SpecDecoder
 from flame_llm.engine.speculative.draft_runner import DraftRunner
-from flame_llm.limits import max_prompt_tokens
-from flame_llm.outputs import RequestOutput
+from flame_llm.engine.stalls import process_gc_pauses, triton_kernel_variants
+from flame_llm.limits import max_output_tokens, max_prompt_tokens
+from flame_llm.outputs import RequestMetrics, RequestOutput
 from flame_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,15 +32,15 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                           cc.enable_lru)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler, self.fail_rows) if draft is not None \
-            else None
+        self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler) if draft is not None else None
         self._tokenizer = None
         self.vocab_size = config.model_config.hf_config.vocab_size
         self.async_scheduling = config.scheduler_config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.model_runner.device.type == "cuda" and self.spec is None
         self._inflight: StepHandle | None = None  # the launched step whose tokens are not read yet
-        self._errors: dict[int, str] = {}  # seq_id -> why it finished with "error", until make_output
+        self._gc = process_gc_pauses()
+        self._jit_base = triton_kernel_variants()  # variants compiled by startup (graph capture, warmup)
         logger.info("scheduling: %s", "asynchronous (step N+1 launched before step N's tokens are read)"
                     if self.async_scheduling else "synchronous")
 
@@ -87,15 +88,21 @@ class LLMEngine:
                              "and a prompt must leave room for one output token)")
         sp.validate()
         bs = self.config.cache_config.block_size
-        need = (min(n + sp.max_tokens, self.config.model_config.max_model_len) + bs - 1) // bs
+        need = (n + max_output_tokens(n, sp.max_tokens, max_len) + bs - 1) // bs
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt {n} + max_tokens {sp.max_tokens}); "
                              f"the KV pool has {self.block_manager.num_blocks}")
 
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams,
                     request_id: str | None = None) -> Sequence:
+        """Check a request (to_token_ids, check_request) and queue it."""
         token_ids = self.to_token_ids(prompt)
         self.check_request(token_ids, sampling_params)
+        return self._add_checked(token_ids, sampling_params, request_id)
+
+    def _add_checked(self, token_ids: list[int], sampling_params: SamplingParams,
+                     request_id: str | None = None) -> Sequence:
+        """Queue a request its entry point has checked (add_request, LLM.generate, AsyncEngine)."""
         seq = Sequence(token_ids, sampling_params, self.config.cache_config.block_size, request_id)
         self.scheduler.add(seq)
         return seq
@@ -106,45 +113,14 @@ class LLMEngine:
         if self.spec is not None:
             return self.spec.step()
         sched = self.scheduler
-        seqs, num_tokens = sched.schedule()
-        handle = None
-        if seqs:
-            handle = self.model_runner.launch(seqs, num_tokens, self._inflight)
-            handle.info = sched.step_info()
-            sched.launched(seqs, num_tokens)
+        scheduled = sched.schedule()
+        handle = self.model_runner.launch(scheduled, self._inflight) if scheduled.seqs else None
         if self.async_scheduling:
             done, self._inflight = self._inflight, handle
         else:
             done = handle
-        finished = self._complete(done) if done is not None else []
-        sched.release_retired()
-        return finished, sum(num_tokens)
-
-    def _complete(self, done: StepHandle) -> list[Sequence]:
-        """Append a finished step's tokens; a sequence whose sampling failed on its own (a poison request)
-        finishes with reason "error" and its message (take_error), its neighbours as usual."""
-        tokens = done.tokens()
-        for i in done.failed:
-            tokens[i] = None
-        finished = self.scheduler.complete(done.seqs, tokens, done.info)
-        self.fail_rows(done.seqs, done.failed, finished)
-        return finished
-
-    def fail_rows(self, seqs: list[Sequence], failed: dict[int, str], finished: list[Sequence]) -> None:
-        """Finish the rows whose sampling failed on their own with reason "error" (the step is otherwise
-        complete; their token was not appended), adding them to `finished`."""
-        for i, message in failed.items():
-            seq = seqs[i]
-            if seq.is_finished:  # aborted meanwhile
-                continue
-            logger.warning("request %s failed in the step and is finished alone: %s", seq.request_id, message)
-            self._errors[seq.seq_id] = message
-            self.scheduler.finish(seq, "error")
-            finished.append(seq)
-
-    def take_error(self, seq: Sequence) -> str | None:
-        """Why a sequence finished with reason "error" (once; make_output takes it)."""
-        return self._errors.pop(seq.seq_id, None)
+        finished = sched.update_from_output(done.output() if done is not None else None)
+        return finished, scheduled.total_num_scheduled_tokens
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
@@ -154,23 +130,26 @@ class LLMEngine:
 
     def stats(self) -> dict:
         runner = self.model_runner
+        attention_jit = runner.attention_jit_compiles()
         return {**self.scheduler.stats(), "attention_backend": runner.backend, "cuda_graphs": runner.use_graphs,
-                "async_scheduling": self.async_scheduling, "attention_jit_compiles": runner.attention_jit_compiles(),
+                "async_scheduling": self.async_scheduling, "attention_jit_compiles": attention_jit,
+                # stalls: kernel variants compiled after startup (Triton's and FA4's), collector pauses
+                "jit_compiles": triton_kernel_variants() - self._jit_base + attention_jit,
+                "gc_pauses_over_10ms": self._gc.num_over, "gc_pause_max_s": self._gc.max_s,
                 **(self.spec.stats() if self.spec else {})}
 
     def make_output(self, seq: Sequence) -> RequestOutput:
-        ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
         n = seq.num_completion_tokens
-        tpot = (seq.token_times[-1] - seq.token_times[0]) / (n - 1) if n > 1 else None
         text = None
-        error = self.take_error(seq)
         if self._tokenizer is not None:
             text = self._tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+        metrics = RequestMetrics(
+            seq.arrival_time, seq.first_token_time, seq.finish_time,
+            ttft=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+            tpot=(seq.token_times[-1] - seq.token_times[0]) / (n - 1) if n > 1 else None,
+            num_preemptions=seq.num_preemptions)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.completion_token_ids, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, text,
-                             {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
-                              "finish": seq.finish_time, "ttft": ttft, "tpot": tpot,
-                              "preemptions": seq.num_preemptions, **({"error": error} if error else {})})
+                             seq.num_prompt_tokens, seq.num_cached_tokens, text, metrics, seq.error)
 
 
 class LLM:
@@ -190,7 +169,7 @@ class LLM:
         token_ids = [engine.to_token_ids(p) for p in prompts]
         for ids, sp in zip(token_ids, sampling_params):  # check all before admitting any
             engine.check_request(ids, sp)
-        seqs = [engine.add_request(ids, sp) for ids, sp in zip(token_ids, sampling_params)]
+        seqs = [engine._add_checked(ids, sp) for ids, sp in zip(token_ids, sampling_params)]
         if any(isinstance(p, str) for p in prompts):
             engine.tokenizer  # noqa: B018 - decode text outputs too
         with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm) as bar:

@@ -1,10 +1,11 @@
 """Runs the model for one scheduled step: builds inputs and attention metadata, owns the KV cache,
 samples, and replays CUDA graphs for decode steps.
 
-`launch` enqueues a step on the device and returns a StepHandle at once; `StepHandle.tokens()` waits for
-its sampled tokens. Under asynchronous scheduling the engine launches step N+1 before it reads step N's
-tokens: a sequence whose next input is the token step N is still sampling gets it on the device
-(`prev`), so the host prepares step N+1 while the GPU runs step N."""
+`launch` enqueues a scheduled step (SchedulerOutput) on the device and returns a StepHandle at once;
+`StepHandle.output()` waits for its sampled tokens (a ModelRunnerOutput). Under asynchronous scheduling
+the engine launches step N+1 before it reads step N's tokens: a sequence whose next input is the token
+step N is still sampling gets it on the device (`prev`), so the host prepares step N+1 while the GPU runs
+step N."""
 from __future__ import annotations
 
 import logging
@@ -16,12 +17,14 @@ import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.cuda_graphs import DecodeGraphs
+from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
 from flame_llm.kernels.metadata import AttentionMetadata, set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
+from flame_llm.limits import max_kv_blocks_in_use
 from flame_llm.models.llama import MODELS
 from flame_llm.models.loader import init_dummy, load_model
 
@@ -121,13 +124,14 @@ class ModelRunner:
         """A KV pool of num_blocks blocks (default: from the config or the memory budget), replacing any
         pool held; sets num_blocks."""
         cc = self.config.cache_config
+        why = "num_kvcache_blocks"
         if num_blocks is None:
             if cc.num_kvcache_blocks > 0:
                 num_blocks = cc.num_kvcache_blocks
             elif self.device.type == "cuda":
-                num_blocks = self.profile_num_blocks()
+                num_blocks, why = self.profile_num_blocks(), "gpu_memory_utilization"
             else:
-                num_blocks = int(cc.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
+                num_blocks, why = self.cpu_num_blocks()
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization, or set num_kvcache_blocks")
@@ -139,8 +143,20 @@ class ModelRunner:
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                    num_blocks * self.block_bytes() / (1 << 30))
+        logger.info("KV cache: %d blocks of %d tokens (%.3f GiB), sized by %s", num_blocks, self.block_size,
+                    num_blocks * self.block_bytes() / (1 << 30), why)
+
+    def cpu_num_blocks(self) -> tuple[int, str]:
+        """A CPU pool: what cpu_kvcache_gib holds, but no more than the running sequences can use at once
+        (the host's memory is held from startup, idle or not). Returns (blocks, why that many)."""
+        cfg = self.config
+        budget = int(cfg.cache_config.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
+        usable = max_kv_blocks_in_use(cfg.scheduler_config.max_num_seqs, cfg.model_config.max_model_len,
+                                      self.block_size)
+        if usable < budget:
+            return usable, (f"max_num_seqs x max_model_len (cpu_kvcache_gib={cfg.cache_config.cpu_kvcache_gib} "
+                            f"would hold {budget} blocks)")
+        return budget, f"cpu_kvcache_gib={cfg.cache_config.cpu_kvcache_gib}"
 
     @torch.inference_mode()
     def profile_num_blocks(self) -> int:
@@ -209,15 +225,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], num_tokens: list[int], prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, scheduled: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         """Enqueue one step; sequences whose next input the running step `prev` samples take it from there."""
-        x = self.prepare(seqs, num_tokens)
+        seqs = scheduled.seqs
+        x = self.prepare(seqs, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens)
         prev_sampled = None
         if x.pending_seqs:
             assert prev is not None and prev.sampled is not None, "a pending token needs the step that samples it"
             x.pending_src = np.asarray([prev.rows[seqs[i].seq_id] for i in x.pending_seqs], dtype=np.int64)
             prev_sampled = prev.sampled
-        handle = StepHandle(seqs, num_tokens, x.sample_idx)
+        handle = StepHandle(scheduled, x.sample_idx)
         if self.use_graphs and self.graphs is not None and self.graphs.fits(x):
             logits = self.graphs.replay(x, self.staging, prev_sampled)  # every row's
             if len(x.sample_idx) < len(seqs):
@@ -242,9 +259,9 @@ class ModelRunner:
         handle.failed = {x.sample_idx[r]: msg for r, msg in failed.items()}
         return handle
 
-    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> list[int | None]:
-        """One step, waited for: the sampled token per sequence (None where a prefill chunk stops short)."""
-        return self.launch(seqs, num_tokens).tokens()
+    def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, waited for."""
+        return self.launch(scheduled).output()
 
 
 _BACKEND_STEPS = {
@@ -257,15 +274,13 @@ _BACKEND_STEPS = {
 
 @dataclass(slots=True)
 class StepHandle:
-    """A launched step. `sampled` stays on the device (the next step may read it); `tokens()` waits."""
-    seqs: list[Sequence]
-    num_tokens: list[int]
+    """A launched step. `sampled` stays on the device (the next step may read it); `output()` waits."""
+    scheduled: SchedulerOutput
     sample_idx: list[int]
     sampled: torch.Tensor | None = None  # int64 [S] on the device
     rows: dict[int, int] | None = None  # seq_id -> row of sampled
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
-    info: tuple[float, bool] | None = None  # the scheduler's (schedule time, has prefill) of this step
     failed: dict[int, str] = field(default_factory=dict)  # index in seqs -> why its sampling failed (its own)
 
     def set_sampled(self, sampled: torch.Tensor, rows: dict[int, int]) -> None:
@@ -278,12 +293,14 @@ class StepHandle:
         else:
             self.host = sampled
 
-    def tokens(self) -> list[int | None]:
-        out: list[int | None] = [None] * len(self.seqs)
-        if self.host is None:
-            return out
-        if self.event is not None:
-            self.event.synchronize()
-        for i, tok in zip(self.sample_idx, self.host.tolist()):
-            out[i] = tok
-        return out
+    def output(self) -> ModelRunnerOutput:
+        """The sampled token per sequence (None where a prefill chunk stops short or its sampling failed)."""
+        out: list[int | None] = [None] * len(self.scheduled.seqs)
+        if self.host is not None:
+            if self.event is not None:
+                self.event.synchronize()
+            for i, tok in zip(self.sample_idx, self.host.tolist()):
+                out[i] = tok
+            for i in self.failed:  # its greedy placeholder is not its token
+                out[i] = None
+        return ModelRunnerOutput(self.scheduled, out, self.failed)

@@ -17,30 +17,28 @@ enable_same_step_prefix_sharing: the blocks a segment completes are published wh
 request admitted later in the step hits them (each layer stores a step's K/V before it attends). Off with
 speculative decoding, which publishes only blocks both KV pools hold, after the step.
 
-Asynchronous scheduling (the engine's async_scheduling): the engine launches step N+1 before it reads
-step N's tokens. `launched` advances num_computed_tokens and publishes blocks when a step is enqueued
-(steps run in order on one stream, so a later step reads what an earlier one wrote), counts the token
-each sampling sequence is waiting for (num_pending_tokens), and retires a sequence whose pending token
-surely ends it (max_tokens, max_model_len) so it takes no seat in the next step; its blocks are freed as
-soon as every token it fed is known (release_retired). `complete` appends the tokens once read. For
-workloads that stop only by length this reproduces the synchronous schedule step for step; a token
-that turns out to be a stop token ends its sequence one step late (that step's token is dropped).
-`postprocess` = launched + complete + release_retired: the synchronous step.
+schedule() also counts its step as launched (asynchronous scheduling, outputs.py); after the step one
+entry point, `update_from_output(output)`, appends the tokens read.
 
-Speculative decoding: `reserve_lookahead` gives a step's sequences slots for the proposals, and
-`complete_speculative` commits what the target verified.
+Speculative decoding: `reserve_lookahead` gives a step's sequences slots for the proposals, and a
+SpeculativeOutput commits what the target verified (schedule() counts nothing as launched: the commit
+advances num_computed_tokens over verified positions only).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
+from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpeculativeOutput
 from flame_llm.engine.sequence import Sequence, SequenceStatus
 from flame_llm.engine.stats import SchedulerStats
 from flame_llm.engine.waiting import WaitingOrder
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -50,6 +48,7 @@ class _Batch:
     share: bool  # publish the blocks each segment completes at once (same-step sharing)
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # num_computed_tokens of each when scheduled
     num_prefill: int = 0
 
 
@@ -62,13 +61,12 @@ class Scheduler:
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.enable_chunked_prefill = sc.enable_chunked_prefill
         self.same_step_sharing = config.cache_config.enable_same_step_prefix_sharing and not config.speculative
+        self.speculative = bool(config.speculative)  # steps are committed whole (SpeculativeOutput), not launched
         self.block_manager = block_manager
         self.order = WaitingOrder(sc, block_manager)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.retired: list[Sequence] = []  # sure to finish with their pending token; blocks not yet freed
-        self._step_start = 0.0
-        self._step_has_prefill = False
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -82,9 +80,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     # ---- scheduling --------------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[Sequence], list[int]]:
+    def schedule(self) -> SchedulerOutput:
         """Sequences to run this step and how many new tokens each computes."""
-        self._step_start = time.perf_counter()
+        start = time.perf_counter()
         # publishing rows as they are scheduled only helps a waiting request admitted in this step
         batch = _Batch(self.max_num_batched_tokens, self.same_step_sharing and bool(self.waiting))
         if self.enable_chunked_prefill:
@@ -97,10 +95,13 @@ class Scheduler:
             if not batch.seqs:
                 batch.share = False  # a decode-only step admits nobody who could hit its blocks early
                 self._schedule_running(batch)
+        total = self.max_num_batched_tokens - batch.budget
+        out = SchedulerOutput(batch.seqs, batch.num_tokens, batch.starts, total, start, batch.num_prefill > 0)
         if batch.seqs:
-            self._step_has_prefill = batch.num_prefill > 0
-            self.counts.count_step(batch.num_prefill, self.max_num_batched_tokens - batch.budget - batch.num_prefill)
-        return batch.seqs, batch.num_tokens
+            self.counts.count_step(batch.num_prefill, total - batch.num_prefill)
+            if not self.speculative:
+                self._launched(out)
+        return out
 
     def _schedule_running(self, batch: _Batch) -> None:
         """Running sequences in order, each with as many tokens as it has left, the budget and the KV
@@ -154,6 +155,7 @@ class Scheduler:
             self.block_manager.publish(seq, upto=seq.num_computed_tokens + n)
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
+        batch.starts.append(seq.num_computed_tokens)
         batch.budget -= n
         if prefill:
             batch.num_prefill += n
@@ -175,34 +177,40 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def reserve_lookahead(self, seqs: list[Sequence], num_tokens: list[int], k: int) -> bool:
+    def reserve_lookahead(self, scheduled: SchedulerOutput, k: int) -> bool:
         """Slots for k more tokens past each sequence's scheduled ones (speculative proposals), from free
         blocks only (nobody is preempted): for every sequence, or for none (False)."""
-        bm = self.block_manager
-        if sum(bm.blocks_needed(s, n + k) for s, n in zip(seqs, num_tokens)) > bm.num_free_blocks:
+        bm, pairs = self.block_manager, list(zip(scheduled.seqs, scheduled.num_scheduled_tokens))
+        if sum(bm.blocks_needed(s, n + k) for s, n in pairs) > bm.num_free_blocks:
             return False
-        for seq, n in zip(seqs, num_tokens):
+        for seq, n in pairs:
             bm.append_slots(seq, n + k)
         return True
 
-    def step_info(self) -> tuple[float, bool]:
-        """(schedule time, has prefill) of the step schedule() just returned, for complete()'s accounting."""
-        return self._step_start, self._step_has_prefill
-
     # ---- after the step ----------------------------------------------------------------------------
-    def postprocess(self, seqs: list[Sequence], num_tokens: list[int],
-                    token_ids: list[int | None]) -> list[Sequence]:
-        """The synchronous step's bookkeeping: launched, complete, release_retired; returns finished."""
-        info = self.step_info()
-        self.launched(seqs, num_tokens)
-        finished = self.complete(seqs, token_ids, info)
-        self.release_retired()
+    def update_from_output(self, output: ModelRunnerOutput | SpeculativeOutput | None) -> list[Sequence]:
+        """After a step is launched: append the tokens of `output` (the step read now, if any; see outputs.py),
+        finish its rows whose sampling failed on their own with reason "error", free retired sequences'
+        blocks. Returns the sequences that finished."""
+        finished: list[Sequence] = []
+        if output is not None:
+            now = time.perf_counter()  # the step's schedule-to-now time is counted as prefill or decode time
+            self.counts.count_time(output.scheduled.schedule_time, output.scheduled.has_prefill, now)
+            if isinstance(output, SpeculativeOutput):
+                finished = self._commit_speculative(output, now)
+            else:
+                finished = self._complete(output, now)
+            if output.failed:
+                self._fail_rows(output, finished)
+        if self.retired:
+            self._release_retired()
         return finished
 
-    def launched(self, seqs: list[Sequence], num_tokens: list[int]) -> None:
-        """A step computing num_tokens positions of each seq is enqueued: advance, publish, count pending."""
+    def _launched(self, scheduled: SchedulerOutput) -> None:
+        """The step is as good as enqueued (the runner reads its starts from `scheduled`): advance, publish,
+        count pending tokens, retire sequences their pending token surely ends."""
         bm = self.block_manager
-        for seq, n in zip(seqs, num_tokens):
+        for seq, n in zip(scheduled.seqs, scheduled.num_scheduled_tokens):
             seq.num_computed_tokens += n
             bm.publish(seq)
             if seq.num_computed_tokens >= seq.num_tokens:  # the segment reaches the end: it samples
@@ -212,14 +220,13 @@ class Scheduler:
                     self.running.remove(seq)  # ends by length
                     self.retired.append(seq)
 
-    def complete(self, seqs: list[Sequence], token_ids: list[int | None],
-                 info: tuple[float, bool] | None = None) -> list[Sequence]:
+    def _complete(self, output: ModelRunnerOutput, now: float) -> list[Sequence]:
         """Append the sampled tokens of a launched step; return the sequences that finished."""
+        assert not self.speculative, "a speculative engine's steps are committed whole (SpeculativeOutput)"
         finished = []
-        now = self._account_step(info)
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in zip(output.scheduled.seqs, output.sampled_token_ids):
             if token_id is None or seq.status == SequenceStatus.FINISHED:
-                continue  # a chunk short of the end, or a sequence that stopped (or was aborted) meanwhile
+                continue  # a chunk short of the end, a failed row, or a sequence that stopped (or was aborted)
             seq.num_pending_tokens -= 1
             reason = self._append_token(seq, token_id, now)
             self.block_manager.publish(seq)
@@ -228,15 +235,13 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def complete_speculative(self, seqs: list[Sequence], token_ids: list[list[int]], num_verified: list[int],
-                             publish_upto: list[int]) -> list[Sequence]:
-        """Commit the step schedule() just returned, run by speculative decoding (not launched): append
-        each sequence's tokens up to a stop, count num_verified more of its positions as computed (the
-        rest are recomputed), publish its full blocks below publish_upto (both KV pools hold them).
-        Returns the sequences that finished."""
+    def _commit_speculative(self, output: SpeculativeOutput, now: float) -> list[Sequence]:
+        """Commit a step run by speculative decoding (not launched): append each sequence's tokens up to a
+        stop, count num_verified more of its positions as computed, publish its full blocks below
+        publish_upto. Returns the sequences that finished."""
         finished = []
-        now = self._account_step(None)
-        for seq, tokens, n, upto in zip(seqs, token_ids, num_verified, publish_upto):
+        for seq, tokens, n, upto in zip(output.scheduled.seqs, output.token_ids, output.num_verified,
+                                        output.publish_upto):
             reason = None
             for token_id in tokens:
                 reason = self._append_token(seq, token_id, now)
@@ -249,16 +254,20 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _account_step(self, info: tuple[float, bool] | None) -> float:
-        """Count a step's schedule-to-now time (info: its step_info(), default the last step's); returns now."""
-        now = time.perf_counter()
-        self.counts.count_time(*(info if info is not None else self.step_info()), now)
-        return now
+    def _fail_rows(self, output: ModelRunnerOutput | SpeculativeOutput, finished: list[Sequence]) -> None:
+        """Finish the rows whose sampling failed on their own (a poison request; their token was not
+        appended) with reason "error" and the message in seq.error; their neighbours are done as usual."""
+        for i, message in output.failed.items():
+            seq = output.scheduled.seqs[i]
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            logger.warning("request %s failed in the step and is finished alone: %s", seq.request_id, message)
+            seq.error = message
+            self.finish(seq, "error")
+            finished.append(seq)
 
-    def release_retired(self) -> None:
+    def _release_retired(self) -> None:
         """Free the blocks of retired sequences whose fed tokens are all known (only the last is pending)."""
-        if not self.retired:
-            return
         keep = []
         for seq in self.retired:
             if seq.status == SequenceStatus.FINISHED:

@@ -43,6 +43,7 @@ class Sequence:
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it finished with reason "error" (its sampling failed alone)
         self.num_preemptions = 0
         self.schedule_skips = 0  # times passed over by the cache-aware ordering (aging)
         self.arrival_time = time.perf_counter()

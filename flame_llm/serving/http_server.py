@@ -45,8 +45,8 @@ class EngineBackend:
         if out is not None:
             r.output_token_ids, r.finish_reason = out.output_token_ids, out.finish_reason
             r.cached_tokens = out.num_cached_tokens
-            r.timings = {"total_s": time.perf_counter() - t0, **{k: float(v) for k, v in out.metrics.items()
-                                                                 if k in ("ttft", "tpot") and v is not None}}
+            r.timings = {"total_s": time.perf_counter() - t0, **{k: float(v) for k, v in (
+                ("ttft", out.metrics.ttft), ("tpot", out.metrics.tpot)) if v is not None}}
         return r.to_dict()
 
     async def _one(self, prompt, sp) -> dict:

@@ -5,22 +5,22 @@ them, and reserves K more slots for each (Scheduler.reserve_lookahead, without p
 Otherwise it is a plain target step; prefill chunks then also run through the draft, so their blocks
 can be published at once.
 
-Commits are transactional (Scheduler.complete_speculative): num_computed_tokens advances over verified
-positions only (the last input and the accepted proposals), so rejected positions are recomputed next
-step, and a block is published only when both the target's and the draft's KV cover it: a later prefix
-hit must be valid for both pools. The draft trails by one token after a fully accepted step (its first
-forward catches up) and by more after plain decode steps (caught up eagerly before the next speculative
-step)."""
+Commits are transactional (a SpeculativeOutput to Scheduler.update_from_output): num_computed_tokens
+advances over verified positions only (the last input and the accepted proposals), so rejected positions
+are recomputed next step, and a block is published only when both the target's and the draft's KV cover
+it: a later prefix hit must be valid for both pools. The draft trails by one token after a fully accepted
+step (its first forward catches up) and by more after plain decode steps (caught up eagerly before the
+next speculative step)."""
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
 
 import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.model_runner import ModelRunner
+from flame_llm.engine.outputs import SchedulerOutput, SpeculativeOutput
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.speculative.draft_runner import MAX_SPECULATIVE_TOKENS, DraftRunner
@@ -32,10 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class SpecDecoder:
-    def __init__(self, config: Config, target: ModelRunner, draft: DraftRunner, scheduler: Scheduler,
-                 fail_rows: Callable[[list[Sequence], dict[int, str], list[Sequence]], None]) -> None:
+    def __init__(self, config: Config, target: ModelRunner, draft: DraftRunner, scheduler: Scheduler) -> None:
         self.target, self.draft, self.scheduler = target, draft, scheduler
-        self.fail_rows = fail_rows  # LLMEngine.fail_rows: a row whose sampling failed alone finishes with "error"
         self.k = config.speculative_config.num_speculative_tokens
         self.max_batch_size = min(config.speculative_config.speculative_max_batch_size,
                                   config.scheduler_config.max_num_seqs)
@@ -71,13 +69,14 @@ class SpecDecoder:
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
-        seqs, num_tokens = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
+        seqs = scheduled.seqs
         if not seqs:
             return [], 0
         drafted = [self._draft_computed(s) for s in seqs]
-        if self._speculates(seqs, num_tokens) and self.scheduler.reserve_lookahead(seqs, num_tokens, self.k):
-            return self._spec_step(seqs, drafted), len(seqs) * (self.k + 1)
-        return self._plain_step(seqs, num_tokens, drafted), sum(num_tokens)
+        if self._speculates(scheduled) and self.scheduler.reserve_lookahead(scheduled, self.k):
+            return self._spec_step(scheduled, drafted), len(seqs) * (self.k + 1)
+        return self._plain_step(scheduled, drafted), scheduled.total_num_scheduled_tokens
 
     def _draft_computed(self, seq: Sequence) -> int:
         state = self.draft_state.get(seq)
@@ -86,20 +85,20 @@ class SpecDecoder:
         assert state[0] <= seq.num_computed_tokens
         return state[0]
 
-    def _speculates(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+    def _speculates(self, scheduled: SchedulerOutput) -> bool:
         """Whether the step may speculate: few enough decodes, each with K positions left before max_model_len
         (the scheduler still has to find the slots)."""
-        if not 0 < len(seqs) <= self.max_batch_size:
+        if not 0 < len(scheduled.seqs) <= self.max_batch_size:
             return False
-        for seq, n in zip(seqs, num_tokens):
+        for seq, n in zip(scheduled.seqs, scheduled.num_scheduled_tokens):
             if n != 1 or seq.num_tokens < 2 or seq.num_computed_tokens != seq.num_tokens - 1:
                 return False
             if seq.num_tokens + self.k > self.max_model_len:
                 return False
         return True
 
-    def _spec_step(self, seqs: list[Sequence], drafted: list[int]) -> list[Sequence]:
-        prof = self.profiler
+    def _spec_step(self, scheduled: SchedulerOutput, drafted: list[int]) -> list[Sequence]:
+        seqs, prof = scheduled.seqs, self.profiler
         if prof is not None:
             prof.start()
         lagging = [(s, d) for s, d in zip(seqs, drafted) if d < s.num_tokens - 2]
@@ -108,24 +107,26 @@ class SpecDecoder:
             if prof is not None:
                 prof.mark("catch_up")
         starts = [s.num_tokens for s in seqs]
-        rows = self.runner.step(seqs, self._sampled_rows(seqs), prof)
+        v = self.runner.step(seqs, self._sampled_rows(seqs), prof)
         k = self.k
-        for row in rows:
-            self.num_accepted_tokens += row[0]
-            for i in range(row[0]):
+        for a in v.num_accepted:
+            self.num_accepted_tokens += a
+            for i in range(a):
                 self.accepted_per_position[i] += 1
         # the draft wrote t[n-2], t[n-1] and x1..x(K-1); those up to the accepted ones hold right tokens
-        finished = self._commit(seqs, [r[1:1 + r[0]] + [r[k + 1]] for r in rows], [1 + r[0] for r in rows],
-                                [n + min(r[0], k - 1) for n, r in zip(starts, rows)])
+        finished = self._commit(SpeculativeOutput(
+            scheduled, [v.new_token_ids(i) for i in range(len(seqs))], [1 + a for a in v.num_accepted],
+            [n + min(a, k - 1) for n, a in zip(starts, v.num_accepted)]))
         self.num_spec_steps += 1
         self.num_draft_tokens += k * len(seqs)
-        self.num_emitted_tokens += sum(r[0] + 1 for r in rows)
+        self.num_emitted_tokens += sum(a + 1 for a in v.num_accepted)
         if prof is not None:
             prof.mark("commit")
             prof.stop()
         return finished
 
-    def _plain_step(self, seqs: list[Sequence], num_tokens: list[int], drafted: list[int]) -> list[Sequence]:
+    def _plain_step(self, scheduled: SchedulerOutput, drafted: list[int]) -> list[Sequence]:
+        seqs, num_tokens = scheduled.seqs, scheduled.num_scheduled_tokens
         prefill = [i for i, (s, n) in enumerate(zip(seqs, num_tokens))
                    if n > 1 or s.num_completion_tokens == 0]
         ends = [s.num_computed_tokens + n for s, n in zip(seqs, num_tokens)]
@@ -135,20 +136,15 @@ class SpecDecoder:
                 drafted[i] = ends[i]
         else:
             self.num_plain_decode_steps += 1
-        handle = self.target.launch(seqs, num_tokens)
-        token_ids = handle.tokens()
-        for i in handle.failed:  # its greedy placeholder is not its token
-            token_ids[i] = None
-        finished = self._commit(seqs, [[] if t is None else [t] for t in token_ids], num_tokens, drafted)
-        self.fail_rows(seqs, handle.failed, finished)
-        return finished
+        out = self.target.run(scheduled)  # a failed row's token is None: its greedy placeholder is not its token
+        return self._commit(SpeculativeOutput(scheduled, [[] if t is None else [t] for t in out.sampled_token_ids],
+                                              num_tokens, drafted, out.failed))
 
-    def _commit(self, seqs: list[Sequence], token_ids: list[list[int]], num_verified: list[int],
-                draft_computed: list[int]) -> list[Sequence]:
+    def _commit(self, output: SpeculativeOutput) -> list[Sequence]:
         """Complete the step in the scheduler, publishing only blocks the draft's KV covers too; remember
         how far the draft's KV of each unfinished sequence is valid. Returns the finished sequences."""
-        finished = self.scheduler.complete_speculative(seqs, token_ids, num_verified, draft_computed)
-        for seq, d in zip(seqs, draft_computed):
+        finished = self.scheduler.update_from_output(output)
+        for seq, d in zip(output.scheduled.seqs, output.publish_upto):
             if not seq.is_finished:
                 self.draft_state[seq] = (min(d, seq.num_computed_tokens), seq.num_preemptions)
         return finished

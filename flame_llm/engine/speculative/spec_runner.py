@@ -50,6 +50,18 @@ class StepBuffers:
 
 
 @dataclass(slots=True)
+class VerifiedTokens:
+    """What one speculative step verified, per sequence: the draft's proposals x1..xK, how many of them the
+    target accepted (a), and the target's own next token; the sequence's new tokens are x1..xa, then next."""
+    num_accepted: list[int]
+    draft_token_ids: list[list[int]]
+    next_token_ids: list[int]
+
+    def new_token_ids(self, i: int) -> list[int]:
+        return self.draft_token_ids[i][: self.num_accepted[i]] + [self.next_token_ids[i]]
+
+
+@dataclass(slots=True)
 class SampledRows:
     """The rows of a step that sample (temperature > 0), built on the host."""
     index: torch.Tensor  # int64 [S]: rows in the batch
@@ -129,8 +141,7 @@ class SpecRunner:
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], sampled: SampledRows | None,
-             profiler: StepProfiler | None = None) -> list[list[int]]:
-        """Per sequence [accepted count a, x1..xK, next token]: its new tokens are x1..xa then next."""
+             profiler: StepProfiler | None = None) -> VerifiedTokens:
         num, k, q, bs = len(seqs), self.k, self.k + 1, self.block_size
         assert 0 < num <= self.max_bs
         b = next(x for x in self.graph_bs if x >= num) if self.pad_batches or self.use_graphs else num
@@ -184,10 +195,10 @@ class SpecRunner:
                                 "exponential")
             acc, nxt = rejection_sample(p, draft_probs, draft_ids[rows], uniforms, noise)
             num_accepted[rows], next_ids[rows] = acc, nxt
-        out = torch.cat([num_accepted[:, None], draft_ids, next_ids[:, None]], dim=1).tolist()
+        rows = torch.cat([num_accepted[:, None], draft_ids, next_ids[:, None]], dim=1).tolist()  # one host sync
         if profiler is not None:
             profiler.mark("sample")
-        return out
+        return VerifiedTokens([r[0] for r in rows], [r[1:k + 1] for r in rows], [r[k + 1] for r in rows])
 
     def _propose(self, logits: torch.Tensor, j: int, vids: torch.Tensor, sampled: SampledRows | None,
                  draft_probs: torch.Tensor | None) -> None:
