@@ -97,6 +97,9 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                     m.fused = True
+        if rc.gemm_epilogues:  # before the decode graphs are captured, which replay the path set here
+            from flame_llm.models.llama import configure_gemm_epilogues
+            configure_gemm_epilogues(self.model, rc.gemm_epilogues)
         torch.manual_seed(mc.seed)
         self.allocate_kv_cache()
         self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size
@@ -104,7 +107,9 @@ class ModelRunner:
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
         self._jit_logged = 0
         if self.backend == "fa4":
-            self.warmup_fa4()
+            self.warmup_fa4()  # compiles our Triton kernel's decode-row variants too
+        elif self.backend == "triton" and self.device.type == "cuda":
+            self.warmup_triton()
         self.use_graphs = self.device.type == "cuda" and not rc.enforce_eager and self.backend != "torch"
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
@@ -191,6 +196,15 @@ class ModelRunner:
         n = fa4_backend.warmup(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale, sc.max_num_seqs,
                                sc.max_num_batched_tokens, self.config.model_config.max_model_len)
         logger.info("flash-attn-4: %d kernel variants compiled in %.1fs", n, time.perf_counter() - t0)
+
+    def warmup_triton(self) -> None:
+        """Compile every variant of our Triton attention that serving can reach (issue 18: a variant compiled
+        just in time for a shape the warmup never ran paused a step for seconds)."""
+        from flame_llm.kernels.triton_attention import warmup_all_variants
+
+        layer, t0 = self.attn_layers[0], time.perf_counter()
+        n = warmup_all_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale)
+        logger.info("triton attention: %d variant launches in %.1fs", n, time.perf_counter() - t0)
 
     def attention_jit_compiles(self) -> int:
         """Attention kernels compiled since startup (FA4's JIT; 0 for backends compiled at startup). A new
