@@ -117,6 +117,13 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     ({"prompt": [1, 2], "max_tokens": True}, "max_tokens", "field 'max_tokens' must be a number, not True"),
     ({"prompt": [1, 2], "stop_token_ids": 5}, "stop_token_ids", "field 'stop_token_ids' must be a list of token ids"),
     (["not", "an", "object"], "body", "must be a JSON object"),
+    # a token id past int64 was an HTTP 500 OverflowError (np.fromiter into int64)
+    ({"prompt": [1, 2 ** 70]}, "prompt", "token id 1180591620717411303424 at position 1 is >= vocab_size 512"),
+    ({"prompt": [[1, 2], [2 ** 64, 3]]}, "prompt", "token id 18446744073709551616 at position 0 is >= vocab_size"),
+    ({"prompt": [1, 2], "stop_token_ids": [2 ** 70]}, "stop_token_ids", "'stop_token_ids'"),
+    ({"prompt": [1, 2], "seed": 2 ** 70}, "seed", "'seed'"),
+    # OpenAI's `stop` is strings; ids have their own field, and the message says which
+    ({"prompt": [1, 2], "stop": [475]}, "stop", "(stop token ids go in stop_token_ids)"),
 ])
 def test_bad_input_answers_400_naming_the_field(server, body, param, words):
     url, *_ = server
@@ -124,6 +131,54 @@ def test_bad_input_answers_400_naming_the_field(server, body, param, words):
     assert status == 400, out
     assert out["error"]["param"] == param and words in out["error"]["message"], out
     assert out["error"]["type"] == "invalid_request_error"
+    assert isinstance(out["error"]["code"], str) and out["error"]["code"], out  # one type: OpenAI's are strings
+
+
+def test_every_error_code_is_a_string(server):
+    """HTTP errors of every kind (the server's own, a field's, a prompt's, the engine's limit, a route's) carry a
+    string `code`: it was the int status in most and a string in others."""
+    url, *_ = server
+    cases = [(f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "bad_sampling"),
+             (f"{url}/v1/completions", {"prompt": [1, 600]}, 400, "token_out_of_range"),
+             (f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 511}, 400, "context_length_exceeded"),
+             (f"{url}/v1/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model_not_found"),
+             (f"{url}/v1/completions", {"prompt": [[1, 2]] * 5}, 413, "request_too_large"),
+             (f"{url}/v1/nothing", {}, 404, "not_found"),
+             (f"{url}/v1/completions", None, 405, "method_not_allowed"),
+             (f"{url}/v1/completions", {"prompt": "text"}, 400, "invalid_request")]
+    for where, body, status, code in cases:
+        got, out = _call(where, body)
+        assert (got, out["error"]["code"]) == (status, code), (where, body, out)
+
+
+def test_metrics_count_http_requests_by_route_and_status(server):
+    url, *_ = server
+
+    def samples() -> dict:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            fams = list(text_string_to_metric_families(r.read().decode()))
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples
+                if s.name.startswith("flame_http_")}
+
+    def count(before: dict, after: dict, route: str, status: str, method: str = "POST") -> float:
+        key = ("flame_http_requests_total", (("method", method), ("route", route), ("status", status)))
+        return after.get(key, 0) - before.get(key, 0)
+
+    before = samples()
+    assert _call(f"{url}/v1/completions", {"prompt": [4, 5], "max_tokens": 2})[0] == 200
+    assert _call(f"{url}/v1/completions", {"prompt": [4, 5], "max_tokens": 0})[0] == 400
+    assert _call(f"{url}/v1/completions", {"prompt": [4, 5], "max_tokens": 0})[0] == 400
+    assert _call(f"{url}/no/such/route/{time.time()}", {})[0] == 404
+    assert _call(f"{url}/v1/models")[0] == 200
+    after = samples()
+    assert count(before, after, "/v1/completions", "200") == 1
+    assert count(before, after, "/v1/completions", "400") == 2
+    assert count(before, after, "unmatched", "404") == 1  # a made-up path adds no label value of its own
+    assert count(before, after, "/v1/models", "200", "GET") == 1
+    key = ("flame_http_request_duration_seconds_count", (("route", "/v1/completions"),))
+    assert after[key] - before.get(key, 0) == 3
+    inf = ("flame_http_request_duration_seconds_bucket", (("le", "+Inf"), ("route", "/v1/completions")))
+    assert after[inf] == after[key]
 
 
 def test_invalid_json_is_a_400_and_the_server_keeps_serving(server):
