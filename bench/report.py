@@ -25,6 +25,9 @@ from bench.service_path import service_path
 
 log = logging.getLogger(__name__)
 PAIR_FLOOR = 0.99  # a pair at or above this ratio counts as "no net overhead" for that pair
+# Below these a ratio is not evidence, and the report says so beside it (warnings()):
+MIN_PAIRS = 3  # fewer pairs leave no spread to judge: one pair's ratio is one draw of the noise
+MIN_BURST_S = 2.0  # MEASURE_NOTE: see warnings()
 
 
 def load_runs(raw_dir: str) -> list[dict]:
@@ -106,9 +109,26 @@ def build_report(runs: list[dict], order: list[str] | None = None) -> dict:
         for ref in labels[1:]:
             ratios.append(_ratio(subj, ref, stats[subj], stats[ref]))
         out["traces"][name] = {"trace": first["trace"], "systems": labels, "stats": stats, "ratios": ratios,
+                               "warnings": warnings(stats, ratios),
                                "engine_config": first.get("engine_config"), "placement": first.get("placement"),
                                "policy": {lab: by_label[lab][0]["policy"] for lab in labels},
                                "warmup_shifts": first.get("warmup_shifts")}
+    return out
+
+
+def warnings(stats: dict, ratios: list[dict]) -> list[str]:
+    """Why this trace's ratios may mean nothing: too few pairs, or bursts too short for their timing."""
+    out = []
+    few = sorted({r["pairs"] for r in ratios if r["pairs"] < MIN_PAIRS})
+    if few:
+        out.append(f"only {few[0]} complete pair(s) behind a ratio (fewer than {MIN_PAIRS}): one or two paired "
+                   "ratios cannot show how far the run-to-run noise reaches, so the ratio is not a measured "
+                   f"difference; run --pairs {MIN_PAIRS} or more")
+    bursts = [s["burst_s"] for st in stats.values() for s in st["per_run"] if s["ok"]]
+    if bursts and min(bursts) < MIN_BURST_S:
+        out.append(f"the shortest burst took {min(bursts):.3f} s (under {MIN_BURST_S:g} s): at that length the "
+                   "run-to-run spread of one system's bursts is as large as the differences between systems, so "
+                   "the ratio is noise; make the trace longer (--docs, --doc-tokens)")
     return out
 
 
@@ -158,6 +178,7 @@ def render_markdown(rep: dict, source: str) -> str:
                 lines.append(f"| {r['subject']} / {r['reference']} | {_f(r['ratio_of_medians'], '{:.4f}')} | "
                              f"[{_f(r['paired_min'], '{:.4f}')}-{_f(r['paired_max'], '{:.4f}')}] | "
                              f"{r['pairs_at_or_above_floor']}/{r['pairs']} |")
+        lines += [f"\n**Warning: these ratios are not evidence.** {w}." for w in t.get("warnings", [])]
         lines += ["", "| pair | " + " | ".join(f"{lab} req/s (order)" for lab in t["systems"]) + " |",
                   "|---" * (len(t["systems"]) + 1) + "|"]
         pairs = sorted({s["pair"] for lab in t["systems"] for s in t["stats"][lab]["per_run"]})

@@ -276,3 +276,54 @@ def test_a_disconnected_client_aborts_its_requests_in_the_engine(server):
         while engine.stats()["num_in_flight"]:
             assert time.monotonic() < deadline, "the engine still serves the abandoned requests"
             time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def text_server(tmp_path_factory):
+    """serve-http over the embedded default as `flame-llm serve-http --model tiny` builds it: with its tokenizer."""
+    from flame_llm.models.tiny import ensure_tiny_default
+
+    model = ensure_tiny_default(str(tmp_path_factory.mktemp("default") / "tiny-llama"))
+    engine = AsyncEngine.from_args(model, block_size=16, max_model_len=512, max_num_batched_tokens=512,
+                                   cpu_kvcache_gib=0.01)
+    url, close = _serve(EngineBackend(engine, "cpu-0"), HttpConfig(port=0))
+    yield url, model
+    close()
+    engine.shutdown()
+
+
+def test_the_default_model_speaks_text_and_chat_through_the_openai_client(text_server):
+    """The two calls OpenAI users try first: text in, text out; chat messages in, an assistant message out. The
+    default model had no tokenizer: both were a 400."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    url, model = text_server
+    tok = AutoTokenizer.from_pretrained(model)
+    oa = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in oa.models.list().data] == ["tiny-llama"]
+    out = oa.completions.create(model="tiny-llama", prompt="The keeper climbed the steps", max_tokens=8,
+                                temperature=0, extra_body={"ignore_eos": True})
+    (choice,) = out.choices
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == 8 and isinstance(choice.text, str) and choice.text
+    assert choice.text == tok.decode(ids, skip_special_tokens=True)
+    assert out.usage.prompt_tokens == len(tok.encode("The keeper climbed the steps"))
+    streamed = oa.completions.create(model="tiny-llama", prompt="The keeper climbed the steps", max_tokens=8,
+                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where is the lamp?"}]
+    chat = oa.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    reply = chat.choices[0]
+    assert reply.message.role == "assistant" and isinstance(reply.message.content, str)
+    assert reply.message.content == tok.decode(reply.model_extra["token_ids"], skip_special_tokens=True)
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = want if isinstance(want, list) else want["input_ids"]
+    assert chat.usage.prompt_tokens == len(want) and chat.usage.completion_tokens == 6
+    stop = choice.text[3:5]
+    assert len(stop) == 2
+    stopped = oa.completions.create(model="tiny-llama", prompt="The keeper climbed the steps", max_tokens=8,
+                                    temperature=0, stop=stop, extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == choice.text[:choice.text.find(stop)]  # stop strings work on the text
+    assert stopped.choices[0].finish_reason == "stop"
