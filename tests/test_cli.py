@@ -200,6 +200,15 @@ def test_demo_runs(tmp_path):
     assert "8/8 ok" in out.stdout
     rows = [line.split() for line in lines if line.split()[1:3] in (["0", "cpu-0"], ["1", "cpu-1"])]
     assert len(rows) == 8 and len({r[1] for r in rows}) == 2  # the two documents, one shard each
+    # it says what it sends and why tokens are cached, and the expectation is what the shards report
+    assert "sending 2 documents x 4 questions: 8 prompts of 300 + 12 random token ids, sharing 2 prefixes" in out.stdout
+    (expect,) = [line.split("expect ~")[1].split("%")[0] for line in lines if "expect ~" in line]
+    (summary,) = [line for line in lines if "8/8 ok" in line]
+    assert expect == "61.5" and summary.endswith(f"({expect}%)"), (expect, summary)
+    # the embedded default speaks text: a text prompt and a chat exchange, through its tokenizer and chat template
+    text = out.stdout[out.stdout.index("text in, text out"):]
+    assert "  prompt: 'The lighthouse keeper climbed the steps and'" in text and "  output: '" in text
+    assert "  user: Is the lamp lit?" in text and "  assistant: '" in text
 
 
 def test_serve_submit_status_stop(tmp_path, tiny_llama):
