@@ -1,15 +1,21 @@
-"""The installed `flame-llm` command: the service's commands (flame_llm.cli) plus the benchmarks'."""
+"""The benchmark commands of the installed `flame-llm` (flame_llm.cli): `bench` and `report`. pyproject.toml
+registers COMMANDS in the entry point group flame_llm.commands, which flame_llm.cli reads at start, so the app
+never imports the bench. `python -m bench.cli` runs flame-llm with them without an installed entry point."""
 from __future__ import annotations
 
 import sys
 
 from bench.pairs import ARGUMENTS as BENCH_ARGS
 from bench.report import ARGUMENTS as REPORT_ARGS
+from bench.run_options import BENCH_EPILOG
 from flame_llm import cli
 
 
 def bench(args) -> int:
     from bench.pairs import run
+    from bench.run_options import check_bench_memory
+
+    check_bench_memory(args)  # with the machine's defaults filled in (the tiny model without a GPU)
     return run(args)
 
 
@@ -18,15 +24,16 @@ def report(args) -> int:
     return run(args)
 
 
+# name: (function, help, arguments, epilog), as flame_llm.cli.COMMANDS
 COMMANDS = {
-    **cli.COMMANDS,
-    "bench": (bench, "burst benchmark: fresh interleaved pairs of systems, then the paired report", BENCH_ARGS),
+    "bench": (bench, "burst benchmark: fresh interleaved pairs of systems, then the paired report", BENCH_ARGS,
+              BENCH_EPILOG),
     "report": (report, "paired report (Markdown, JSON, PNG) from a bench run's raw records", REPORT_ARGS),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, COMMANDS)
+    return cli.main(argv, {**cli.COMMANDS, **COMMANDS})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ ARGUMENTS = [
     (("--systems",), {"default": "flame,engine", "help": "comma-separated labels: flame, engine, vllm, vllm-seed, "
                       "each optionally -rr; the first is the subject of the report's ratios"}),
     (("--traces",), {"default": ",".join(TRACE_NAMES), "help": "comma-separated: no-reuse, reuse"}),
-    (("--pairs",), {"type": int, "default": 5}),
+    (("--pairs",), {"type": int, "default": 5, "help": "interleaved pairs per trace (the report warns below "
+                    "3: no spread to judge)"}),
     (("--pair-start",), {"type": int, "default": 0, "help": "index of the first pair (to split the pairs of one "
                          "report over several commands writing to the same --out)"}),
     *RUN_ARGUMENTS,

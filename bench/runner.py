@@ -15,100 +15,28 @@ import json
 import logging
 import os
 import platform
-import shlex
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
+from bench.run_options import (  # noqa: F401 - re-exported: the run's options are imported from here too
+    BENCH_EPILOG,
+    RUN_ARGUMENTS,
+    RunOptions,
+    add_run_args,
+    check_bench_memory,
+    engine_config,
+    model_dir,
+    options_from_args,
+    resolve_options,
+)
 from bench.systems import Setup, make_system, parse_system
-from bench.traces import SEED_LIMITS, TRACE_NAMES, Trace, TraceConfig, make_trace, warmup_traces
+from bench.traces import TRACE_NAMES, Trace, TraceConfig, make_trace, warmup_traces
 from flame_llm.protocol.types import prompt_digest
 
 log = logging.getLogger(__name__)
 RAW_FORMAT = "flame-bench-raw/1"
-
-
-_T = TraceConfig()  # the trace defaults
-
-
-@dataclass(slots=True)
-class RunOptions:
-    model: str = "configs/models/llama-3.1-8b"  # a model dir, or "tiny"
-    load_format: str = "dummy"
-    out: str = "bench/results/run"
-    num_shards: int = 0  # 0: every visible GPU (or 2 CPU shards without GPUs)
-    gpu_uuids: list[str] = field(default_factory=list)
-    policy: str = "cumulative"  # the seed's sticky placement; a "-rr" system label uses round_robin
-    docs: int = _T.num_docs
-    questions: int = _T.questions
-    doc_tokens: int = _T.doc_tokens
-    question_tokens: int = _T.question_tokens
-    output_tokens: int = _T.output_tokens
-    seed: int = _T.seed
-    warmup_rounds: int = 2
-    max_model_len: int = SEED_LIMITS["max_model_len"]
-    max_num_seqs: int = SEED_LIMITS["max_num_seqs"]
-    max_num_batched_tokens: int = SEED_LIMITS["max_num_batched_tokens"]
-    enforce_eager: bool = False
-    engine_json: dict = field(default_factory=dict)  # more Config fields for flame and engine
-    torch_threads: int = 1
-    startup_timeout_s: float = 900.0
-    burst_timeout_s: float = 3600.0
-    vllm_bin: str = "vllm"
-    vllm_pythonpath: str = ""
-    vllm_args: list[str] = field(default_factory=list)
-    vllm_return_token_ids: bool = False
-
-
-_D = RunOptions()
-# (flags, add_argument kwargs): the options of one run, shared by bench.runner, bench.pairs and `flame-llm bench`
-RUN_ARGUMENTS = [
-    (("--model",), {"default": _D.model, "help": "model dir (config.json; dummy weights) or 'tiny'"}),
-    (("--load-format",), {"default": _D.load_format, "choices": ("dummy", "auto")}),
-    (("--out",), {"default": _D.out, "help": "results dir: raw/ records, logs/, report files"}),
-    (("--num-shards",), {"type": int, "default": 0, "help": "0: every local GPU, or 2 CPU shards"}),
-    (("--gpu-uuids",), {"default": "", "help": "comma-separated GPU UUIDs to use (default: all)"}),
-    (("--policy",), {"default": _D.policy, "choices": ("load_guarded", "cumulative"),
-                     "help": "sticky placement policy (labels ending in -rr use round_robin)"}),
-    *[(("--" + n.replace("_", "-"),), {"type": int, "default": getattr(_D, n)})
-      for n in ("docs", "questions", "doc_tokens", "question_tokens", "output_tokens", "seed", "warmup_rounds",
-                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "torch_threads")],
-    (("--enforce-eager",), {"action": "store_true", "help": "flame and engine without CUDA graphs"}),
-    (("--engine-json",), {"default": "{}", "help": "more flame_llm Config fields (flame and engine)"}),
-    (("--startup-timeout-s",), {"type": float, "default": _D.startup_timeout_s}),
-    (("--burst-timeout-s",), {"type": float, "default": _D.burst_timeout_s}),
-    (("--vllm-bin",), {"default": _D.vllm_bin, "help": "the vllm executable"}),
-    (("--vllm-pythonpath",), {"default": "", "help": "prepended to PYTHONPATH of vllm replicas only"}),
-    (("--vllm-args",), {"default": "", "help": "extra flags for every `vllm serve`, one string"}),
-    (("--vllm-return-token-ids",), {"action": "store_true", "help": "ask vLLM to echo token ids (prompt echo "
-                                    "costs; default: output length from usage)"}),
-]
-
-
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    for flags, kwargs in RUN_ARGUMENTS:
-        p.add_argument(*flags, **kwargs)
-
-
-def options_from_args(a: argparse.Namespace) -> RunOptions:
-    from flame_llm.config import engine_fields_from_json
-
-    try:
-        extra = engine_fields_from_json(a.engine_json)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    names = [f for f in RunOptions.__dataclass_fields__ if f not in ("gpu_uuids", "engine_json", "vllm_args")]
-    return RunOptions(**{n: getattr(a, n) for n in names}, engine_json=extra, vllm_args=shlex.split(a.vllm_args),
-                      gpu_uuids=[u.strip() for u in a.gpu_uuids.split(",") if u.strip()])
-
-
-def engine_config(o: RunOptions) -> dict:
-    """The Config fields flame's actors and the engine servers share, matching vLLM's flags."""
-    cfg = {"max_model_len": o.max_model_len, "max_num_seqs": o.max_num_seqs,
-           "max_num_batched_tokens": o.max_num_batched_tokens, "enable_prefix_caching": True,
-           "enable_chunked_prefill": o.max_num_batched_tokens < o.max_model_len, "enforce_eager": o.enforce_eager}
-    return {**cfg, **o.engine_json}
 
 
 def plan_devices(o: RunOptions) -> list[str]:
@@ -119,11 +47,6 @@ def plan_devices(o: RunOptions) -> list[str]:
     n = o.num_shards or ("auto" if uuids else 2)
     places = plan_shards([NodeGPUs("local", uuids, len(uuids))], n, 2, tuple(o.gpu_uuids))
     return [p.gpu_uuid or p.name for p in places]
-
-
-def model_dir(o: RunOptions) -> str:
-    from flame_llm.models.tiny import resolve_model
-    return os.path.abspath(resolve_model(o.model))
 
 
 def build_setup(o: RunOptions, log_dir: str) -> Setup:
@@ -269,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_bench_memory(a)
     with local_ray_scope():
         raw = run_one(options_from_args(a), a.system, a.trace, a.pair)
     n = len(raw["requests"])

@@ -1,7 +1,8 @@
-"""`flame-llm` command line: the service's commands. A subcommand is one function `name(args) -> int`
-plus one line in COMMANDS naming its help and arguments (from ARGS, or inline). The installed
-`flame-llm` is bench.cli, which adds the benchmark commands on top of these (bench depends on this
-app, never the reverse)."""
+"""`flame-llm` command line (the installed `flame-llm` is this module's main): the service's commands. A subcommand
+is one function `name(args) -> int` plus one line in COMMANDS naming its help and arguments (from ARGS, or inline)
+and optionally an epilog. Other installed packages add commands through the entry point group COMMAND_GROUP
+(pyproject.toml: the bench package adds `bench` and `report`), found at start by `installed_commands`: bench
+depends on this app, never the reverse."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ from flame_llm.serving.http_server import ARGUMENTS as SERVE_HTTP_ARGS
 from flame_llm.serving.service_config import DEFAULT_NAMESPACE
 
 log = logging.getLogger("flame_llm.cli")
+COMMAND_GROUP = "flame_llm.commands"  # entry points naming a dict shaped like COMMANDS
 
 DEMO_CONFIG = {"model": "tiny", "engine": {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 16,
                                             "cpu_kvcache_gib": 0.0625},
@@ -87,12 +89,18 @@ def submit(args) -> int:
     finally:
         client.close()
     elapsed = time.perf_counter() - t0
+    results = [_plain(r) for r in results]
     if args.output:
         with open(args.output, "w") as f:
             for r in results:
                 f.write(json.dumps(r) + "\n")
     _print_results(results, elapsed)
     return 1 if any(r["error"] for r in results) else 0
+
+
+def _plain(r) -> dict:
+    """A result as its plain dict: generate() returns dicts, or protocol Result objects (their to_dict())."""
+    return r if isinstance(r, dict) else r.to_dict()
 
 
 def _print_results(results: list[dict], elapsed: float) -> None:
@@ -150,31 +158,80 @@ def _seconds(v: float | None) -> str:
     return f"<={v:g}s" if v != float("inf") else ">120s"
 
 
+DEMO_DOCS, DEMO_QUESTIONS, DEMO_DOC_TOKENS, DEMO_QUESTION_TOKENS = 2, 4, 300, 12
+DEMO_TEXT = "The lighthouse keeper climbed the steps and"
+DEMO_CHAT = [{"role": "system", "content": "You keep the light."}, {"role": "user", "content": "Is the lamp lit?"}]
+
+
 def demo(args) -> int:
-    """Local Ray, two CPU shards of the tiny default model, one batch: two documents x four questions."""
+    """Local Ray, two CPU shards of the tiny default model: one batch of two documents x four questions (token
+    ids), then a text prompt and a chat exchange through the model's tokenizer and chat template."""
     import numpy as np
     import ray
 
+    from flame_llm.config import CacheConfig
     from flame_llm.sampling_params import SamplingParams
     from flame_llm.serving.client import start_local
+    from flame_llm.serving.frontdoor import load_tokenizer
     from flame_llm.serving.service_config import config_from_dict, load_service_config
 
     cfg = load_service_config(args.config) if args.config else config_from_dict(dict(DEMO_CONFIG), "demo")
     print(f"starting local Ray with {cfg.placement.num_shards} CPU shards of model {cfg.model!r} ...", flush=True)
     client = start_local(cfg)
+    failed = False
     try:
         print_placement(client.service.health)
         rng = np.random.default_rng(0)
-        docs = [rng.integers(3, 512, size=300).tolist() for _ in range(2)]
-        prompts = [doc + rng.integers(3, 512, size=12).tolist() for doc in docs for _ in range(4)]
+        docs = [rng.integers(3, 512, size=DEMO_DOC_TOKENS).tolist() for _ in range(DEMO_DOCS)]
+        prompts = [doc + rng.integers(3, 512, size=DEMO_QUESTION_TOKENS).tolist()
+                   for doc in docs for _ in range(DEMO_QUESTIONS)]
+        block = cfg.engine_kwargs().get("block_size", CacheConfig().block_size)
+        shared = DEMO_DOC_TOKENS // block * block
+        expect = 100.0 * DEMO_DOCS * (DEMO_QUESTIONS - 1) * shared / sum(map(len, prompts))
+        print(f"\nsending {DEMO_DOCS} documents x {DEMO_QUESTIONS} questions: {len(prompts)} prompts of "
+              f"{DEMO_DOC_TOKENS} + {DEMO_QUESTION_TOKENS} random token ids, sharing {DEMO_DOCS} prefixes (one "
+              f"document each).\nThe router sends a document's questions to one shard. There the first question "
+              f"computes the document's KV cache; the other {DEMO_QUESTIONS - 1} find its {shared} tokens in full "
+              f"{block}-token blocks in the prefix cache (the last {DEMO_DOC_TOKENS - shared} fill no whole "
+              f"block): expect ~{expect:.1f}% of prompt tokens cached.")
         sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
-        results = client.generate(prompts, sp)
+        results = [_plain(r) for r in client.generate(prompts, sp)]
         _print_results(results, time.perf_counter() - t0)
+        failed = any(r["error"] for r in results)
+        tok = load_tokenizer(client.model_dir)
+        if tok is None:
+            print(f"\n(the model directory {client.model_dir} has no tokenizer: no text or chat demo)")
+        else:
+            failed |= _demo_text(client, tok, args.max_tokens)
     finally:
         client.close()
         ray.shutdown()
-    return 1 if any(r["error"] for r in results) else 0
+    return 1 if failed else 0
+
+
+def _demo_text(client, tok, max_tokens: int) -> bool:
+    """A text prompt and a chat exchange through the client; True when either failed."""
+    from flame_llm.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    print("\ntext in, text out (random weights: the words are noise, the path is real):")
+    text = _plain(client.generate([DEMO_TEXT], sp)[0])
+    chat_ids = tok.apply_chat_template(DEMO_CHAT, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
+    chat = _plain(client.generate([chat_ids], sp)[0])
+    for r in (text, chat):
+        if r["error"]:
+            print(f"  ERROR {r['error']['code']}: {r['error']['message']}")
+            return True
+    reply = tok.decode(text["output_token_ids"], skip_special_tokens=True)
+    print(f"  prompt: {DEMO_TEXT!r}\n  output: {reply!r} ({text['finish_reason']})")
+    print("chat (the model's chat template, as /v1/chat/completions applies it):")
+    for m in DEMO_CHAT:
+        print(f"  {m['role']}: {m['content']}")
+    print(f"  assistant: {tok.decode(chat['output_token_ids'], skip_special_tokens=True)!r} "
+          f"({chat['finish_reason']})")
+    return False
 
 
 def serve_http(args) -> int:
@@ -200,29 +257,51 @@ COMMANDS = {
                 (("--max-tokens",), {"type": _at_least(1), "default": 16,
                                      "help": "output tokens per prompt (the engine stops at max_model_len: "
                                              "finish_reason 'length')"}),
-                (("--temperature",), {"type": float, "default": 0.0}),
-                (("--seed",), {"type": int, "default": 0}),
-                (("--ignore-eos",), {"action": "store_true"}),
+                (("--temperature",), {"type": float, "default": 0.0, "help": "sampling temperature (0: greedy)"}),
+                (("--seed",), {"type": int, "default": 0, "help": "random prompts' and sampling's seed"}),
+                (("--ignore-eos",), {"action": "store_true", "help": "generate past the end-of-sequence token"}),
                 (("--output",), {"help": "write result records here (JSONL)"})]),
     "status": (status, "shards, GPU UUIDs, nodes, queue depths, hit rates", ["config", "namespace", "address", "json"]),
     "stop": (stop, "stop the service (engine actors, router, front door) and the flame-llm serve that started it",
              ["config", "namespace", "address"]),
-    "demo": (demo, "local Ray, two CPU shards, the tiny default model: one batch, results and placement",
+    "demo": (demo, "local Ray, two CPU shards, the tiny default model: one batch (what it sends and why tokens are "
+                   "cached), placement and results, then a text prompt and a chat exchange",
              [(("--config",), {"help": "service YAML instead of the built-in demo config"}),
-              (("--max-tokens",), {"type": _at_least(1), "default": 8})]),
+              (("--max-tokens",), {"type": _at_least(1), "default": 8, "help": "output tokens per prompt"})]),
     "serve-http": (serve_http, "our engine alone behind the OpenAI HTTP API (the front door's, without Ray)",
                    SERVE_HTTP_ARGS),
 }
 
 
+def installed_commands(group: str = COMMAND_GROUP) -> dict:
+    """Commands installed packages add: each entry point of `group` names a dict shaped like COMMANDS. One that
+    fails to load is skipped with a warning (its commands are missing, the others work); names of this module's
+    commands are not taken over."""
+    from importlib.metadata import entry_points
+
+    found: dict = {}
+    for ep in entry_points(group=group):
+        try:
+            commands = ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken add-on must not take the service's commands down
+            log.warning("commands of entry point %s (%s) not loaded: %s: %s", ep.name, ep.value, type(e).__name__, e)
+            continue
+        found.update({k: v for k, v in commands.items() if k not in COMMANDS})
+    return found
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag's help; epilogs (examples) kept as written."""
+
+
 def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flame-llm", description="flame-llm: distributed LLM inference on Ray",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (fn, help_text, arguments) in (commands or COMMANDS).items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for name, (fn, help_text, arguments, *epilog) in (commands or COMMANDS).items():
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=epilog[0] if epilog else None,
+                           formatter_class=_HelpFormatter)
         for arg in arguments:
             flags, kwargs = ARGS[arg] if isinstance(arg, str) else arg
             p.add_argument(*flags, **kwargs)
@@ -231,8 +310,8 @@ def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, commands: dict | None = None) -> int:
-    """Run one subcommand of `commands` (default: this module's)."""
-    args = build_parser(commands).parse_args(argv)
+    """Run one subcommand of `commands` (default: this module's and the installed ones, installed_commands())."""
+    args = build_parser(commands or {**COMMANDS, **installed_commands()}).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -127,6 +127,90 @@ def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smok
         assert ratio["ratio_of_medians"] == pytest.approx(rates["flame"] / rates["engine"])
         assert ratio["paired"] == {"0": pytest.approx(rates["flame"] / rates["engine"])}
     assert "## Trace `reuse`" in md and "flame / engine" in md and "Service path per measured burst" in md
+    # one pair of sub-second bursts: the report says beside the ratios that they are not evidence
+    assert md.count("**Warning: these ratios are not evidence.** only 1 complete pair(s)") == 2
+    assert all(any("under 2 s" in w for w in rep["traces"][t]["warnings"]) for t in ("no-reuse", "reuse"))
+
+
+def _stats(bursts: list[float]) -> dict:
+    return {"per_run": [{"pair": k, "ok": True, "burst_s": b, "req_s": 10 / b} for k, b in enumerate(bursts)]}
+
+
+def test_report_warns_when_pairs_are_too_few_or_bursts_too_short():
+    ok = report.warnings({"a": _stats([3.0, 3.1, 2.9]), "b": _stats([3.2, 3.0, 3.1])}, [{"pairs": 3}])
+    assert ok == []
+    few = report.warnings({"a": _stats([3.0, 3.1]), "b": _stats([3.2, 3.0])}, [{"pairs": 2}])
+    assert len(few) == 1 and "only 2 complete pair(s)" in few[0] and "--pairs 3" in few[0]
+    short = report.warnings({"a": _stats([3.0, 0.4, 2.9]), "b": _stats([3.2, 3.0, 3.1])}, [{"pairs": 3}])
+    assert len(short) == 1 and "0.400 s (under 2 s)" in short[0]
+
+
+def test_bench_without_a_gpu_uses_the_tiny_model_and_checks_memory_first(monkeypatch):
+    """`flame-llm bench` on a CPU machine defaulted to Llama-3.1-8B shapes and reached 14.6 GB of RAM in 33 s with
+    no memory check; now the machine picks the defaults and serve's preflight runs before anything loads."""
+    from bench import run_options
+    from flame_llm.cli import build_parser
+
+    parser = build_parser(cli.COMMANDS)
+    monkeypatch.setattr(run_options, "has_gpu", lambda: False)
+    o = run_options.options_from_args(parser.parse_args(["bench"]))
+    assert (o.model, o.load_format, o.docs, o.doc_tokens) == ("tiny", "auto", 16, 1024)
+    o = run_options.options_from_args(parser.parse_args(["bench", "--docs", "3", "--model", "some/dir"]))
+    assert (o.model, o.docs, o.doc_tokens) == ("some/dir", 3, 1024)  # explicit flags win
+    run_options.check_bench_memory(parser.parse_args(["bench"]), available=2 << 30)  # the CPU default fits in 2 GB
+    big = parser.parse_args(["bench", "--model", "configs/models/llama-3.1-8b", "--load-format", "dummy"])
+    with pytest.raises(RuntimeError, match=r"flame-llm bench --model configs/models/llama-3.1-8b needs ~3\d\.\d GB "
+                                           r"per CPU shard .* x 2 shards .* leave out --model"):
+        run_options.check_bench_memory(big, available=16 << 30)
+    monkeypatch.setattr(run_options, "has_gpu", lambda: True)
+    o = run_options.options_from_args(parser.parse_args(["bench"]))
+    assert (o.model, o.docs, o.doc_tokens) == ("configs/models/llama-3.1-8b", 64, 8192)
+
+
+def test_bench_refuses_a_model_too_big_for_this_machine_in_one_line(capsys):
+    from bench import run_options
+    from flame_llm.serving.preflight import available_memory_bytes
+
+    if run_options.has_gpu() or available_memory_bytes() >= 64e9:
+        pytest.skip("this machine could hold two float32 8B shards")
+    assert cli.main(["bench", "--model", "configs/models/llama-3.1-8b", "--out", "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "needs ~" in err and "leave out --model" in err
+
+
+def test_bench_help_shows_every_default_and_ends_with_a_cpu_and_a_gpu_example(capsys, monkeypatch):
+    import re
+    import subprocess
+
+    from bench import run_options
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = capsys.readouterr().out
+    options, _, epilog = text.partition("\nexamples:\n")
+    flags = re.findall(r"^  (--[a-z-]+)", options, flags=re.M)
+    assert len(flags) > 30
+    for flag in flags:  # each flag's help runs until the next flag; it names its default
+        part = options[options.index(f"  {flag}"):]
+        nxt = re.search(r"\n  --", part[2:])
+        assert "default" in (part[:nxt.start() + 2] if nxt else part), flag
+    lines = [line.strip() for line in epilog.strip().splitlines()]
+    assert lines[0].startswith("# CPU") and lines[1].startswith("flame-llm bench ")
+    assert lines[2].startswith("# GPU") and lines[3].startswith("flame-llm bench ")
+    # --out defaults to a path git ignores (it was bench/results/run, inside the tree and not ignored)
+    for gpu in (False, True):
+        monkeypatch.setattr(run_options, "has_gpu", lambda gpu=gpu: gpu)
+        assert run_options.options_from_args(_parse_bench([])).out == "out/bench"
+    o = run_options.options_from_args(_parse_bench([]))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ignored = subprocess.run(["git", "check-ignore", "-q", os.path.join(o.out, "raw", "reuse", "flame",
+                                                                          "pair00.json")], cwd=repo)
+    assert ignored.returncode == 0, o.out
+
+
+def _parse_bench(argv: list[str]):
+    from flame_llm.cli import build_parser
+    return build_parser(cli.COMMANDS).parse_args(["bench", *argv])
 
 
 def test_report_follows_edited_raw_records_and_excludes_failed_runs(smoke, tmp_path, monkeypatch):

@@ -118,12 +118,68 @@ def test_engine_section_is_the_engines_own_config():
         ServiceConfig(engine={"max_num_seqs": 8})
 
 
-def test_installed_command_adds_the_benchmarks_on_top():
-    from bench import cli as bench_cli
-    parser = build_parser(bench_cli.COMMANDS)
-    assert set(bench_cli.COMMANDS) == set(COMMANDS) | {"bench", "report"}
-    assert parser.parse_args(["report", "some-dir"]).func is bench_cli.report
+
+def _pyproject() -> dict:
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_the_installed_command_is_the_apps_and_bench_joins_through_an_entry_point():
+    """`flame-llm` was bench.cli:main (the app's entry point in the benchmark package); now it is the app's, and
+    the bench's commands come through the entry point group the app reads (no upward import)."""
+    from importlib.metadata import EntryPoint
+
+    from flame_llm.cli import COMMAND_GROUP
+
+    project = _pyproject()["project"]
+    assert project["scripts"]["flame-llm"] == "flame_llm.cli:main"
+    group = project["entry-points"][COMMAND_GROUP]
+    commands = {k: v for name, value in group.items() for k, v in EntryPoint(name, value, COMMAND_GROUP).load().items()}
+    assert set(commands) == {"bench", "report"} and not set(commands) & set(COMMANDS)
+    parser = build_parser({**COMMANDS, **commands})
+    assert parser.parse_args(["report", "some-dir"]).func is commands["report"][0]
     assert "bench" not in COMMANDS  # the app knows nothing of the bench
+
+
+def test_installed_commands_reads_the_entry_point_group(tmp_path, monkeypatch, caplog):
+    """The discovery function over a real installed distribution's metadata (a dist-info on sys.path): its
+    commands join the app's; one that fails to load is skipped with a warning; the app's own names are kept."""
+    import importlib
+
+    from flame_llm.cli import installed_commands
+
+    (tmp_path / "extra_cmds.py").write_text(
+        "def hello(args):\n    print('hello from extra')\n    return 0\n"
+        "COMMANDS = {'hello': (hello, 'says hello', []), 'serve': (hello, 'not the app serve', [])}\n")
+    info = tmp_path / "flame_extra-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flame-extra\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[flame_test.commands]\nextra = extra_cmds:COMMANDS\n"
+                                           "broken = no_such_module_here:COMMANDS\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    with caplog.at_level("WARNING", logger="flame_llm.cli"):
+        found = installed_commands("flame_test.commands")
+    assert set(found) == {"hello"} and found["hello"][1] == "says hello"
+    assert "broken" in caplog.text and "no_such_module_here" in caplog.text
+    assert main(["hello"], {**COMMANDS, **found}) == 0
+
+
+def test_python_m_flame_llm_cli_runs_the_bench_commands():
+    """Works wherever the metadata has the entry point (`pip install -e .`, as CI does); an editable install
+    made before the entry point existed does not have it."""
+    from importlib.metadata import entry_points
+
+    from flame_llm.cli import COMMAND_GROUP
+
+    if not list(entry_points(group=COMMAND_GROUP)):
+        pytest.skip(f"the installed flame-llm metadata predates the {COMMAND_GROUP} entry points: pip install -e .")
+    out = subprocess.run([sys.executable, "-m", "flame_llm.cli", "bench", "--help"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [REPO, *filter(None, [os.environ.get("PYTHONPATH")])])})
+    assert out.returncode == 0 and "examples:" in out.stdout, out.stderr[-2000:]
 
 
 def test_parser_has_every_command_and_checks_arguments(capsys):
@@ -170,6 +226,15 @@ def test_demo_runs(tmp_path):
     assert "8/8 ok" in out.stdout
     rows = [line.split() for line in lines if line.split()[1:3] in (["0", "cpu-0"], ["1", "cpu-1"])]
     assert len(rows) == 8 and len({r[1] for r in rows}) == 2  # the two documents, one shard each
+    # it says what it sends and why tokens are cached, and the expectation is what the shards report
+    assert "sending 2 documents x 4 questions: 8 prompts of 300 + 12 random token ids, sharing 2 prefixes" in out.stdout
+    (expect,) = [line.split("expect ~")[1].split("%")[0] for line in lines if "expect ~" in line]
+    (summary,) = [line for line in lines if "8/8 ok" in line]
+    assert expect == "61.5" and summary.endswith(f"({expect}%)"), (expect, summary)
+    # the embedded default speaks text: a text prompt and a chat exchange, through its tokenizer and chat template
+    text = out.stdout[out.stdout.index("text in, text out"):]
+    assert "  prompt: 'The lighthouse keeper climbed the steps and'" in text and "  output: '" in text
+    assert "  user: Is the lamp lit?" in text and "  assistant: '" in text
 
 
 def test_serve_submit_status_stop(tmp_path, tiny_llama):

@@ -1,6 +1,6 @@
-"""The service's HTTP front door on a real local Ray: two CPU shards of a tiny model that has a tokenizer and a
-chat template, the front door actor holding a Client, called by the real `openai` package, by curl and by raw
-sockets (127.0.0.1 only, bounded in count and time). One service for the module."""
+"""The service's HTTP front door on a real local Ray: two CPU shards of a tiny model with the embedded default's
+tokenizer and chat template, the front door actor holding a Client, called by the real `openai` package, by curl
+and by raw sockets (127.0.0.1 only, bounded in count and time). One service for the module."""
 import asyncio
 import json
 import shutil
@@ -15,6 +15,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from flame_llm import SamplingParams
+from flame_llm.models.tiny import TINY_VOCAB_SIZE
+from flame_llm.models.tiny_tokenizer import save_tokenizer
 from flame_llm.serving.client import Client
 from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
 from flame_llm.serving.http_app import HttpConfig
@@ -23,34 +25,15 @@ from flame_llm.serving.service_config import ServiceConfig
 
 NS = "test-frontdoor"
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 16, "cpu_kvcache_gib": 0.03125}
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 HTTP = HttpConfig(port=0, max_prompts_per_request=8, max_tokens_per_request=2048, max_body_bytes=65536,
                   header_timeout_s=1.0, body_timeout_s=1.0)
-
-
-def add_tokenizer(model_dir: str) -> None:
-    """A byte-level BPE tokenizer of the tiny model's 512 ids (pad 0, bos 1, eos 2) with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
-              "flame serves tokens from many shards", "a prefix cache keeps the documents warm"] * 50
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<s>", "</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
 def door(tiny_llama, tmp_path_factory):
     model = str(tmp_path_factory.mktemp("chat") / "tiny-chat")
     shutil.copytree(tiny_llama, model)
-    add_tokenizer(model)
+    save_tokenizer(model, TINY_VOCAB_SIZE)  # the embedded default's tokenizer and chat template
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     svc = start_service(ServiceConfig.from_kwargs(model=model, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
                                                   namespace=NS, policy="cumulative"))
@@ -176,6 +159,7 @@ def test_limits_and_unsupported_fields_answer_with_openai_errors(door, body, sta
     got, out = _call(f"{url}/v1/completions", body)
     assert got == status, out
     assert out["error"]["param"] == param and words in out["error"]["message"], out
+    assert isinstance(out["error"]["code"], str), out  # one type everywhere (it was the int status in most)
 
 
 def test_routes_methods_and_chat_errors(door):
@@ -209,6 +193,28 @@ def test_metrics_cover_the_service(door):
     assert kinds["raw"] > 0 and kinds["wire"] > 0
     counts = [s.value for s in fams["flame_http_e2e_seconds"].samples if s.name.endswith("_count")]
     assert counts and counts[0] >= 1
+    ok = [s.value for s in fams["flame_http_requests"].samples if s.name == "flame_http_requests_total"
+          and s.labels == {"route": "/v1/completions", "method": "POST", "status": "200"}]
+    assert ok and ok[0] >= 1  # HTTP requests by route and status, and their latency
+    assert "flame_http_request_duration_seconds" in fams
+
+
+def test_python_client_text_prompt_returns_text(door):
+    """`client.generate(["text"], ...)` on the default's tokenizer: the result carries the decoded text."""
+    from transformers import AutoTokenizer
+
+    _, svc = door
+    client = Client.for_service(svc)
+    try:
+        (r,) = client.generate(["The keeper climbed the steps"], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                               ignore_eos=True))
+        r = r if isinstance(r, dict) else r.to_dict()  # list[Result] once the typed results land
+        tok = AutoTokenizer.from_pretrained(client.model_dir)
+        assert r["error"] is None and len(r["output_token_ids"]) == 8
+        assert r["prompt_tokens"] == len(tok.encode("The keeper climbed the steps"))
+        assert isinstance(r["text"], str) and r["text"] == tok.decode(r["output_token_ids"])
+    finally:
+        client.close()
 
 
 def test_a_disconnected_client_aborts_its_requests(door):

@@ -117,6 +117,13 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     ({"prompt": [1, 2], "max_tokens": True}, "max_tokens", "field 'max_tokens' must be a number, not True"),
     ({"prompt": [1, 2], "stop_token_ids": 5}, "stop_token_ids", "field 'stop_token_ids' must be a list of token ids"),
     (["not", "an", "object"], "body", "must be a JSON object"),
+    # a token id past int64 was an HTTP 500 OverflowError (np.fromiter into int64)
+    ({"prompt": [1, 2 ** 70]}, "prompt", "token id 1180591620717411303424 at position 1 is >= vocab_size 512"),
+    ({"prompt": [[1, 2], [2 ** 64, 3]]}, "prompt", "token id 18446744073709551616 at position 0 is >= vocab_size"),
+    ({"prompt": [1, 2], "stop_token_ids": [2 ** 70]}, "stop_token_ids", "'stop_token_ids'"),
+    ({"prompt": [1, 2], "seed": 2 ** 70}, "seed", "'seed'"),
+    # OpenAI's `stop` is strings; ids have their own field, and the message says which
+    ({"prompt": [1, 2], "stop": [475]}, "stop", "(stop token ids go in stop_token_ids)"),
 ])
 def test_bad_input_answers_400_naming_the_field(server, body, param, words):
     url, *_ = server
@@ -124,6 +131,54 @@ def test_bad_input_answers_400_naming_the_field(server, body, param, words):
     assert status == 400, out
     assert out["error"]["param"] == param and words in out["error"]["message"], out
     assert out["error"]["type"] == "invalid_request_error"
+    assert isinstance(out["error"]["code"], str) and out["error"]["code"], out  # one type: OpenAI's are strings
+
+
+def test_every_error_code_is_a_string(server):
+    """HTTP errors of every kind (the server's own, a field's, a prompt's, the engine's limit, a route's) carry a
+    string `code`: it was the int status in most and a string in others."""
+    url, *_ = server
+    cases = [(f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "bad_sampling"),
+             (f"{url}/v1/completions", {"prompt": [1, 600]}, 400, "token_out_of_range"),
+             (f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 511}, 400, "context_length_exceeded"),
+             (f"{url}/v1/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model_not_found"),
+             (f"{url}/v1/completions", {"prompt": [[1, 2]] * 5}, 413, "request_too_large"),
+             (f"{url}/v1/nothing", {}, 404, "not_found"),
+             (f"{url}/v1/completions", None, 405, "method_not_allowed"),
+             (f"{url}/v1/completions", {"prompt": "text"}, 400, "invalid_request")]
+    for where, body, status, code in cases:
+        got, out = _call(where, body)
+        assert (got, out["error"]["code"]) == (status, code), (where, body, out)
+
+
+def test_metrics_count_http_requests_by_route_and_status(server):
+    url, *_ = server
+
+    def samples() -> dict:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            fams = list(text_string_to_metric_families(r.read().decode()))
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples
+                if s.name.startswith("flame_http_")}
+
+    def count(before: dict, after: dict, route: str, status: str, method: str = "POST") -> float:
+        key = ("flame_http_requests_total", (("method", method), ("route", route), ("status", status)))
+        return after.get(key, 0) - before.get(key, 0)
+
+    before = samples()
+    assert _call(f"{url}/v1/completions", {"prompt": [4, 5], "max_tokens": 2})[0] == 200
+    assert _call(f"{url}/v1/completions", {"prompt": [4, 5], "max_tokens": 0})[0] == 400
+    assert _call(f"{url}/v1/completions", {"prompt": [4, 5], "max_tokens": 0})[0] == 400
+    assert _call(f"{url}/no/such/route/{time.time()}", {})[0] == 404
+    assert _call(f"{url}/v1/models")[0] == 200
+    after = samples()
+    assert count(before, after, "/v1/completions", "200") == 1
+    assert count(before, after, "/v1/completions", "400") == 2
+    assert count(before, after, "unmatched", "404") == 1  # a made-up path adds no label value of its own
+    assert count(before, after, "/v1/models", "200", "GET") == 1
+    key = ("flame_http_request_duration_seconds_count", (("route", "/v1/completions"),))
+    assert after[key] - before.get(key, 0) == 3
+    inf = ("flame_http_request_duration_seconds_bucket", (("le", "+Inf"), ("route", "/v1/completions")))
+    assert after[inf] == after[key]
 
 
 def test_invalid_json_is_a_400_and_the_server_keeps_serving(server):
@@ -221,3 +276,54 @@ def test_a_disconnected_client_aborts_its_requests_in_the_engine(server):
         while engine.stats()["num_in_flight"]:
             assert time.monotonic() < deadline, "the engine still serves the abandoned requests"
             time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def text_server(tmp_path_factory):
+    """serve-http over the embedded default as `flame-llm serve-http --model tiny` builds it: with its tokenizer."""
+    from flame_llm.models.tiny import ensure_tiny_default
+
+    model = ensure_tiny_default(str(tmp_path_factory.mktemp("default") / "tiny-llama"))
+    engine = AsyncEngine.from_args(model, block_size=16, max_model_len=512, max_num_batched_tokens=512,
+                                   cpu_kvcache_gib=0.01)
+    url, close = _serve(EngineBackend(engine, "cpu-0"), HttpConfig(port=0))
+    yield url, model
+    close()
+    engine.shutdown()
+
+
+def test_the_default_model_speaks_text_and_chat_through_the_openai_client(text_server):
+    """The two calls OpenAI users try first: text in, text out; chat messages in, an assistant message out. The
+    default model had no tokenizer: both were a 400."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    url, model = text_server
+    tok = AutoTokenizer.from_pretrained(model)
+    oa = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in oa.models.list().data] == ["tiny-llama"]
+    out = oa.completions.create(model="tiny-llama", prompt="The keeper climbed the steps", max_tokens=8,
+                                temperature=0, extra_body={"ignore_eos": True})
+    (choice,) = out.choices
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == 8 and isinstance(choice.text, str) and choice.text
+    assert choice.text == tok.decode(ids, skip_special_tokens=True)
+    assert out.usage.prompt_tokens == len(tok.encode("The keeper climbed the steps"))
+    streamed = oa.completions.create(model="tiny-llama", prompt="The keeper climbed the steps", max_tokens=8,
+                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where is the lamp?"}]
+    chat = oa.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    reply = chat.choices[0]
+    assert reply.message.role == "assistant" and isinstance(reply.message.content, str)
+    assert reply.message.content == tok.decode(reply.model_extra["token_ids"], skip_special_tokens=True)
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = want if isinstance(want, list) else want["input_ids"]
+    assert chat.usage.prompt_tokens == len(want) and chat.usage.completion_tokens == 6
+    stop = choice.text[3:5]
+    assert len(stop) == 2
+    stopped = oa.completions.create(model="tiny-llama", prompt="The keeper climbed the steps", max_tokens=8,
+                                    temperature=0, stop=stop, extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == choice.text[:choice.text.find(stop)]  # stop strings work on the text
+    assert stopped.choices[0].finish_reason == "stop"

@@ -1,5 +1,6 @@
 """Tiny random-weight checkpoints written with transformers' save_pretrained: the embedded default
-model for the demo, and the fixtures the tests load through our real loader."""
+model for the demo (with a tokenizer and a chat template trained here: flame_llm/models/tiny_tokenizer.py), and
+the fixtures the tests load through our real loader."""
 from __future__ import annotations
 
 import os
@@ -7,13 +8,15 @@ import os
 import torch
 
 TINY_DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flame_llm", "tiny-llama")
+TINY_VOCAB_SIZE = 512  # the default model's vocabulary; its tokenizer is trained to exactly this size
 
 
 def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed: int = 0,
                     num_layers: int = 2, max_position_embeddings: int = 4096,
-                    sharded: bool = False, std: float = 0.35) -> str:
-    """Write a float32 random checkpoint. A large init spread keeps greedy outputs varied from token
-    to token (a model that repeats one token hides position and cache bugs)."""
+                    sharded: bool = False, std: float = 0.35, tokenizer: bool = False) -> str:
+    """Write a float32 random checkpoint (with `tokenizer`: and the tiny tokenizer beside it). A large init
+    spread keeps greedy outputs varied from token to token (a model that repeats one token hides position and
+    cache bugs)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
@@ -44,6 +47,10 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tiny-")
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size="100KB" if sharded else "10GB")
+    if tokenizer:
+        from flame_llm.models.tiny_tokenizer import save_tokenizer
+
+        save_tokenizer(tmp, vocab_size)
     try:
         if os.path.isdir(path) and not os.listdir(path):
             os.rmdir(path)
@@ -60,8 +67,15 @@ def resolve_model(model: str) -> str:
     return ensure_tiny_default() if model == "tiny" else model
 
 
-def ensure_tiny_default() -> str:
-    """The demo's embedded default model, created once on first use."""
-    if not os.path.isfile(os.path.join(TINY_DEFAULT_DIR, "config.json")):
-        make_tiny_model(TINY_DEFAULT_DIR, "llama")
-    return TINY_DEFAULT_DIR
+def ensure_tiny_default(path: str | None = None) -> str:
+    """The demo's embedded default model (at `path`, default TINY_DEFAULT_DIR), created once on first use; a
+    cached copy without the current tokenizer (made before it existed, or by another recipe) gets it added, the
+    weights untouched."""
+    from flame_llm.models.tiny_tokenizer import has_current_tokenizer, save_tokenizer
+
+    path = path or TINY_DEFAULT_DIR
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        make_tiny_model(path, "llama", vocab_size=TINY_VOCAB_SIZE, tokenizer=True)
+    if not has_current_tokenizer(path, TINY_VOCAB_SIZE):
+        save_tokenizer(path, TINY_VOCAB_SIZE)
+    return path

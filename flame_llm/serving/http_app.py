@@ -21,12 +21,14 @@ from aiohttp import web
 
 from flame_llm.serving import openai_api as api
 from flame_llm.serving.http_stream import collect, stream_events
+from flame_llm.serving.metrics import HttpMetrics
 from flame_llm.validate import check_bool, check_int, check_number, check_str
 
 log = logging.getLogger(__name__)
 BACKEND = web.AppKey("backend", object)
 CONFIG = web.AppKey("config", object)
 OBSERVE = web.AppKey("observe", object)
+HTTP_METRICS = web.AppKey("http_metrics", HttpMetrics)
 
 
 @dataclass(slots=True)
@@ -150,14 +152,16 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    body = await request.app[BACKEND].metrics()
+    body = await request.app[BACKEND].metrics() + request.app[HTTP_METRICS].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def build_app(backend, cfg: HttpConfig, observe=None) -> web.Application:
     """The app over `backend`. observe(name, seconds): records ttft_s and e2e_s of each HTTP request."""
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[errors])
+    http_metrics = HttpMetrics()  # outermost: it counts the status the error middleware answered with
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[http_metrics.middleware, errors])
     app[BACKEND], app[CONFIG], app[OBSERVE] = backend, cfg, observe or (lambda name, seconds: None)
+    app[HTTP_METRICS] = http_metrics
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

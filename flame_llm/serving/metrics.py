@@ -2,11 +2,18 @@
 /metrics) and as the rows `flame-llm status` prints. Per shard: queue depth, admitted and rejected requests,
 running and waiting sequences, KV cache usage, prefix hit rate, requests per batch, payload bytes (decoded vs
 on the wire), and histograms of admission wait, time to first token, time per output token and time at the
-shard; the router's decisions (sticky, new, spill, moved); a client's batches and payload bytes."""
+shard; the router's decisions (sticky, new, spill, moved); a client's batches and payload bytes; and, of each
+HTTP server, its requests by route, method and status and their latency (HttpMetrics)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+import asyncio
+import time
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from actors.metrics import LATENCY_BUCKETS_S
 
 # router counter -> decision label (sticky: the prefix's owner served it)
 DECISIONS = {"hit": "sticky", "new": "new", "spill": "spill", "moved": "moved", "round_robin": "round_robin"}
@@ -125,3 +132,43 @@ def render_engine(info: dict, engine_stats: dict, counters: dict) -> bytes:
              "prompt_tokens": engine_stats.get("prefix_query_tokens", 0),
              "cached_tokens": engine_stats.get("prefix_hit_tokens", 0), "engine": engine_stats}
     return render_service({"shards": [shard], "router": {"counters": {}, "entries": 0}})
+
+
+CLIENT_GONE = "499"  # the status label of a request whose client went away before its answer (nginx's)
+
+
+class HttpMetrics:
+    """What an HTTP server answered: `flame_http_requests_total{route, method, status}` and
+    `flame_http_request_duration_seconds{route}` (arrival to the end of the response, streams included). The route
+    is the matched route's pattern ("unmatched" otherwise), so a scan of made-up paths adds no label values."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("flame_http_requests", "HTTP requests answered, by route, method and status",
+                                ["route", "method", "status"], registry=self.registry)
+        self.latency = Histogram("flame_http_request_duration_seconds", "HTTP request arrival to its response's end",
+                                 ["route"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """The outermost middleware: it sees the status the error middleware answered with."""
+        t0 = time.perf_counter()
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        status = "500"
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        except web.HTTPException as e:
+            status = str(e.status)
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+            status = CLIENT_GONE
+            raise
+        finally:
+            self.requests.labels(route, request.method, status).inc()
+            self.latency.labels(route).observe(time.perf_counter() - t0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

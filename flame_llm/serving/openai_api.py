@@ -38,14 +38,22 @@ CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top
                            "parallel_tool_calls", "response_format"}
 
 
+# an HTTP error's `code` when nothing more specific is known: always a string, as OpenAI's are (the protocol's
+# ErrorCode values, "model_not_found", "invalid_api_key" and "context_length_exceeded" are the specific ones)
+STATUS_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+                405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large", 500: "internal_error",
+                503: "service_unavailable"}
+MAX_INT64 = (1 << 63) - 1
+
+
 class ApiError(Exception):
-    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, `code` a string."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | int | None = None) -> None:
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.code = status if code is None else code
+        self.code = str(code) if code is not None else STATUS_CODES.get(status, f"http_{status}")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -93,7 +101,7 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
     if kind == "completion":
         if "prompt" not in body:
             raise ApiError(400, "field 'prompt' is required", "prompt")
-        prompts = _completion_prompts(body["prompt"], tokenizer)
+        prompts = _completion_prompts(body["prompt"], tokenizer, engine.vocab_size)
     else:
         prompts = [_chat_prompt(body.get("messages"), tokenizer)]
     n = body.get("n", 1)
@@ -109,7 +117,7 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
         try:
             engine.check_prompt(p)
         except RequestError as e:
-            raise ApiError(400, f"field 'prompt': {e}", "prompt") from None
+            raise ApiError(400, f"field 'prompt': {e}", "prompt", code=e.code.value) from None
     stop = _stop_strings(body.get("stop"), tokenizer)
     stream, options = body.get("stream", False), body.get("stream_options")
     if stream is None:
@@ -137,7 +145,8 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
         if sp.max_tokens > room:
             raise ApiError(400, f"this model's maximum context length is {engine.max_model_len} tokens; the prompt "
                                 f"has {len(p)} tokens and {max_key} is {sp.max_tokens} ({len(p) + sp.max_tokens} in "
-                                f"all): at most {room} tokens can be generated", max_key)
+                                f"all): at most {room} tokens can be generated", max_key,
+                           code="context_length_exceeded")
         for k in range(n):
             seeded = sp if sp.seed is None or k == 0 else SamplingParams(
                 **{**_fields(sp), "seed": (sp.seed + k) % (1 << 63)})
@@ -162,7 +171,7 @@ def _sampling(m: dict, max_key: str) -> SamplingParams:
         return sampling_from_map(m)
     except RequestError as e:
         param = max_key if e.field == "max_tokens" else e.field
-        raise ApiError(400, str(e).replace("'max_tokens'", repr(max_key)), param) from None
+        raise ApiError(400, str(e).replace("'max_tokens'", repr(max_key)), param, code=e.code.value) from None
 
 
 def _short(v: object, width: int = 60) -> str:
@@ -173,20 +182,25 @@ def _short(v: object, width: int = 60) -> str:
     return s if len(s) <= width else s[:width] + "..."
 
 
-def _token_array(p: object) -> np.ndarray | None:
-    """p as an int64 array when it is a non-empty list of ints >= 0 (bools are not ints here), else None.
-    C-level passes only: an 8K-token prompt costs ~0.4 ms of the event loop's GIL, not ~1.5 ms."""
+def _token_array(p: object, vocab_size: int) -> np.ndarray | None:
+    """p as an int64 array when it is a non-empty list of ints >= 0 (bools are not ints here), else None; an id
+    past int64 is a 400 here (the vocabulary check comes later, on the array). C-level passes only: an 8K-token
+    prompt costs ~0.4 ms of the event loop's GIL, not ~1.5 ms."""
     if not isinstance(p, list) or not p or set(map(type, p)) != {int} or min(p) < 0:
         return None
+    top = max(p)
+    if top > MAX_INT64:
+        raise ApiError(400, f"field 'prompt': token id {top} at position {p.index(top)} is >= vocab_size "
+                            f"{vocab_size}", "prompt", code="token_out_of_range")
     return np.fromiter(p, dtype=np.int64, count=len(p))
 
 
-def _completion_prompts(prompt: object, tokenizer) -> list[np.ndarray]:
-    one = prompt if isinstance(prompt, str) else _token_array(prompt)
+def _completion_prompts(prompt: object, tokenizer, vocab_size: int) -> list[np.ndarray]:
+    one = prompt if isinstance(prompt, str) else _token_array(prompt, vocab_size)
     if one is not None:
         prompts = [one]
     elif isinstance(prompt, list) and prompt:
-        prompts = [p if isinstance(p, str) else _token_array(p) for p in prompt]
+        prompts = [p if isinstance(p, str) else _token_array(p, vocab_size) for p in prompt]
     else:
         prompts = [None]
     if any(p is None for p in prompts):
@@ -241,8 +255,10 @@ def _stop_strings(stop: object, tokenizer) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stops, list) and len(stops) <= MAX_STOP_STRINGS
             and all(isinstance(s, str) and s for s in stops)):
+        ids = isinstance(stops, list) and any(isinstance(s, int) and not isinstance(s, bool) for s in stops)
         raise ApiError(400, f"field 'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
-                            f"non-empty strings; got {_short(stop)}", "stop")
+                            f"non-empty strings; got {_short(stop)}"
+                            f"{' (stop token ids go in stop_token_ids)' if ids else ''}", "stop")
     if stops and tokenizer is None:
         raise ApiError(400, "field 'stop': stop strings need a tokenizer, and the model directory has none; use "
                             "stop_token_ids", "stop")
