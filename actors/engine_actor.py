@@ -51,12 +51,10 @@ class ShardOptions:
     # admission bounds; the token bound is above a shard's half of the seed reuse trace (1.06M tokens)
     max_inflight_tokens: int = 1 << 22  # prompt + max output tokens of the requests admitted
     max_inflight_requests: int = 1024  # requests admitted
-    max_queued_requests: int = 4096  # requests waiting for admission; past this one is rejected (overloaded)
+    max_queued_requests: int = 4096  # requests waiting for admission (per caller when fair); past it: overloaded
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
     zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
-    # submit_streaming: results finishing within this window of a payload's first travel with it (no wait when
-    # none of the batch's other requests is still running)
-    result_window_ms: float = 2.0
+    result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
     fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
 
     def __post_init__(self) -> None:

@@ -48,16 +48,16 @@ def one_round(args, name: str, bounds: tuple[int, int], flow_control: bool, prom
     try:
         client.generate(prompts[:4], sp)  # warm: first steps of each engine
         before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
-        retries0 = client.counters["retries"]
+        retries0 = client.counters.retries
         t0 = time.perf_counter()
         res = client.generate(prompts, sp)
         wall = time.perf_counter() - t0
         rejected = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) - before
-        errors = [r["error"] for r in res if r["error"] is not None]
+        errors = [r.error for r in res if r.error is not None]
         return {"setting": name, "bounds": list(bounds), "flow_control": flow_control, "round": rnd,
-                "wall_s": wall, "rejected": rejected, "credit_waits": client.counters["credit_waits"],
-                "retries": client.counters["retries"] - retries0, "errors": len(errors),
-                "max_attempts": max(r["timings"]["attempts"] for r in res)}
+                "wall_s": wall, "rejected": rejected, "credit_waits": client.counters.credit_waits,
+                "retries": client.counters.retries - retries0, "errors": len(errors),
+                "max_attempts": max(r.timings["attempts"] for r in res)}
     finally:
         client.close()
         svc.stop(timeout_s=10)

@@ -106,8 +106,8 @@ class FlameSystem:
             raise RuntimeError(f"flame placed shards on {placed}; the bench's shard -> device map is {s.devices}")
         self.client = make_client(cfg, self.service.router, self.service.actors)
         health = self.service.health
-        check = verify_processes(s.devices, [h["pid"] for h in health], False) if s.on_gpu else {}
-        return {"placement": placed, "health": health, "namespace": cfg.ray.namespace, **check,
+        check = verify_processes(s.devices, [h.pid for h in health], False) if s.on_gpu else {}
+        return {"placement": placed, "health": [h.to_dict() for h in health], "namespace": cfg.ray.namespace, **check,
                 "actor_check": "each actor compares torch's cuda:0 UUID with its planned UUID at start"}
 
     def run_burst(self, requests: list[TraceRequest], max_tokens: int) -> tuple[float, list[dict]]:
@@ -121,7 +121,7 @@ class FlameSystem:
         results = self._loop.run_until_complete(call)
         t_end = time.perf_counter()
         records = []
-        for req, r in zip(requests, results, strict=True):  # the client's result dicts, plus the bench's fields
+        for req, r in zip(requests, (r.to_dict() for r in results), strict=True):  # plus the bench's fields
             done_at = r["timings"].get("done_at")  # per-request completion, when the client reports it
             records.append({**r, "id": req.rid, "cached_reported": r["error"] is None,
                             "output_len": len(r["output_token_ids"]),
@@ -144,7 +144,7 @@ class FlameSystem:
         import ray
         actors = ray.get([a.stats.remote() for a in self.service.actors.values()])
         keep = ("batches", "requests", "bad_batches", "decode_s", "encode_s")
-        return {"client": dict(self.client.counters), "actors": [{k: a[k] for k in keep} for a in actors]}
+        return {"client": self.client.counters.to_dict(), "actors": [{k: a[k] for k in keep} for a in actors]}
 
     def stats(self) -> dict:
         """Router and client state, and the last burst's service-path counters (client: routing, payload

@@ -83,7 +83,7 @@ def submit(args) -> int:
     client = Client.connect(namespace)
     t0 = time.perf_counter()
     try:
-        results = client.generate(prompts, sp, use_tqdm=len(prompts) > 64)
+        results = [r.to_dict() for r in client.generate(prompts, sp, use_tqdm=len(prompts) > 64)]
     finally:
         client.close()
     elapsed = time.perf_counter() - t0
@@ -169,7 +169,7 @@ def demo(args) -> int:
         prompts = [doc + rng.integers(3, 512, size=12).tolist() for doc in docs for _ in range(4)]
         sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
-        results = client.generate(prompts, sp)
+        results = [r.to_dict() for r in client.generate(prompts, sp)]
         _print_results(results, time.perf_counter() - t0)
     finally:
         client.close()

@@ -40,6 +40,8 @@ class ClientConfig:
     restart_timeout_s: float = 300.0  # how long to wait for a dead shard to come back
     flush_formed: bool = True  # send a generate() call's batches at once (false: the three rules above only)
     flow_control: bool = True  # at most a shard's admission capacity unanswered there (false: rejections retried)
+    results_as_finished: bool = True  # each result as it finishes on its shard (false: a batch's results at once)
+    overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
 
     def __post_init__(self) -> None:
         _need("client", "max_batch_prompts", _int(self.max_batch_prompts)
@@ -53,6 +55,10 @@ class ClientConfig:
               "a number > 0", self.restart_timeout_s)
         _need("client", "flush_formed", isinstance(self.flush_formed, bool), "true or false", self.flush_formed)
         _need("client", "flow_control", isinstance(self.flow_control, bool), "true or false", self.flow_control)
+        _need("client", "results_as_finished", isinstance(self.results_as_finished, bool), "true or false",
+              self.results_as_finished)
+        _need("client", "overload_deadline_s", _num(self.overload_deadline_s) and self.overload_deadline_s >= 0,
+              "a number >= 0", self.overload_deadline_s)
 
 
 @dataclass(slots=True)
