@@ -192,15 +192,18 @@ class Client:
 
     async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None]) -> None:
         t0 = time.perf_counter()
-        p = self._prepare(prompt, sp, asyncio.get_running_loop(), self.config.overload_deadline_s)
+        p = self._prepare(prompt, sp, asyncio.get_running_loop())
         self.counters.streams += 1
         result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
         result.timings["client_s"] = time.perf_counter() - t0
         push(StreamChunk([], result))
 
-    def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop, deadline_s: float) -> Pending:
+    def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 deadline_s: float | None = None) -> Pending:
         """A request for `prompt`, checked against the shards' limits; its future already holds the error
-        result when it cannot be sent. deadline_s: its overload deadline, from now."""
+        result when it cannot be sent. deadline_s: its overload deadline, from now (None: the config's)."""
+        if deadline_s is None:
+            deadline_s = self.config.overload_deadline_s
         p = Pending(Request(next(self._ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future(),
                     deadline=time.monotonic() + deadline_s if math.isfinite(deadline_s) else math.inf)
         try:

@@ -274,17 +274,26 @@ class Dispatcher:
         is gone), the other shards serve it."""
         log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
                     shard, len(batch), type(e).__name__)
-        decisions = [(p, decide(p, self.max_retries, lost=e, shard=shard)) for p in batch if not p.future.done()]
-        for p, d in decisions:
-            if d.action is Action.FAIL:  # a request that keeps killing shards stops here
+        restarted = await self.after_loss(shard, e)
+        again = []
+        for p in batch:
+            if p.future.done():
+                continue
+            d = decide(p, self.max_retries, lost=e, shard=shard)
+            if d.action is Action.RESTART:
+                again.append(p)
+            elif restarted:  # a request that keeps killing shards stops here
                 p.future.set_result(failed_result(p, d.error))
-        await self.after_loss(shard, e)
-        await self.route_again([p for p, d in decisions if d.action is Action.RESTART])
+            else:
+                p.future.set_result(failed_result(p, self.shards.avoid[shard]))
+        await self.route_again(again)
 
-    async def after_loss(self, shard: int, e: BaseException) -> None:
-        """The shard died: wait for its restart; when it does not come back (or cannot), route around it."""
-        if not await self.shards.await_restart(shard, e):
-            self.shards.lose_shard(shard, e)
+    async def after_loss(self, shard: int, e: BaseException) -> bool:
+        """The shard died: wait for its restart (True); when it does not come back (or cannot), route around it."""
+        if await self.shards.await_restart(shard, e):
+            return True
+        self.shards.lose_shard(shard, e)
+        return False
 
     async def apply(self, shard: int, p: Pending, d: Decision, r: Result | None, lost: BaseException | None) -> None:
         """Carry out a RETRY, REROUTE or RESTART decision for one request that is then sent again by its
