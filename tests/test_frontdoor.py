@@ -298,7 +298,7 @@ def test_stream_from_python_client_first_token_and_cancel(door):
                 break
             return got
 
-        assert asyncio.run(main()) == want["output_token_ids"]
+        assert asyncio.run(main()) == want.output_token_ids
         _wait_idle(svc, 5.0)
         assert sum(ray.get(a.stats.remote())["aborted"] for a in svc.actors.values()) >= 1
     finally:
