@@ -30,7 +30,7 @@ from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, make_documents, run_
 from bench.loadgen import record as load_record
 from bench.runner import build_setup
 from bench.systems import make_system, parse_system
-from flame_llm.config import Config
+from flame_llm.config import CacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def run_system(label: str, o, cfg: LoadConfig, out_dir: str, warmup_requests: in
         startup = {"start_s": started, "first_answer_s": first_answer(replicas, cfg, t0)}
         log.info("%s: started in %.1f s, first answer at %.1f s", label, started, startup["first_answer_s"])
         docs = make_documents(cfg)
-        block = setup.engine.get("block_size", Config.__dataclass_fields__["block_size"].default)
+        block = setup.engine.get("block_size", CacheConfig().block_size)
         kv = {"kv_capacity_tokens": kv_capacity_tokens(system, block), "distinct_doc_tokens": docs.size}
         warm = dataclasses.replace(cfg, rates=(cfg.rates[0],), duration_s=max(1.0, warmup_requests / cfg.rates[0]),
                                    seed=cfg.seed + 1, kill_shard_at_s=None)
