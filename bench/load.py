@@ -164,7 +164,11 @@ def run_system(label: str, o, cfg: LoadConfig, out_dir: str, warmup_requests: in
         log.info("%s: started in %.1f s, first answer at %.1f s", label, started, startup["first_answer_s"])
         docs = make_documents(cfg)
         block = setup.engine.get("block_size", CacheConfig().block_size)
-        kv = {"kv_capacity_tokens": kv_capacity_tokens(system, block), "distinct_doc_tokens": docs.size}
+        cap = kv_capacity_tokens(system, block)
+        blocks = setup.engine.get("num_kvcache_blocks", -1)
+        if cap is None and blocks > 0:  # serve-http does not publish it; a fixed block count says it
+            cap = blocks * block * len(setup.devices)
+        kv = {"kv_capacity_tokens": cap, "distinct_doc_tokens": docs.size}
         warm = dataclasses.replace(cfg, rates=(cfg.rates[0],), duration_s=max(1.0, warmup_requests / cfg.rates[0]),
                                    seed=cfg.seed + 1, kill_shard_at_s=None)
         if warmup_requests:  # other documents (seed + 1): the measured windows' prefixes stay unseen

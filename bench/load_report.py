@@ -170,3 +170,26 @@ def write_load_report(out_dir: str, records: list[dict]) -> str:
         json.dump([{k: v for k, v in upgrade(r).items() if k != "outcomes"} for r in records], f, indent=1)
     plot_load(records, os.path.join(out_dir, "load-report.png"))
     return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.load_report DIR`: the load report again from every raw record under DIR/raw (systems run in
+    separate calls into the same --out come together here; the first named with --subject leads the ratios)."""
+    import argparse
+
+    from bench.load import load_records
+
+    p = argparse.ArgumentParser(prog="python -m bench.load_report", description=main.__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("--subject", default="flame", help="the system the capacity ratios are of")
+    a = p.parse_args(argv)
+    recs = load_records(a.out)
+    if not recs:
+        raise SystemExit(f"no load records under {a.out}/raw")
+    recs.sort(key=lambda r: r["system"] != a.subject)
+    print(write_load_report(a.out, recs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -261,3 +261,21 @@ def test_a_short_auto_search_with_answer_lengths_and_zipf_documents_reports_what
     md = open(os.path.join(out, "load-report.md")).read()
     assert md == render([rec]) and "uniform:2-12" in md and "Zipf s=1.5" in md and "startup:" in md
     assert ("**No offered rate saturated engine**" in md) != rec["saturation"]["saturated"]
+
+
+def test_the_report_is_rendered_again_from_raw_records_of_separate_calls(tmp_path):
+    from bench import load_report
+
+    cfg = LoadConfig(rates=(2.0,), duration_s=10.0)
+    outs = [Outcome(0.5 * k, 0, 0, ttft_s=0.1, e2e_s=0.3, chunk_s=[0.1, 0.3], output_tokens=2, status=200,
+                    max_tokens=2) for k in range(20)]
+    os.makedirs(tmp_path / "raw")
+    for name in ("engine", "flame"):  # two calls into one --out: the subject leads, not the file order
+        with open(tmp_path / "raw" / f"load-{name}.json", "w") as f:
+            json.dump(record(name, cfg, [summarize(outs, 2.0, cfg)], [outs], {}), f)
+    assert load_report.main([str(tmp_path)]) == 0
+    md = open(tmp_path / "load-report.md").read()
+    assert md == render(load_records(str(tmp_path))[::-1]) and md.index("## flame") < md.index("## engine")
+    assert "| flame / engine | n/a: flame and engine did not saturate |" in md
+    with pytest.raises(SystemExit, match="no load records"):
+        load_report.main([str(tmp_path / "nothing")])
