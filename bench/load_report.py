@@ -18,8 +18,9 @@ def _config(c: dict) -> LoadConfig:
 
 
 def upgrade(rec: dict) -> dict:
-    """A /1 record (before saturation and stall figures) with its windows recomputed from its outcomes."""
-    if rec["format"] == LOAD_FORMAT:
+    """A record written before the saturation figures (format /1, or /2 without `served_rps`) with its windows'
+    figures recomputed from its outcomes (what else a window holds, stalls and kills, stays)."""
+    if rec["format"] == LOAD_FORMAT and all("served_rps" in w for w in rec["windows"]):
         return rec
     cfg = _config(rec["config"])
     fields = Outcome.__dataclass_fields__
@@ -35,11 +36,11 @@ def saturation_line(rec: dict) -> str:
     s, frac = rec["saturation"], rec["config"].get("sat_fraction", 0.95)
     if not s["saturated"]:
         return (f"**No offered rate saturated {rec['system']}**: in every window completions kept up with arrivals "
-                f"(achieved >= {frac:.0%} of the arrival rate), up to {s['max_offered_rps']:.2f} req/s offered "
+                f"(served >= {frac:.0%} of the arrival rate), up to {s['max_offered_rps']:.2f} req/s offered "
                 f"(highest achieved {s['max_achieved_rps']:.3f} req/s). Its capacity is above "
                 f"{s['max_offered_rps']:.2f} req/s; this series does not measure it.")
     kept = s["max_unsaturated_offered_rps"]
-    return (f"**Saturated at {s['knee_offered_rps']:.2f} req/s offered** (achieved < {frac:.0%} of arrivals); "
+    return (f"**Saturated at {s['knee_offered_rps']:.2f} req/s offered** (served < {frac:.0%} of arrivals); "
             + (f"highest offered rate it kept up with: {kept:.2f} req/s; " if kept is not None else
                "it fell behind at every offered rate; ")
             + f"capacity {s['saturation_rps']:.3f} req/s (highest achieved throughput of a saturated window).")
@@ -116,17 +117,21 @@ def render(records: list[dict]) -> str:
     lines = [f"# Sustained load: document-QA Poisson stream, {cfg['doc_tokens']}-token documents x "
              f"{cfg['num_docs']}, {cfg['question_tokens']}-token questions, {lens.spec()} output tokens; "
              f"{cfg['duration_s']:.0f} s per rate; SLO TTFT <= {cfg['slo_ttft_s']} s and TPOT <= "
-             f"{cfg['slo_tpot_s'] * 1000:.0f} ms", ""]
+             f"{cfg['slo_tpot_s'] * 1000:.0f} ms", "",
+             "`served`: completions over the window shifted by their median latency (a system that keeps up serves "
+             "its arrivals in the window's length); `achieved`: completions over the whole span, to the last one. "
+             f"A window is saturated when served < {cfg.get('sat_fraction', 0.95):.0%} of its arrivals.", ""]
     for rec in records:
         lines += [f"## {rec['system']}", "", saturation_line(rec), ""]
         lines += [f"- {x}" for x in _workload(rec)] + ([""] if _workload(rec) else [])
-        lines += ["| offered req/s | arrivals req/s | achieved req/s | saturated | goodput req/s | SLO met % | "
-                  "rejected | failed | TTFT p50 / p90 / p99 (s) | TPOT p50 / p99 (ms) | ITL p99 (ms) | "
+        lines += ["| offered req/s | arrivals req/s | served req/s | achieved req/s | saturated | goodput req/s | "
+                  "SLO met % | rejected | failed | TTFT p50 / p90 / p99 (s) | TPOT p50 / p99 (ms) | ITL p99 (ms) | "
                   "e2e p50 / p99 (s) | JIT compiles / engine GC > 10 ms / client GC > 10 ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w in sorted(rec["windows"], key=lambda w: w["offered_rps"]):
             t, p, i, e = w["ttft_s"], w["tpot_s"], w["itl_s"], w["e2e_s"]
-            lines.append(f"| {w['offered_rps']:.2f} | {w['arrival_rps']:.3f} | {w['achieved_rps']:.3f} | "
+            lines.append(f"| {w['offered_rps']:.2f} | {w['arrival_rps']:.3f} | {w['served_rps']:.3f} | "
+                         f"{w['achieved_rps']:.3f} | "
                          f"{'yes' if w['saturated'] else 'no'} | {w['goodput_rps']:.3f} | {w['slo_met_pct']:.1f} | "
                          f"{w['rejected']} | {w['failed']} | {_trio(t)} | {_ms(p, 'p50')} / {_ms(p, 'p99')} | "
                          f"{_ms(i, 'p99')} | {_pair(e)} | {_stalls(w)} |")

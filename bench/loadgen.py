@@ -9,9 +9,10 @@ window closes; requests still running are awaited (bounded by `drain_s`) and cou
 
 Per rate: offered and achieved throughput, TTFT / TPOT / ITL / end-to-end percentiles, rejected and failed
 requests, and goodput: completed requests per second that met the SLO (TTFT and TPOT bounds). A window is
-saturated when its completions fall behind its arrivals (achieved < sat_fraction x the arrival rate it really
-drew); a series that has no saturated window says so (`saturation`). The stream's workload options (answer
-length distribution, Zipf-skewed documents) are in bench/load_workloads.py."""
+saturated when its completions fall behind its arrivals: served < sat_fraction x the arrival rate it really
+drew, where served counts completions over the window shifted by their median latency. A series without a
+saturated window says so (`saturation`). The stream's workload options (answer length distribution, Zipf-skewed
+documents) are in bench/load_workloads.py."""
 from __future__ import annotations
 
 import asyncio
@@ -50,7 +51,7 @@ class LoadConfig:
     policy: str = "cumulative"  # placement over several replicas ("round_robin": the affinity A/B)
     output_len: str = ""  # answer lengths: "" (output_tokens each), N, uniform:LO-HI or lognormal:LO-HI
     doc_zipf: float = 0.0  # document popularity: 0 uniform, S > 0 Zipf with exponent S (hot prefixes)
-    sat_fraction: float = 0.95  # a window is saturated when achieved < this x its arrival rate
+    sat_fraction: float = 0.95  # a window is saturated when served < this x its arrival rate (summarize)
     slo_target_pct: float = 90.0  # the auto search's latency bound: at least this % of requests meet the SLO
     kill_shard_at_s: float | None = None  # flame: kill one engine actor this many seconds into each window
 
@@ -207,10 +208,14 @@ def summarize(outcomes: list[Outcome], rate: float, cfg: LoadConfig) -> dict:
     rejected = [o for o in outcomes if o.status in (413, 429, 503)]
     arrival = len(outcomes) / cfg.duration_s  # the rate the Poisson draw really offered in this window
     achieved = len(ok) / span
+    # completions over the window shifted by the median latency: a system that keeps up serves its arrivals in
+    # the window's length, however long each request takes; one that falls behind needs longer (its backlog)
+    e2e_p50 = float(np.percentile([o.e2e_s for o in ok], 50)) if ok else 0.0
+    served = len(ok) / max(cfg.duration_s, span - e2e_p50)
     return {"offered_rps": rate, "sent": len(outcomes), "completed": len(ok), "rejected": len(rejected),
             "failed": len(outcomes) - len(ok) - len(rejected), "window_s": cfg.duration_s, "span_s": span,
-            "arrival_rps": arrival, "achieved_rps": achieved,
-            "saturated": bool(outcomes) and achieved < cfg.sat_fraction * arrival,
+            "arrival_rps": arrival, "achieved_rps": achieved, "served_rps": served,
+            "saturated": bool(outcomes) and served < cfg.sat_fraction * arrival,
             "output_tok_s": sum(o.output_tokens for o in ok) / span,
             "goodput_rps": len(good) / span, "slo_met_pct": 100.0 * len(good) / len(outcomes) if outcomes else 0.0,
             "ttft_s": percentiles([o.ttft_s for o in ok]), "tpot_s": percentiles(tpot), "itl_s": percentiles(itl),

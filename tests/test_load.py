@@ -43,6 +43,21 @@ def test_window_figures_come_from_the_outcomes():
     assert w["arrival_rps"] == pytest.approx(0.5) and w["saturated"]  # 3 of 5 completed: behind its arrivals
 
 
+def test_a_window_is_saturated_when_its_backlog_grows_not_when_its_requests_are_long():
+    """A short window whose requests each take long (the CPU case: 8 s windows, 1.4 s answers) keeps up: its
+    completions over the span fall below 95% of arrivals only because the last answers end after the window.
+    A server that finishes one request a second under two arrivals a second falls behind."""
+    cfg = LoadConfig(rates=(2.0,), duration_s=8.0)
+    long = [Outcome(0.5 * k, 0, 0, ttft_s=0.1, e2e_s=1.4, chunk_s=[0.1, 1.4], output_tokens=2) for k in range(16)]
+    w = summarize(long, 2.0, cfg)
+    assert w["achieved_rps"] < 0.95 * w["arrival_rps"] and w["served_rps"] == pytest.approx(2.0)
+    assert not w["saturated"]
+    behind = [Outcome(0.5 * k, 0, 0, ttft_s=0.1, e2e_s=1.0 + k * 0.5, chunk_s=[0.1, 1.0 + k * 0.5], output_tokens=2)
+              for k in range(16)]  # done at 1, 2, 3, ... s: one a second
+    w = summarize(behind, 2.0, cfg)
+    assert w["served_rps"] < 0.95 * w["arrival_rps"] and w["saturated"]
+
+
 def _window(offered: float, sent: int, completed: int, span: float, slo_pct: float = 100.0) -> dict:
     return {"offered_rps": offered, "arrival_rps": sent / 10.0, "achieved_rps": completed / span,
             "saturated": completed / span < 0.95 * sent / 10.0, "slo_met_pct": slo_pct}
