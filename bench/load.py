@@ -25,7 +25,14 @@ import numpy as np
 
 from bench.http_client import SERVED_MODEL_NAME
 from bench.load_report import LOAD_FORMATS, render, upgrade, write_load_report  # noqa: F401 - re-exported
-from bench.load_stalls import GcWatch, kv_capacity_tokens, stall_counters, window_stalls
+from bench.load_stalls import (
+    GcWatch,
+    cache_counters,
+    kv_capacity_tokens,
+    stall_counters,
+    window_cache,
+    window_stalls,
+)
 from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, make_documents, run_rate, stream_one, summarize
 from bench.loadgen import record as load_record
 from bench.runner import build_setup
@@ -133,11 +140,12 @@ def run_window(system, replicas, cfg: LoadConfig, rate: float, docs, revision: s
         def fire() -> None:
             kill.update(kill_shard(system))
         event = (cfg.kill_shard_at_s, fire, kill)
-    before = stall_counters(system)
+    before, cache = stall_counters(system), cache_counters(system)
     with GcWatch() as gcw:
         got = asyncio.run(run_rate(replicas, cfg, rate, docs, revision, window_seed=k, event=event))
     w = summarize(got, rate, cfg)
     w["stalls"] = window_stalls(before, stall_counters(system), gcw.figures())
+    w["cache"] = window_cache(cache, cache_counters(system))
     if event is not None:
         from bench.load_workloads import kill_effect
         w["kill"] = kill_effect(got, kill)

@@ -21,7 +21,8 @@ def upgrade(rec: dict) -> dict:
     """A record written before the saturation figures (format /1, or /2 without `served_rps`) with its windows'
     figures recomputed from its outcomes (what else a window holds, stalls and kills, stays)."""
     if rec["format"] == LOAD_FORMAT and all("served_rps" in w for w in rec["windows"]):
-        return rec
+        sat = saturation(rec["windows"])  # derived from the windows: always by the rule of this code
+        return {**rec, "saturation": sat, "saturation_rps": sat["saturation_rps"]}
     cfg = _config(rec["config"])
     fields = Outcome.__dataclass_fields__
     windows = [{**w, **summarize([Outcome(**{k: v for k, v in o.items() if k in fields}) for o in raw],
@@ -34,16 +35,19 @@ def upgrade(rec: dict) -> dict:
 def saturation_line(rec: dict) -> str:
     """One sentence: where the system saturated, or plainly that no offered rate did."""
     s, frac = rec["saturation"], rec["config"].get("sat_fraction", 0.95)
+    odd = s.get("anomalies") or []
+    note = (f" Windows at {', '.join(f'{r:.2f}' for r in odd)} req/s fell behind although a higher rate kept up: "
+            "a stall or noise, not capacity." if odd else "")
     if not s["saturated"]:
-        return (f"**No offered rate saturated {rec['system']}**: in every window completions kept up with arrivals "
-                f"(served >= {frac:.0%} of the arrival rate), up to {s['max_offered_rps']:.2f} req/s offered "
+        return (f"**No offered rate saturated {rec['system']}**: completions kept up with arrivals (served >= "
+                f"{frac:.0%} of the arrival rate) at the highest rate offered, {s['max_offered_rps']:.2f} req/s "
                 f"(highest achieved {s['max_achieved_rps']:.3f} req/s). Its capacity is above "
-                f"{s['max_offered_rps']:.2f} req/s; this series does not measure it.")
+                f"{s['max_offered_rps']:.2f} req/s; this series does not measure it." + note)
     kept = s["max_unsaturated_offered_rps"]
     return (f"**Saturated at {s['knee_offered_rps']:.2f} req/s offered** (served < {frac:.0%} of arrivals); "
             + (f"highest offered rate it kept up with: {kept:.2f} req/s; " if kept is not None else
                "it fell behind at every offered rate; ")
-            + f"capacity {s['saturation_rps']:.3f} req/s (highest achieved throughput of a saturated window).")
+            + f"capacity {s['saturation_rps']:.3f} req/s (highest achieved throughput of a saturated window)." + note)
 
 
 def _workload(rec: dict) -> list[str]:
@@ -95,6 +99,14 @@ def _stalls(w: dict) -> str:
             + (f" (max {1e3 * c['gc_pause_max_s']:.0f} ms)" if c["gc_pauses_over_10ms"] else ""))
 
 
+def _cache(w: dict) -> str:
+    c = w.get("cache")
+    if not c or c.get("hit_rate") is None:
+        return "n/a"
+    ev = f" ({c['evictions']:.0f})" if c.get("evictions") is not None else ""
+    return f"{100 * c['hit_rate']:.1f}{ev}"
+
+
 def _kill(w: dict) -> str:
     k = w["kill"]
     if not k.get("fired"):
@@ -104,6 +116,8 @@ def _kill(w: dict) -> str:
     return (f"at {w['offered_rps']:.2f} req/s: shard {k['shard']} killed {k['at_s']:.2f} s into the window, {rec}; "
             f"{k['in_flight']} requests in flight at the kill, {k['failed']} of them failed{gap}; "
             f"{k['failed_after']} of {k['sent_after']} sent after the kill failed"
+            + (f"; the {k['sent_during_restart']} sent during the restart got their first token after at most "
+               f"{k['ttft_max_during_restart_s']:.2f} s" if k.get("ttft_max_during_restart_s") is not None else "")
             + (f" ({'; '.join(k['errors'])})" if k.get("errors") else ""))
 
 
@@ -126,15 +140,16 @@ def render(records: list[dict]) -> str:
         lines += [f"- {x}" for x in _workload(rec)] + ([""] if _workload(rec) else [])
         lines += ["| offered req/s | arrivals req/s | served req/s | achieved req/s | saturated | goodput req/s | "
                   "SLO met % | rejected | failed | TTFT p50 / p90 / p99 (s) | TPOT p50 / p99 (ms) | ITL p99 (ms) | "
-                  "e2e p50 / p99 (s) | JIT compiles / engine GC > 10 ms / client GC > 10 ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "e2e p50 / p99 (s) | prefix hit % (evictions) | "
+                  "JIT compiles / engine GC > 10 ms / client GC > 10 ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w in sorted(rec["windows"], key=lambda w: w["offered_rps"]):
             t, p, i, e = w["ttft_s"], w["tpot_s"], w["itl_s"], w["e2e_s"]
             lines.append(f"| {w['offered_rps']:.2f} | {w['arrival_rps']:.3f} | {w['served_rps']:.3f} | "
                          f"{w['achieved_rps']:.3f} | "
                          f"{'yes' if w['saturated'] else 'no'} | {w['goodput_rps']:.3f} | {w['slo_met_pct']:.1f} | "
                          f"{w['rejected']} | {w['failed']} | {_trio(t)} | {_ms(p, 'p50')} / {_ms(p, 'p99')} | "
-                         f"{_ms(i, 'p99')} | {_pair(e)} | {_stalls(w)} |")
+                         f"{_ms(i, 'p99')} | {_pair(e)} | {_cache(w)} | {_stalls(w)} |")
         kills = [_kill(w) for w in rec["windows"] if "kill" in w]
         lines += ([""] + [f"- shard kill {x}" for x in kills]) if kills else []
         lines.append("")

@@ -142,3 +142,46 @@ def kv_capacity_tokens(system, block_size: int) -> int | None:
     except Exception as e:  # noqa: BLE001 - unknown, the report says so
         log.warning("could not read the KV capacity: %s", e)
     return None  # serve-http does not publish its block count
+
+
+# prefix-cache counters around a window: flame's engine stats keys, and the /metrics samples (less `_total`) of
+# serve-http (its shard-metric names) and vLLM (v1 names), summed over replicas
+CACHE_METRICS = {"engine": {"prefix_hit_tokens": "flame_shard_cached_tokens",
+                            "prefix_query_tokens": "flame_shard_prompt_tokens"},
+                 "vllm": {"prefix_hit_tokens": "vllm:prefix_cache_hits",
+                          "prefix_query_tokens": "vllm:prefix_cache_queries"}}
+
+
+def cache_counters(system) -> dict | None:
+    """Prompt tokens looked up in the prefix cache, those found, and (flame) cached blocks evicted, over every
+    engine of the system so far; None when they cannot be read."""
+    kind = system.system.kind
+    try:
+        if kind == "flame":
+            stats = engine_stats(system) or []
+            return {k: sum(int(s.get(k, 0)) for s in stats)
+                    for k in ("prefix_hit_tokens", "prefix_query_tokens", "evictions")}
+        names = CACHE_METRICS.get(kind)
+        if names is None:
+            return None
+        out = {k: 0.0 for k in names}
+        for r in system.http_replicas():
+            for line in _get(f"{r.url}/metrics").splitlines():
+                m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+                if m:
+                    for key, name in names.items():
+                        if m.group(1).removesuffix("_total") == name:
+                            out[key] += float(m.group(3))
+        return out
+    except Exception as e:  # noqa: BLE001 - the figures are n/a, the window stands
+        log.warning("could not read the prefix-cache counters: %s", e)
+        return None
+
+
+def window_cache(before: dict | None, after: dict | None) -> dict | None:
+    """The window's prefix-cache figures: tokens looked up and found, hit rate, evictions (None: unknown)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in after if k in before}
+    q = d.get("prefix_query_tokens", 0)
+    return {**d, "hit_rate": d.get("prefix_hit_tokens", 0) / q if q else None}

@@ -99,7 +99,10 @@ def kill_effect(outcomes: list, kill: dict) -> dict:
     hit = [o for o in outcomes if o.sent_s <= at < end(o)]
     gaps = [max((b - a for a, b in zip([0.0, *o.chunk_s], o.chunk_s)), default=0.0) for o in hit if o.error is None]
     after = [o for o in outcomes if o.sent_s > at]
+    back = at + kill["recovery_s"] if kill.get("recovery_s") is not None else float("inf")
+    during = [o.ttft_s for o in outcomes if at < o.sent_s <= back and o.ttft_s is not None]
     return {**kill, "fired": True, "in_flight": len(hit), "failed": sum(o.error is not None for o in hit),
             "errors": sorted({o.error for o in hit if o.error})[:3],
             "max_gap_s": max(gaps, default=None), "sent_after": len(after),
-            "failed_after": sum(o.error is not None for o in after)}
+            "failed_after": sum(o.error is not None for o in after),
+            "sent_during_restart": len(during), "ttft_max_during_restart_s": max(during, default=None)}

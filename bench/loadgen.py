@@ -234,19 +234,23 @@ def percentiles(xs: list[float]) -> dict:
 
 
 def saturation(windows: list[dict]) -> dict:
-    """Where the series saturated, if it did: the lowest offered rate whose window fell behind its arrivals
-    (`knee_offered_rps`, None when none did), the highest offered rate it kept up with, and the highest
-    achieved throughput of any window. `saturation_rps` (the system's capacity) is the highest achieved
-    throughput of a saturated window, and None when no window saturated: the capacity is then above the highest
-    offered rate, not the highest achieved one."""
+    """Where the series saturated, if it did: the knee is the lowest offered rate from which every window (it
+    and all higher ones) fell behind its arrivals (`knee_offered_rps`, None when the highest did not); a
+    saturated window below a rate the system kept up with is listed apart (`anomalies`: a stall or noise, not
+    capacity). `saturation_rps` (the system's capacity) is the highest achieved throughput of a window at or
+    past the knee, and None when there is no knee: the capacity is then above the highest offered rate, not the
+    highest achieved throughput."""
     ws = sorted(windows, key=lambda w: w["offered_rps"])
-    sat = [w for w in ws if w["saturated"]]
-    kept = [w for w in ws if not w["saturated"]]
-    return {"saturated": bool(sat), "knee_offered_rps": sat[0]["offered_rps"] if sat else None,
-            "max_unsaturated_offered_rps": max((w["offered_rps"] for w in kept), default=None),
-            "max_offered_rps": max((w["offered_rps"] for w in ws), default=None),
+    k = len(ws)
+    while k > 0 and ws[k - 1]["saturated"]:
+        k -= 1
+    past = ws[k:]
+    return {"saturated": bool(past), "knee_offered_rps": past[0]["offered_rps"] if past else None,
+            "max_unsaturated_offered_rps": ws[k - 1]["offered_rps"] if k > 0 else None,
+            "max_offered_rps": ws[-1]["offered_rps"] if ws else None,
             "max_achieved_rps": max((w["achieved_rps"] for w in ws), default=0.0),
-            "saturation_rps": max(w["achieved_rps"] for w in sat) if sat else None}
+            "saturation_rps": max(w["achieved_rps"] for w in past) if past else None,
+            "anomalies": [w["offered_rps"] for w in ws[:k] if w["saturated"]]}
 
 
 def record(system: str, cfg: LoadConfig, windows: list[dict], outcomes: list[list[Outcome]], info: dict) -> dict:

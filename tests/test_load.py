@@ -12,7 +12,7 @@ import pytest
 from bench import cli
 from bench.load import AutoSearch, load_records, next_rate, render
 from bench.load_report import saturation_line, upgrade
-from bench.load_stalls import GcWatch, merge, parse_metrics, window_stalls
+from bench.load_stalls import GcWatch, merge, parse_metrics, window_cache, window_stalls
 from bench.load_workloads import OutputLen, doc_weights, draw_doc, hot_share, kill_effect
 from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, arrivals, percentiles, record, saturation, summarize
 
@@ -90,6 +90,14 @@ def test_the_report_names_the_knee_when_a_rate_saturated():
     assert "capacity 5.000 req/s" in line
     every = saturation_line(_series([_window(2.0, 20, 10, 12.0)]))
     assert "fell behind at every offered rate" in every
+    # a window that fell behind below a rate that kept up is not the knee (the CPU hot-prefix run's flame-rr)
+    odd = [_window(4.0, 40, 30, 10.5), _window(8.0, 80, 80, 10.0)]
+    s = saturation(odd)
+    assert not s["saturated"] and s["knee_offered_rps"] is None and s["anomalies"] == [4.0]
+    line = saturation_line(_series(odd))
+    assert line.startswith("**No offered rate saturated flame**") and "Windows at 4.00 req/s fell behind" in line
+    s = saturation(odd + [_window(16.0, 160, 90, 12.0)])
+    assert s["knee_offered_rps"] == 16.0 and s["max_unsaturated_offered_rps"] == 8.0 and s["anomalies"] == [4.0]
 
 
 def test_the_capacity_ratio_is_only_given_between_saturated_systems():
@@ -168,6 +176,7 @@ def test_the_shard_kill_effect_is_read_from_the_outcomes():
     k = kill_effect(outs, {"at_s": 1.0, "shard": 0, "restarted": True, "recovery_s": 3.0})
     assert (k["in_flight"], k["failed"], k["sent_after"], k["failed_after"]) == (2, 1, 1, 0)
     assert k["max_gap_s"] == pytest.approx(1.8) and k["errors"] == ["shard_died: gone"]
+    assert k["sent_during_restart"] == 1 and k["ttft_max_during_restart_s"] == pytest.approx(0.2)
     assert kill_effect(outs, {"shard": 0})["fired"] is False
     with pytest.raises(ValueError, match="kill_shard_at_s"):
         LoadConfig(duration_s=10.0, kill_shard_at_s=10.0)
@@ -187,6 +196,10 @@ def test_stall_figures_read_around_a_window():
     assert st["engine"] == {"jit_compiles": 2, "attention_jit_compiles": None, "gc_pauses_over_10ms": 1,
                             "gc_pause_max_s": 0.05}
     assert window_stalls(None, None, {})["engine"]["jit_compiles"] is None  # a system without counters: n/a
+    assert window_cache({"prefix_hit_tokens": 10, "prefix_query_tokens": 100, "evictions": 2},
+                        {"prefix_hit_tokens": 70, "prefix_query_tokens": 300, "evictions": 5}) == {
+        "prefix_hit_tokens": 60, "prefix_query_tokens": 200, "evictions": 3, "hit_rate": 0.3}
+    assert window_cache(None, {"prefix_hit_tokens": 1}) is None
     junk = [[{} for _ in range(50)] for _ in range(20000)]
     with GcWatch(threshold_s=0.0) as w:
         gc.collect()
