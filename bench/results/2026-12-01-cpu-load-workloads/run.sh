@@ -8,5 +8,5 @@ run() { name=$1; shift; RAY_ADDRESS= python3 -m bench.cli bench --mode load $COM
 run answer-lengths --systems flame,engine --docs 8 --rates 1,2 --duration-s 8 --output-len lognormal:16-1024 --engine-json '{"cpu_kvcache_gib": 0.25}'
 run hot-prefixes --systems flame,flame-rr,engine --docs 32 --rates 4,8 --duration-s 8 --output-tokens 16 --doc-zipf 1.2 --engine-json '{"cpu_kvcache_gib": 0.25}'
 run eviction --systems flame,engine --docs 64 --rates 4 --duration-s 8 --output-tokens 16 --engine-json '{"num_kvcache_blocks": 24}'
-run shard-kill --systems flame --docs 8 --rates 4 --duration-s 12 --output-tokens 32 --kill-shard-at 3 --engine-json '{"cpu_kvcache_gib": 0.25}'
+run shard-kill --systems flame --docs 8 --rates 8 --duration-s 12 --output-tokens 256 --kill-shard-at 2 --engine-json '{"cpu_kvcache_gib": 0.25}'
 run startup --systems flame,engine --docs 4 --rates 1 --duration-s 2 --output-tokens 4 --engine-json '{"cpu_kvcache_gib": 0.25}'
