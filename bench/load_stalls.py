@@ -116,7 +116,7 @@ def window_stalls(before: dict | None, after: dict | None, client: dict) -> dict
     eng: dict = {}
     for k in COUNT_KEYS:
         b, a = (before or {}).get(k), (after or {}).get(k)
-        eng[k] = a - b if a is not None and b is not None else None
+        eng[k] = a - b if a is not None and b is not None and a >= b else None  # a < b: a restart reset it
     b, a = (before or {}).get("gc_pause_max_s"), (after or {}).get("gc_pause_max_s")
     # the engines' longest pause so far: it happened in this window only when it grew
     eng["gc_pause_max_s"] = a if a is not None and b is not None and a > b else (0.0 if a is not None else None)
@@ -183,5 +183,7 @@ def window_cache(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     d = {k: after[k] - before[k] for k in after if k in before}
+    if any(v < 0 for v in d.values()):  # an engine restarted in the window: its counters began again
+        return None
     q = d.get("prefix_query_tokens", 0)
     return {**d, "hit_rate": d.get("prefix_hit_tokens", 0) / q if q else None}

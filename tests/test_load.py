@@ -200,6 +200,8 @@ def test_stall_figures_read_around_a_window():
                         {"prefix_hit_tokens": 70, "prefix_query_tokens": 300, "evictions": 5}) == {
         "prefix_hit_tokens": 60, "prefix_query_tokens": 200, "evictions": 3, "hit_rate": 0.3}
     assert window_cache(None, {"prefix_hit_tokens": 1}) is None
+    assert window_cache({"prefix_hit_tokens": 9}, {"prefix_hit_tokens": 1}) is None  # restarted: unknown, not < 0
+    assert window_stalls({"jit_compiles": 4}, {"jit_compiles": 1}, {})["engine"]["jit_compiles"] is None
     junk = [[{} for _ in range(50)] for _ in range(20000)]
     with GcWatch(threshold_s=0.0) as w:
         gc.collect()
