@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from bench.http_client import SERVED_MODEL_NAME
-from bench.load_report import LOAD_FORMATS, render, upgrade, write_load_report  # noqa: F401 - re-exported
+from bench.load_report import LOAD_FORMATS, load_records, render, write_load_report  # noqa: F401 - re-exported
 from bench.load_stalls import (
     GcWatch,
     cache_counters,
@@ -209,18 +209,6 @@ def run_system(label: str, o, cfg: LoadConfig, out_dir: str, warmup_requests: in
     with open(os.path.join(out_dir, "raw", f"load-{label}.json"), "w") as f:
         json.dump(rec, f)
     return rec
-
-
-def load_records(out_dir: str) -> list[dict]:
-    raw = os.path.join(out_dir, "raw")
-    recs = []
-    for name in sorted(os.listdir(raw)) if os.path.isdir(raw) else []:
-        if name.startswith("load-") and name.endswith(".json"):
-            with open(os.path.join(raw, name)) as f:
-                rec = json.load(f)
-            if rec.get("format") in LOAD_FORMATS:
-                recs.append(upgrade(rec))
-    return recs
 
 
 _L = LoadConfig()

@@ -192,12 +192,23 @@ def write_load_report(out_dir: str, records: list[dict]) -> str:
     return md
 
 
+def load_records(out_dir: str) -> list[dict]:
+    """Every load record under out_dir/raw (load-*.json), upgraded to this code's figures."""
+    raw = os.path.join(out_dir, "raw")
+    recs = []
+    for name in sorted(os.listdir(raw)) if os.path.isdir(raw) else []:
+        if name.startswith("load-") and name.endswith(".json"):
+            with open(os.path.join(raw, name)) as f:
+                rec = json.load(f)
+            if rec.get("format") in LOAD_FORMATS:
+                recs.append(upgrade(rec))
+    return recs
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.load_report DIR`: the load report again from every raw record under DIR/raw (systems run in
     separate calls into the same --out come together here; the first named with --subject leads the ratios)."""
     import argparse
-
-    from bench.load import load_records
 
     p = argparse.ArgumentParser(prog="python -m bench.load_report", description=main.__doc__.split("\n")[0])
     p.add_argument("out")

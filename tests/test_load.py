@@ -245,9 +245,11 @@ def test_load_mode_against_the_front_door_and_the_engine_server(tmp_path):
         assert [w["offered_rps"] for w in rec["windows"]] == [2.0, 6.0]
         for window, raw in zip(rec["windows"], rec["outcomes"]):
             outs = [Outcome(**o) for o in raw]
-            figures = {k: v for k, v in window.items() if k != "stalls"}
+            figures = {k: v for k, v in window.items() if k not in ("stalls", "cache")}
             assert figures == json.loads(json.dumps(summarize(outs, window["offered_rps"], cfg)))  # the raw says so
             jit = window["stalls"]["engine"]["attention_jit_compiles"]  # serve-http: n/a until /metrics has it
+            cache = window["cache"]  # prompt tokens looked up over the window: every request's, on any engine
+            assert cache["prefix_query_tokens"] >= sum(104 for _ in outs) and 0 <= cache["hit_rate"] <= 1
             assert jit == 0 if rec["system"] == "flame" else jit in (None, 0)
             assert window["completed"] == len(outs) > 0 and window["failed"] == window["rejected"] == 0
             assert all(o.output_tokens == 4 for o in outs)
@@ -279,7 +281,7 @@ def test_a_short_auto_search_with_answer_lengths_and_zipf_documents_reports_what
     docs = []
     for window, raw in zip(rec["windows"], rec["outcomes"]):
         outs = [Outcome(**o) for o in raw]
-        w = {k: v for k, v in window.items() if k != "stalls"}
+        w = {k: v for k, v in window.items() if k not in ("stalls", "cache")}
         assert w == json.loads(json.dumps(summarize(outs, window["offered_rps"], cfg)))
         assert window["completed"] == len(outs) > 0 and window["short_answers"] == 0
         assert all(2 <= o.max_tokens <= 12 and o.output_tokens == o.max_tokens for o in outs)
