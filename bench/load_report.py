@@ -107,6 +107,23 @@ def _cache(w: dict) -> str:
     return f"{100 * c['hit_rate']:.1f}{ev}"
 
 
+def _pauses(rec: dict) -> list[str]:
+    """Per window, the pauses of >= 0.5 s that several streams sat through together (bench/load_stalls.py)."""
+    from bench.load_stalls import shared_pauses
+
+    fields = Outcome.__dataclass_fields__
+    out = []
+    for w, raw in sorted(zip(rec["windows"], rec.get("outcomes") or []), key=lambda x: x[0]["offered_rps"]):
+        ps = shared_pauses([Outcome(**{k: v for k, v in o.items() if k in fields}) for o in raw])
+        if ps:
+            out.append(f"- at {w['offered_rps']:.2f} req/s, {len(ps)} wait(s) of >= 0.5 s for a token that several "
+                       "streams sat through together, ending at the same engine step (a slow step, or a queue of "
+                       "prefills before a first token): "
+                       + ", ".join(f"ending {p['end_s']:.2f} s, {p['streams']} streams waited >= {p['pause_s']:.2f} s"
+                                   for p in ps))
+    return ([""] + out) if out else []
+
+
 def _kill(w: dict) -> str:
     k = w["kill"]
     if not k.get("fired"):
@@ -150,6 +167,7 @@ def render(records: list[dict]) -> str:
                          f"{'yes' if w['saturated'] else 'no'} | {w['goodput_rps']:.3f} | {w['slo_met_pct']:.1f} | "
                          f"{w['rejected']} | {w['failed']} | {_trio(t)} | {_ms(p, 'p50')} / {_ms(p, 'p99')} | "
                          f"{_ms(i, 'p99')} | {_pair(e)} | {_cache(w)} | {_stalls(w)} |")
+        lines += _pauses(rec)
         kills = [_kill(w) for w in rec["windows"] if "kill" in w]
         lines += ([""] + [f"- shard kill {x}" for x in kills]) if kills else []
         lines.append("")

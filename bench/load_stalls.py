@@ -187,3 +187,29 @@ def window_cache(before: dict | None, after: dict | None) -> dict | None:
         return None
     q = d.get("prefix_query_tokens", 0)
     return {**d, "hit_rate": d.get("prefix_hit_tokens", 0) / q if q else None}
+
+
+def shared_pauses(outcomes: list, min_gap_s: float = 0.5, tol_s: float = 0.02) -> list[dict]:
+    """Pauses that several streams sat through together: gaps of at least min_gap_s before a token (the first
+    token's wait included) whose ends fall within tol_s of each other. Streams of one engine get their tokens
+    from the same steps, so a pause they share ended with one slow engine step (a JIT compile, a GC pause, a long
+    prefill), not in a stream's own path. Each: when it ended (seconds into the window), the longest gap ending
+    there, how many streams it held, and `pause_s`: the shortest of their gaps (they all waited at least that
+    long together) beside `longest_wait_s`."""
+    ends = []
+    for o in outcomes:
+        prev = 0.0
+        for t in o.chunk_s:
+            if t - prev >= min_gap_s:
+                ends.append((o.sent_s + t, t - prev))
+            prev = t
+    ends.sort()
+    out: list[dict] = []
+    for end, gap in ends:
+        if out and end - out[-1]["end_s"] <= tol_s:
+            out[-1]["streams"] += 1
+            out[-1]["pause_s"] = min(out[-1]["pause_s"], gap)
+            out[-1]["longest_wait_s"] = max(out[-1]["longest_wait_s"], gap)
+        else:
+            out.append({"end_s": end, "pause_s": gap, "longest_wait_s": gap, "streams": 1})
+    return [p for p in out if p["streams"] >= 2]

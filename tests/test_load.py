@@ -12,7 +12,7 @@ import pytest
 from bench import cli
 from bench.load import AutoSearch, load_records, next_rate, render
 from bench.load_report import saturation_line, upgrade
-from bench.load_stalls import GcWatch, merge, parse_metrics, window_cache, window_stalls
+from bench.load_stalls import GcWatch, merge, parse_metrics, shared_pauses, window_cache, window_stalls
 from bench.load_workloads import OutputLen, doc_weights, draw_doc, hot_share, kill_effect
 from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, arrivals, percentiles, record, saturation, summarize
 
@@ -311,3 +311,19 @@ def test_the_report_is_rendered_again_from_raw_records_of_separate_calls(tmp_pat
     assert "| flame / engine | n/a: flame and engine did not saturate |" in md
     with pytest.raises(SystemExit, match="no load records"):
         load_report.main([str(tmp_path / "nothing")])
+
+
+def test_pauses_that_several_streams_sat_through_together_are_found():
+    """The H200 record's 2 req/s stall in miniature: three streams whose tokens stop and resume at the same instant
+    (one engine step held them all), and one stream with a long gap of its own (not shared)."""
+    outs = [Outcome(0.0, 0, 0, ttft_s=0.1, e2e_s=2.2, chunk_s=[0.1, 0.2, 2.0, 2.2], output_tokens=4),
+            Outcome(0.5, 0, 0, ttft_s=0.2, e2e_s=1.7, chunk_s=[0.2, 1.505, 1.7], output_tokens=3),  # resumes at 2.005
+            Outcome(1.0, 0, 0, ttft_s=1.0, e2e_s=1.2, chunk_s=[1.0, 1.2], output_tokens=2),  # first token at 2.0
+            Outcome(3.0, 0, 0, ttft_s=0.1, e2e_s=1.0, chunk_s=[0.1, 1.0], output_tokens=2)]  # alone: 0.9 s gap
+    (p,) = shared_pauses(outs)
+    assert p["streams"] == 3 and p["end_s"] == pytest.approx(2.0)
+    assert p["pause_s"] == pytest.approx(1.0) and p["longest_wait_s"] == pytest.approx(1.8)
+    assert shared_pauses(outs, min_gap_s=2.0) == []
+    md = render([record("flame", LoadConfig(rates=(2.0,), duration_s=4.0), [summarize(outs, 2.0,
+                        LoadConfig(rates=(2.0,), duration_s=4.0))], [outs], {})])
+    assert "1 wait(s) of >= 0.5 s" in md and "ending 2.00 s, 3 streams waited >= 1.00 s" in md
