@@ -87,6 +87,26 @@ def test_fresh_steps_take_the_dense_kernel_with_fresh_prefill_backend_fa4(fake_f
     assert "dense" not in fake_fa4.calls[-1]
 
 
+@pytest.mark.parametrize("fresh", ["sdpa", "cudnn", "flash", "efficient", "varlen", "triton"])
+def test_fa4_backend_keeps_fresh_steps_on_the_paged_kernel_unless_fresh_prefill_backend_is_fa4(fake_fa4, fresh):
+    """Only "fa4" is this backend's choice: the triton backend's fresh_prefill_backend values (sdpa, ...) leave a
+    fa4 engine's fresh-only steps on FA4's paged kernel, as before the field existed."""
+    from flame_llm.layers.attention import Attention
+
+    case = CASES_ATTENTION["fresh_ragged_gqa4_d64_bs16"] | dict(device="cpu", pad_rows=0)
+    (q, k, v, k_cache, v_cache), meta = make_case(**case)
+    assert meta.fresh_only
+    meta.block_tables = meta.block_tables.clamp(min=0)
+    scale = case["head_dim"] ** -0.5
+    _, _, ref = reference(q, k, v, k_cache, v_cache, meta, len(case["seq_lens"]), scale)
+    layer = Attention(case["num_heads"], case["num_kv_heads"], case["head_dim"], scale)
+    layer.set_backend("fa4", fresh)
+    out = layer._fn(q, k, v, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert fake_fa4.calls == [dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                                   batch=len(case["seq_lens"]))], "the paged kernel, not torch's dense attention"
+
+
 def test_warmup_compiles_the_dense_variants_when_they_are_used(fake_fa4, monkeypatch):
     cache = torch.zeros(64, 16, 2, 16)
     monkeypatch.setitem(fa4_backend._DENSE_FRESH, "on", True)

@@ -163,16 +163,13 @@ def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 
     A mixed step whose leading segments are single tokens (meta.decode_split) sends those rows to our
     Triton decode kernel and the rest to FA4, each writing its rows of one output. fresh_prefill_backend
-    "fa4": a step with no cached keys takes FA4's dense varlen kernel on the fresh k/v ("triton", the
-    default, keeps it on the paged kernel; a torch name sends it to torch's dense attention)."""
+    "fa4": a step with no cached keys takes FA4's dense varlen kernel on the fresh k/v; every other value
+    (the triton backend's choices: triton, sdpa, ...) leaves this backend's fresh steps on the paged kernel."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode:
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    if meta.fresh_only and fresh_prefill_backend != "triton":
-        if fresh_prefill_backend == "fa4":
-            return fa4_dense_prefill(q, k, v, meta, scale)
-        from flame_llm.kernels.triton_attention import dense_prefill
-        return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
+    if meta.fresh_only and fresh_prefill_backend == "fa4":
+        return fa4_dense_prefill(q, k, v, meta, scale)
     if meta.decode_split is None:
         return fa4_paged_attention(q, k_cache, v_cache, meta, scale)
     d, decode, rest = meta.decode_split
