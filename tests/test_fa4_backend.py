@@ -107,11 +107,30 @@ def test_fa4_backend_keeps_fresh_steps_on_the_paged_kernel_unless_fresh_prefill_
                                    batch=len(case["seq_lens"]))], "the paged kernel, not torch's dense attention"
 
 
-def test_warmup_compiles_the_dense_variants_when_they_are_used(fake_fa4, monkeypatch):
+def test_warmup_compiles_the_dense_variants_when_they_are_used(fake_fa4):
     cache = torch.zeros(64, 16, 2, 16)
-    monkeypatch.setitem(fa4_backend._DENSE_FRESH, "on", True)
-    fa4_backend.warmup(cache, cache, 4, 0.25, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
+    fa4_backend.warmup(cache, cache, 4, 0.25, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
+                       dense_fresh=True)
     assert {("dense", False), ("dense", True)} <= set(fake_fa4.compile_cache)
+
+
+@pytest.mark.parametrize("fresh", ["fa4", "sdpa"])
+def test_runner_warmup_compiles_dense_variants_from_its_own_config(fake_fa4, fresh):
+    """The runner passes its fresh_prefill_backend to the warmup (no process-global flag that another engine in
+    the process, or an earlier one, set)."""
+    from types import SimpleNamespace
+
+    from flame_llm.config import RunnerConfig, SchedulerConfig
+    from flame_llm.engine.model_runner import ModelRunner
+
+    cache = torch.zeros(64, 16, 2, 16)
+    layer = SimpleNamespace(k_cache=cache, v_cache=cache, num_heads=4, scale=0.25)
+    config = SimpleNamespace(scheduler_config=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=4),
+                             runner_config=RunnerConfig(fresh_prefill_backend=fresh),
+                             model_config=SimpleNamespace(max_model_len=512))
+    ModelRunner.warmup_fa4(SimpleNamespace(config=config, attn_layers=[layer]))
+    dense = {key for key in fake_fa4.compile_cache if key[0] == "dense"}
+    assert dense == ({("dense", False), ("dense", True)} if fresh == "fa4" else set())
 
 
 def test_mixed_step_sends_leading_decode_rows_to_triton_and_the_rest_to_fa4(fake_fa4):

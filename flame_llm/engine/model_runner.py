@@ -194,7 +194,8 @@ class ModelRunner:
         sc, layer = self.config.scheduler_config, self.attn_layers[0]
         t0 = time.perf_counter()
         n = fa4_backend.warmup(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale, sc.max_num_seqs,
-                               sc.max_num_batched_tokens, self.config.model_config.max_model_len)
+                               sc.max_num_batched_tokens, self.config.model_config.max_model_len,
+                               dense_fresh=self.config.runner_config.fresh_prefill_backend == "fa4")
         logger.info("flash-attn-4: %d kernel variants compiled in %.1fs", n, time.perf_counter() - t0)
 
     def warmup_triton(self) -> None:
