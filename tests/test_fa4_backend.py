@@ -207,6 +207,29 @@ def test_backend_choice_and_errors():
         if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) else True
 
 
+def test_triton_backend_with_fresh_prefill_fa4_is_refused_where_fa4_cannot_run(tiny_llama):
+    """Checked when the engine starts, naming the field: it used to start and then fail the first fresh prefill
+    inside engine.step() ('ModuleNotFoundError' object is not callable)."""
+    from flame_llm import LLM
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="fresh_prefill_backend 'fa4' .*cannot run here: device is cpu"):
+        resolve_backend("triton", cpu, 16, torch.float32, 64, fresh_prefill_backend="fa4")
+    assert resolve_backend("triton", cpu, 16, torch.float32, 64, fresh_prefill_backend="sdpa") == "triton"
+    assert resolve_backend("torch", cpu, 16, torch.float32, 64, fresh_prefill_backend="fa4") == "torch"
+    with pytest.raises(ValueError, match="fresh_prefill_backend 'fa4'"):
+        LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu", attention_backend="triton",
+            fresh_prefill_backend="fa4")
+
+
+def test_warmup_dense_compiles_only_the_dense_variants(fake_fa4):
+    cache = torch.zeros(64, 16, 2, 16)
+    n = fa4_backend.warmup_dense(cache, 4, 0.25, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
+    assert set(fake_fa4.compile_cache) == {("dense", False), ("dense", True)} and n == 2
+    assert all(c.get("dense") for c in fake_fa4.calls)
+    assert fa4_backend.jit_compiles() == 0
+
+
 def test_engine_reports_backend_and_jit_compiles(tiny_llama):
     from flame_llm import LLM
     st = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16).engine.stats()

@@ -41,8 +41,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
-    """The attention backend to use: `name`, or for "auto" the fastest one this machine has."""
+def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int,
+                    fresh_prefill_backend: str = "triton") -> str:
+    """The attention backend to use: `name`, or for "auto" the fastest one this machine has. ValueError when
+    the triton backend's fresh_prefill_backend "fa4" cannot run here (checked now, not at the first prefill)."""
+    backend = _choose_backend(name, device, block_size, dtype, head_dim)
+    if backend == "triton" and fresh_prefill_backend == "fa4":
+        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
+        reason = fa4_unavailable_reason(device, dtype, head_dim)
+        if reason is not None:
+            raise ValueError(f"fresh_prefill_backend 'fa4' (attention_backend {name!r}) cannot run here: {reason}")
+    return backend
+
+
+def _choose_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
     if name == "flash_attn" and block_size % 256:
         raise ValueError(f"attention_backend 'flash_attn' needs block_size % 256 == 0; got {block_size}")
     if name == "fa4":
@@ -90,7 +102,9 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = resolve_backend(rc.attention_backend, self.device, self.block_size, self.dtype,
-                                       self.attn_layers[0].head_dim)
+                                       self.attn_layers[0].head_dim, rc.fresh_prefill_backend)
+        # FA4 kernels run in some steps (their JIT compiles are counted and logged)
+        self.uses_fa4 = self.backend == "fa4" or (self.backend == "triton" and rc.fresh_prefill_backend == "fa4")
         for layer in self.attn_layers:
             layer.set_backend(self.backend, rc.fresh_prefill_backend)
         if self.device.type == "cuda" and rc.fused_ops:
@@ -206,11 +220,18 @@ class ModelRunner:
         layer, t0 = self.attn_layers[0], time.perf_counter()
         n = warmup_all_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale)
         logger.info("triton attention: %d variant launches in %.1fs", n, time.perf_counter() - t0)
+        if self.config.runner_config.fresh_prefill_backend == "fa4":  # fresh-only steps on FA4's dense kernel
+            from flame_llm.kernels import fa4_backend
+
+            sc, t0 = self.config.scheduler_config, time.perf_counter()
+            n = fa4_backend.warmup_dense(layer.k_cache, layer.num_heads, layer.scale, sc.max_num_seqs,
+                                         sc.max_num_batched_tokens, self.config.model_config.max_model_len)
+            logger.info("flash-attn-4 dense: %d kernel variants compiled in %.1fs", n, time.perf_counter() - t0)
 
     def attention_jit_compiles(self) -> int:
         """Attention kernels compiled since startup (FA4's JIT; 0 for backends compiled at startup). A new
         one is logged with FA4's key the first time it is seen, so a warmup gap can be found."""
-        if self.backend != "fa4":
+        if not self.uses_fa4:
             return 0
         from flame_llm.kernels.fa4_backend import jit_compiles, new_variants
         n = jit_compiles()
@@ -259,7 +280,7 @@ class ModelRunner:
             if prev_sampled is not None:
                 dev.input_ids[dev.pending_rows] = prev_sampled[dev.pending_src]
             hidden = self.forward(dev)
-            if self.backend == "fa4":
+            if self.uses_fa4:
                 self.attention_jit_compiles()  # logs a variant the warmup missed
             if not x.sample_idx:
                 return handle
