@@ -17,6 +17,7 @@ import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.cuda_graphs import DecodeGraphs
+from flame_llm.engine.kv_sizing import cpu_num_blocks, kv_block_bytes
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
@@ -24,7 +25,6 @@ from flame_llm.kernels.metadata import AttentionMetadata, set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
-from flame_llm.limits import max_kv_blocks_in_use
 from flame_llm.models.llama import MODELS
 from flame_llm.models.loader import init_dummy, load_model
 
@@ -137,7 +137,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         layer = self.attn_layers[0]
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * itemsize
+        return kv_block_bytes(len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, itemsize)
 
     def allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         """A KV pool of num_blocks blocks (default: from the config or the memory budget), replacing any
@@ -166,16 +166,10 @@ class ModelRunner:
                     num_blocks * self.block_bytes() / (1 << 30), why)
 
     def cpu_num_blocks(self) -> tuple[int, str]:
-        """A CPU pool: what cpu_kvcache_gib holds, but no more than the running sequences can use at once
-        (the host's memory is held from startup, idle or not). Returns (blocks, why that many)."""
+        """A CPU pool's blocks and why that many (kv_sizing.cpu_num_blocks: the preflight's rule too)."""
         cfg = self.config
-        budget = int(cfg.cache_config.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
-        usable = max_kv_blocks_in_use(cfg.scheduler_config.max_num_seqs, cfg.model_config.max_model_len,
-                                      self.block_size)
-        if usable < budget:
-            return usable, (f"max_num_seqs x max_model_len (cpu_kvcache_gib={cfg.cache_config.cpu_kvcache_gib} "
-                            f"would hold {budget} blocks)")
-        return budget, f"cpu_kvcache_gib={cfg.cache_config.cpu_kvcache_gib}"
+        return cpu_num_blocks(cfg.cache_config.cpu_kvcache_gib, self.block_bytes() + self.extra_block_bytes,
+                              cfg.scheduler_config.max_num_seqs, cfg.model_config.max_model_len, self.block_size)
 
     @torch.inference_mode()
     def profile_num_blocks(self) -> int:
