@@ -93,6 +93,20 @@ def test_greedy_outputs_identical_with_epilogues_on_and_off(tiny_model):
                if isinstance(m, DecoderLayer))
 
 
+def test_llm_applies_gemm_epilogues_at_construction(tiny_llama):
+    """The engine field reaches the model: LLM(..., gemm_epilogues=...) sets every layer's impl (before any decode
+    graph is captured), and the default leaves today's path."""
+    model = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu",
+                gemm_epilogues="swiglu=triton").engine.model_runner.model
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    assert mlps and all(m.swiglu_impl == "triton" and m.residual_impl is None for m in mlps)
+    model = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu",
+                gemm_epilogues="residual=cublas").engine.model_runner.model
+    assert all(m.residual_impl == "cublas" for m in model.modules() if isinstance(m, DecoderLayer))
+    model = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu").engine.model_runner.model
+    assert all(m.swiglu_impl is None for m in model.modules() if isinstance(m, MLP))
+
+
 def test_an_impl_that_cannot_run_is_refused_naming_the_field(tiny_llama, monkeypatch):
     """quack that does not import, or the Triton (TMA) kernel below SM90, fail at construction with the field and
     the cause; they used to fail at the first step (an exception object called as a module, or a TMA launch)."""
