@@ -39,11 +39,16 @@ CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top
 
 
 # an HTTP error's `code` when nothing more specific is known: always a string, as OpenAI's are (the protocol's
-# ErrorCode values, "model_not_found", "invalid_api_key" and "context_length_exceeded" are the specific ones)
-STATUS_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+# ErrorCode values, "model_not_found", "invalid_api_key" and "context_length_exceeded" are the specific ones);
+# where the protocol has the code (400), it is the protocol's ErrorCode value, not a second spelling of it
+STATUS_CODES = {400: ErrorCode.INVALID_REQUEST.value, 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
                 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large", 500: "internal_error",
                 503: "service_unavailable"}
 MAX_INT64 = (1 << 63) - 1
+# failed results that are the request's own fault: a 400 (other non-retryable failures are a 500)
+REQUEST_FAULTS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.BAD_PROMPT, ErrorCode.EMPTY_PROMPT,
+                            ErrorCode.TOKEN_OUT_OF_RANGE, ErrorCode.PROMPT_TOO_LONG, ErrorCode.BAD_SAMPLING,
+                            ErrorCode.INVALID_REQUEST, ErrorCode.OVER_BUDGET})
 
 
 class ApiError(Exception):
@@ -316,9 +321,7 @@ def result_error(r: dict) -> ApiError:
     """The HTTP error for a failed result: 503 for a passing failure (retryable), 400 for the request's own fault,
     else 500."""
     err = r["error"]
-    retryable = ErrorCode(err["code"]).retryable
-    bad = err["code"] in ("bad_request", "bad_prompt", "empty_prompt", "token_out_of_range", "prompt_too_long",
-                          "bad_sampling", "invalid_request", "over_budget")
-    status = 503 if retryable else 400 if bad else 500
+    code = ErrorCode(err["code"])
+    status = 503 if code.retryable else 400 if code in REQUEST_FAULTS else 500
     kind = "invalid_request_error" if status == 400 else "server_error"
     return ApiError(status, f"{err['code']}: {err['message']}", None, kind, err["code"])
