@@ -121,14 +121,14 @@ def test_runner_warmup_compiles_dense_variants_from_its_own_config(fake_fa4, fre
     from types import SimpleNamespace
 
     from flame_llm.config import RunnerConfig, SchedulerConfig
-    from flame_llm.engine.model_runner import ModelRunner
+    from flame_llm.engine.warmup import warmup_fa4
 
     cache = torch.zeros(64, 16, 2, 16)
     layer = SimpleNamespace(k_cache=cache, v_cache=cache, num_heads=4, scale=0.25)
     config = SimpleNamespace(scheduler_config=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=4),
                              runner_config=RunnerConfig(fresh_prefill_backend=fresh),
                              model_config=SimpleNamespace(max_model_len=512))
-    ModelRunner.warmup_fa4(SimpleNamespace(config=config, attn_layers=[layer]))
+    warmup_fa4(config, layer)
     dense = {key for key in fake_fa4.compile_cache if key[0] == "dense"}
     assert dense == ({("dense", False), ("dense", True)} if fresh == "fa4" else set())
 

@@ -22,3 +22,35 @@ def cpu_num_blocks(cpu_kvcache_gib: float, block_bytes: int, max_num_seqs: int, 
     if usable < budget:
         return usable, f"max_num_seqs x max_model_len (cpu_kvcache_gib={cpu_kvcache_gib} would hold {budget} blocks)"
     return budget, f"cpu_kvcache_gib={cpu_kvcache_gib}"
+
+
+def profile_num_blocks(model, config, device, block_bytes: int) -> int:
+    """A GPU pool: the peak activation memory of a full-budget prefill of `model`, then the rest of
+    gpu_memory_utilization for KV blocks of block_bytes each (every pool indexed by the same block ids)."""
+    import torch  # here, not at the top: the preflight imports this module without torch
+
+    from flame_llm.kernels.metadata import AttentionMetadata, set_context
+
+    sc = config.scheduler_config
+    with torch.inference_mode():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        m = config.model_config.max_model_len
+        n = min(sc.max_num_batched_tokens, m * sc.max_num_seqs)
+        lens = [m] * (n // m) + ([n % m] if n % m else [])
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        positions = torch.cat([torch.arange(length, device=device) for length in lens])
+        set_context(AttentionMetadata(cu, cu[1:] - cu[:-1], torch.zeros(len(lens), 1, dtype=torch.int32,
+                    device=device), torch.full((n,), -1, dtype=torch.int64, device=device),
+                    max(lens), max(lens), fresh_only=True))
+        try:
+            hidden = model(torch.zeros(n, dtype=torch.int64, device=device), positions)
+            model.compute_logits(hidden[cu[1:] - 1])
+        finally:
+            set_context(None)
+        torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    budget = total * config.cache_config.gpu_memory_utilization - used - (peak - current)
+    return int(budget) // block_bytes
