@@ -3,57 +3,22 @@ scheduler/cache feature is a flag here. Field names are unique across groups, so
 `Config.from_kwargs(model, max_num_seqs=8, enable_chunked_prefill=True)`."""
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field, fields
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
+# parsing that needs no config class lives in config_parse; these names stay importable from here
+from flame_llm.config_parse import ENGINE_FIELD as _F
+from flame_llm.config_parse import GEMM_EPILOGUE_IMPLS as GEMM_EPILOGUE_IMPLS
+from flame_llm.config_parse import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from flame_llm.config_parse import default_model_revision, json_object, load_hf_config, parse_gemm_epilogues
 from flame_llm.validate import check, check_bool, check_choice, check_int, check_number, check_str, is_int
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "fa4", "triton", "flash_attn", "torch")
 MIXED_DECODE_ATTENTION = ("triton", "fa4")
 FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen", "fa4")
-_F = {"where": "engine field"}  # "engine field 'max_num_seqs' must be ...": LLM(...), --engine-json, YAML's engine
-# RunnerConfig.gemm_epilogues: op -> the GEMMs that can carry it in their epilogue (kernels/gemm_epilogue.py)
-GEMM_EPILOGUE_IMPLS = {"swiglu": ("triton", "quack"), "residual": ("cublas", "triton", "quack")}
-
-
-def parse_gemm_epilogues(spec: str) -> dict[str, str]:
-    """{op: impl} of a comma-separated OP=IMPL spec; ValueError names the field, the part and what is allowed."""
-    check_str("gemm_epilogues", spec, empty=True, **_F)
-    out: dict[str, str] = {}
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        op, _, impl = part.partition("=")
-        if impl not in GEMM_EPILOGUE_IMPLS.get(op, ()) or op in out:
-            known = "; ".join(f"{o}=" + "|".join(i) for o, i in GEMM_EPILOGUE_IMPLS.items())
-            raise ValueError(f"engine field 'gemm_epilogues': {part!r} is not one of {known} (each op once)")
-        out[op] = impl
-    return out
-
-
-def load_hf_config(model: str) -> PretrainedConfig:
-    """Read config.json of a model directory, with errors that name what is wrong."""
-    if not os.path.isdir(model):
-        raise FileNotFoundError(f"model directory {model!r} does not exist")
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model directory {model!r} has no config.json")
-    with open(path) as f:
-        raw = json.load(f)
-    archs = raw.get("architectures") or []
-    if not archs:
-        raise ValueError(f"{path}: 'architectures' is missing; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: architecture {archs[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return AutoConfig.from_pretrained(model)
 
 
 @dataclass(slots=True)
@@ -293,22 +258,8 @@ def engine_fields_from_json(text: str, flag: str = "--engine-json") -> dict:
 
 
 def _from_json(text: str, flag: str) -> tuple[EngineConfig, dict]:
-    try:
-        fields_ = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} is not valid JSON: {e}") from None
-    if not isinstance(fields_, dict):
-        raise ValueError(f"{flag} must be a JSON object of flame_llm Config fields; got {text[:80]!r}")
+    fields_ = json_object(text, flag)
     try:
         return EngineConfig.from_kwargs(**fields_), fields_
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
-
-
-def default_model_revision(model: str) -> str:
-    """A stable name of the weights: the directory's basename plus its config.json contents hash."""
-    import xxhash
-
-    with open(os.path.join(model, "config.json"), "rb") as f:
-        digest = xxhash.xxh64(f.read()).hexdigest()
-    return f"{os.path.basename(os.path.normpath(model))}@{digest[:12]}"

@@ -9,7 +9,8 @@ import time
 import pytest
 import yaml
 
-from flame_llm.cli import COMMANDS, DEMO_CONFIG, build_parser, main
+from flame_llm.cli import COMMANDS, build_parser, main
+from flame_llm.cli_demo import DEMO_CONFIG
 from flame_llm.serving.service_config import ServiceConfig, config_from_dict, load_service_config, reference_yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,6 +17,8 @@ from flame_llm.kernels.gemm_epilogue import (  # noqa: E402
     EPI_NONE,
     EPI_RESIDUAL,
     EPI_SWIGLU,
+    epilogue_unavailable_reason,
+    quack_module,
     residual_linear,
     swiglu_linear,
     triton_gemm,
@@ -89,3 +91,45 @@ def test_greedy_outputs_identical_with_epilogues_on_and_off(tiny_model):
     configure_gemm_epilogues(llm2.engine.model_runner.model, "")  # back to today's path
     assert all(m.residual_impl is None for m in llm2.engine.model_runner.model.modules()
                if isinstance(m, DecoderLayer))
+
+
+def test_llm_applies_gemm_epilogues_at_construction(tiny_llama):
+    """The engine field reaches the model: LLM(..., gemm_epilogues=...) sets every layer's impl (before any decode
+    graph is captured), and the default leaves today's path."""
+    model = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu",
+                gemm_epilogues="swiglu=triton").engine.model_runner.model
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    assert mlps and all(m.swiglu_impl == "triton" and m.residual_impl is None for m in mlps)
+    model = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu",
+                gemm_epilogues="residual=cublas").engine.model_runner.model
+    assert all(m.residual_impl == "cublas" for m in model.modules() if isinstance(m, DecoderLayer))
+    model = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu").engine.model_runner.model
+    assert all(m.swiglu_impl is None for m in model.modules() if isinstance(m, MLP))
+
+
+def test_an_impl_that_cannot_run_is_refused_naming_the_field(tiny_llama, monkeypatch):
+    """quack that does not import, or the Triton (TMA) kernel below SM90, fail at construction with the field and
+    the cause; they used to fail at the first step (an exception object called as a module, or a TMA launch)."""
+    from flame_llm.kernels import gemm_epilogue
+
+    broken = ImportError("No module named 'quack'")
+    monkeypatch.setattr(gemm_epilogue, "quack_module", lambda: broken)
+    with pytest.raises(ValueError, match=r"gemm_epilogues.*swiglu=quack.*ImportError: No module named 'quack'"):
+        LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu", gemm_epilogues="swiglu=quack")
+    model = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu").engine.model_runner.model
+    with pytest.raises(ValueError, match="gemm_epilogues.*residual=quack"):
+        configure_gemm_epilogues(model, "residual=quack")
+    # triton: fine on CPU (the torch composition), refused on a CUDA device below SM90
+    assert epilogue_unavailable_reason("triton", torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "9.0 (TMA); this device is 8.0" in epilogue_unavailable_reason("triton", torch.device("cuda"))
+    assert epilogue_unavailable_reason("cublas", torch.device("cuda")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert epilogue_unavailable_reason("triton", torch.device("cuda")) is None
+
+
+@pytest.mark.skipif(not isinstance(quack_module(), Exception), reason="quack-kernels imports here")
+def test_quack_without_quack_installed_is_refused():
+    model = MLP(type("C", (), dict(hidden_size=8, intermediate_size=16))())
+    with pytest.raises(ValueError, match="gemm_epilogues.*quack-kernels does not import"):
+        configure_gemm_epilogues(model, "swiglu=quack")

@@ -327,3 +327,18 @@ def test_the_default_model_speaks_text_and_chat_through_the_openai_client(text_s
                                     temperature=0, stop=stop, extra_body={"ignore_eos": True})
     assert stopped.choices[0].text == choice.text[:choice.text.find(stop)]  # stop strings work on the text
     assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_http_error_codes_are_the_protocols_where_it_has_one():
+    """One spelling per error: a 400 with nothing more specific is the protocol's INVALID_REQUEST, and a failed
+    result answers 503 (retryable), 400 (the request's fault) or 500 with its ErrorCode's value as the code."""
+    from flame_llm.protocol.types import ErrorCode
+    from flame_llm.serving.openai_api import STATUS_CODES, ApiError, result_error
+
+    assert ApiError(400, "x").code == STATUS_CODES[400] == ErrorCode.INVALID_REQUEST.value
+    faults = {ErrorCode.BAD_REQUEST, ErrorCode.BAD_PROMPT, ErrorCode.EMPTY_PROMPT, ErrorCode.TOKEN_OUT_OF_RANGE,
+              ErrorCode.PROMPT_TOO_LONG, ErrorCode.BAD_SAMPLING, ErrorCode.INVALID_REQUEST, ErrorCode.OVER_BUDGET}
+    for code in ErrorCode:
+        e = result_error({"error": {"code": code.value, "message": "m"}})
+        assert e.status == (503 if code.retryable else 400 if code in faults else 500), code
+        assert e.code == code.value and e.kind == ("invalid_request_error" if e.status == 400 else "server_error")

@@ -13,6 +13,7 @@ PACKAGES = ("flame_llm", "actors", "router", "bench")
 LAYERS = [
     ("flame_llm", ("core: engine", 4)),  # the package face: LLM, AsyncEngine, Config, ... by lazy import
     ("flame_llm.config", ("core: base", 0)),
+    ("flame_llm.config_parse", ("core: base", 0)),
     ("flame_llm.sampling_params", ("core: base", 0)),
     ("flame_llm.outputs", ("core: base", 0)),
     ("flame_llm.prefix", ("core: base", 0)),
@@ -28,6 +29,7 @@ LAYERS = [
     ("flame_llm.serving", ("serving", 7)),
     ("flame_llm.cli", ("app", 8)),
     ("flame_llm.cli_serve", ("app", 8)),
+    ("flame_llm.cli_demo", ("app", 8)),
     ("bench", ("bench", 9)),
 ]
 

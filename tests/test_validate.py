@@ -172,3 +172,12 @@ def test_engine_flags_are_booleans():
 def test_brief_is_bounded():
     assert brief(list(range(100))).endswith("... (100 in all)]")
     assert len(brief("x" * 10_000)) <= 80
+
+
+def test_service_config_from_kwargs_passes_an_engine_config_through():
+    engine = EngineConfig.from_kwargs(max_num_seqs=8, load_format="dummy")
+    cfg = ServiceConfig.from_kwargs(model="m", engine=engine, num_shards=2)
+    assert cfg.engine is engine and cfg.engine_kwargs() == {"max_num_seqs": 8, "load_format": "dummy"}
+    assert cfg.placement.num_shards == 2
+    with pytest.raises(ValueError, match=r"\['max_num_seqs'\] are given beside an EngineConfig"):
+        ServiceConfig.from_kwargs(engine=engine, max_num_seqs=4)

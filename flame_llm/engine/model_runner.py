@@ -9,7 +9,6 @@ step N."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,14 +16,15 @@ import torch
 
 from flame_llm.config import Config
 from flame_llm.engine.cuda_graphs import DecodeGraphs
+from flame_llm.engine.kv_sizing import cpu_num_blocks, kv_block_bytes, profile_num_blocks
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
-from flame_llm.kernels.metadata import AttentionMetadata, set_context
+from flame_llm.engine.warmup import warmup_fa4, warmup_triton
+from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
-from flame_llm.limits import max_kv_blocks_in_use
 from flame_llm.models.llama import MODELS
 from flame_llm.models.loader import init_dummy, load_model
 
@@ -41,8 +41,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
-    """The attention backend to use: `name`, or for "auto" the fastest one this machine has."""
+def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int,
+                    fresh_prefill_backend: str = "triton") -> str:
+    """The attention backend to use: `name`, or for "auto" the fastest one this machine has. ValueError when
+    the triton backend's fresh_prefill_backend "fa4" cannot run here (checked now, not at the first prefill)."""
+    backend = _choose_backend(name, device, block_size, dtype, head_dim)
+    if backend == "triton" and fresh_prefill_backend == "fa4":
+        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
+        reason = fa4_unavailable_reason(device, dtype, head_dim)
+        if reason is not None:
+            raise ValueError(f"fresh_prefill_backend 'fa4' (attention_backend {name!r}) cannot run here: {reason}")
+    return backend
+
+
+def _choose_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
     if name == "flash_attn" and block_size % 256:
         raise ValueError(f"attention_backend 'flash_attn' needs block_size % 256 == 0; got {block_size}")
     if name == "fa4":
@@ -90,7 +102,9 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = resolve_backend(rc.attention_backend, self.device, self.block_size, self.dtype,
-                                       self.attn_layers[0].head_dim)
+                                       self.attn_layers[0].head_dim, rc.fresh_prefill_backend)
+        # FA4 kernels run in some steps (their JIT compiles are counted and logged)
+        self.uses_fa4 = self.backend == "fa4" or (self.backend == "triton" and rc.fresh_prefill_backend == "fa4")
         for layer in self.attn_layers:
             layer.set_backend(self.backend, rc.fresh_prefill_backend)
         if self.device.type == "cuda" and rc.fused_ops:
@@ -107,9 +121,9 @@ class ModelRunner:
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
         self._jit_logged = 0
         if self.backend == "fa4":
-            self.warmup_fa4()  # compiles our Triton kernel's decode-row variants too
+            warmup_fa4(config, self.attn_layers[0])  # compiles our Triton kernel's decode-row variants too
         elif self.backend == "triton" and self.device.type == "cuda":
-            self.warmup_triton()
+            warmup_triton(config, self.attn_layers[0])
         self.use_graphs = self.device.type == "cuda" and not rc.enforce_eager and self.backend != "torch"
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
@@ -123,7 +137,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         layer = self.attn_layers[0]
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * itemsize
+        return kv_block_bytes(len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, itemsize)
 
     def allocate_kv_cache(self, num_blocks: int | None = None) -> None:
         """A KV pool of num_blocks blocks (default: from the config or the memory budget), replacing any
@@ -134,9 +148,13 @@ class ModelRunner:
             if cc.num_kvcache_blocks > 0:
                 num_blocks = cc.num_kvcache_blocks
             elif self.device.type == "cuda":
-                num_blocks, why = self.profile_num_blocks(), "gpu_memory_utilization"
+                num_blocks = profile_num_blocks(self.model, self.config, self.device,
+                                                self.block_bytes() + self.extra_block_bytes)
+                why = "gpu_memory_utilization"
             else:
-                num_blocks, why = self.cpu_num_blocks()
+                num_blocks, why = cpu_num_blocks(cc.cpu_kvcache_gib, self.block_bytes() + self.extra_block_bytes,
+                                                 self.config.scheduler_config.max_num_seqs,
+                                                 self.config.model_config.max_model_len, self.block_size)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization, or set num_kvcache_blocks")
@@ -151,65 +169,10 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.3f GiB), sized by %s", num_blocks, self.block_size,
                     num_blocks * self.block_bytes() / (1 << 30), why)
 
-    def cpu_num_blocks(self) -> tuple[int, str]:
-        """A CPU pool: what cpu_kvcache_gib holds, but no more than the running sequences can use at once
-        (the host's memory is held from startup, idle or not). Returns (blocks, why that many)."""
-        cfg = self.config
-        budget = int(cfg.cache_config.cpu_kvcache_gib * (1 << 30)) // (self.block_bytes() + self.extra_block_bytes)
-        usable = max_kv_blocks_in_use(cfg.scheduler_config.max_num_seqs, cfg.model_config.max_model_len,
-                                      self.block_size)
-        if usable < budget:
-            return usable, (f"max_num_seqs x max_model_len (cpu_kvcache_gib={cfg.cache_config.cpu_kvcache_gib} "
-                            f"would hold {budget} blocks)")
-        return budget, f"cpu_kvcache_gib={cfg.cache_config.cpu_kvcache_gib}"
-
-    @torch.inference_mode()
-    def profile_num_blocks(self) -> int:
-        """Peak activation memory of a full-budget prefill, then the rest of the budget for KV."""
-        cfg, sc = self.config, self.config.scheduler_config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        m = cfg.model_config.max_model_len
-        n = min(sc.max_num_batched_tokens, m * sc.max_num_seqs)
-        lens = [m] * (n // m) + ([n % m] if n % m else [])
-        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=self.device)
-        positions = torch.cat([torch.arange(m, device=self.device) for m in lens])
-        set_context(AttentionMetadata(cu, cu[1:] - cu[:-1], torch.zeros(len(lens), 1, dtype=torch.int32,
-                    device=self.device), torch.full((n,), -1, dtype=torch.int64, device=self.device),
-                    max(lens), max(lens), fresh_only=True))
-        hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device), positions)
-        self.model.compute_logits(hidden[cu[1:] - 1])
-        set_context(None)
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-        budget = total * cfg.cache_config.gpu_memory_utilization - used - (peak - current)
-        return int(budget) // (self.block_bytes() + self.extra_block_bytes)
-
-    def warmup_fa4(self) -> None:
-        """Compile every flash-attn-4 variant the engine's limits can reach, so none compiles mid-burst."""
-        from flame_llm.kernels import fa4_backend
-
-        sc, layer = self.config.scheduler_config, self.attn_layers[0]
-        t0 = time.perf_counter()
-        n = fa4_backend.warmup(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale, sc.max_num_seqs,
-                               sc.max_num_batched_tokens, self.config.model_config.max_model_len)
-        logger.info("flash-attn-4: %d kernel variants compiled in %.1fs", n, time.perf_counter() - t0)
-
-    def warmup_triton(self) -> None:
-        """Compile every variant of our Triton attention that serving can reach (issue 18: a variant compiled
-        just in time for a shape the warmup never ran paused a step for seconds)."""
-        from flame_llm.kernels.triton_attention import warmup_all_variants
-
-        layer, t0 = self.attn_layers[0], time.perf_counter()
-        n = warmup_all_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.scale)
-        logger.info("triton attention: %d variant launches in %.1fs", n, time.perf_counter() - t0)
-
     def attention_jit_compiles(self) -> int:
         """Attention kernels compiled since startup (FA4's JIT; 0 for backends compiled at startup). A new
         one is logged with FA4's key the first time it is seen, so a warmup gap can be found."""
-        if self.backend != "fa4":
+        if not self.uses_fa4:
             return 0
         from flame_llm.kernels.fa4_backend import jit_compiles, new_variants
         n = jit_compiles()
@@ -258,7 +221,7 @@ class ModelRunner:
             if prev_sampled is not None:
                 dev.input_ids[dev.pending_rows] = prev_sampled[dev.pending_src]
             hidden = self.forward(dev)
-            if self.backend == "fa4":
+            if self.uses_fa4:
                 self.attention_jit_compiles()  # logs a variant the warmup missed
             if not x.sample_idx:
                 return handle

@@ -26,19 +26,17 @@ advances num_computed_tokens over verified positions only).
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
+from flame_llm.engine.commit import StopRule, commit_sampled, commit_speculative, fail_rows
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput, SpeculativeOutput
 from flame_llm.engine.sequence import Sequence, SequenceStatus
 from flame_llm.engine.stats import SchedulerStats
 from flame_llm.engine.waiting import WaitingOrder
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -196,12 +194,14 @@ class Scheduler:
         if output is not None:
             now = time.perf_counter()  # the step's schedule-to-now time is counted as prefill or decode time
             self.counts.count_time(output.scheduled.schedule_time, output.scheduled.has_prefill, now)
+            stop = StopRule(self.eos_token_ids, self.max_model_len)
             if isinstance(output, SpeculativeOutput):
-                finished = self._commit_speculative(output, now)
+                finished = commit_speculative(output, now, stop, self.block_manager, self.finish)
             else:
-                finished = self._complete(output, now)
+                assert not self.speculative, "a speculative engine's steps are committed whole (SpeculativeOutput)"
+                finished = commit_sampled(output, now, stop, self.block_manager, self.finish)
             if output.failed:
-                self._fail_rows(output, finished)
+                fail_rows(output, finished, self.finish)
         if self.retired:
             self._release_retired()
         return finished
@@ -220,52 +220,6 @@ class Scheduler:
                     self.running.remove(seq)  # ends by length
                     self.retired.append(seq)
 
-    def _complete(self, output: ModelRunnerOutput, now: float) -> list[Sequence]:
-        """Append the sampled tokens of a launched step; return the sequences that finished."""
-        assert not self.speculative, "a speculative engine's steps are committed whole (SpeculativeOutput)"
-        finished = []
-        for seq, token_id in zip(output.scheduled.seqs, output.sampled_token_ids):
-            if token_id is None or seq.status == SequenceStatus.FINISHED:
-                continue  # a chunk short of the end, a failed row, or a sequence that stopped (or was aborted)
-            seq.num_pending_tokens -= 1
-            reason = self._append_token(seq, token_id, now)
-            self.block_manager.publish(seq)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
-
-    def _commit_speculative(self, output: SpeculativeOutput, now: float) -> list[Sequence]:
-        """Commit a step run by speculative decoding (not launched): append each sequence's tokens up to a
-        stop, count num_verified more of its positions as computed, publish its full blocks below
-        publish_upto. Returns the sequences that finished."""
-        finished = []
-        for seq, tokens, n, upto in zip(output.scheduled.seqs, output.token_ids, output.num_verified,
-                                        output.publish_upto):
-            reason = None
-            for token_id in tokens:
-                reason = self._append_token(seq, token_id, now)
-                if reason is not None:
-                    break
-            seq.num_computed_tokens = min(seq.num_computed_tokens + n, seq.num_tokens)
-            self.block_manager.publish(seq, upto=min(seq.num_computed_tokens, upto))
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
-
-    def _fail_rows(self, output: ModelRunnerOutput | SpeculativeOutput, finished: list[Sequence]) -> None:
-        """Finish the rows whose sampling failed on their own (a poison request; their token was not
-        appended) with reason "error" and the message in seq.error; their neighbours are done as usual."""
-        for i, message in output.failed.items():
-            seq = output.scheduled.seqs[i]
-            if seq.is_finished:  # aborted meanwhile
-                continue
-            logger.warning("request %s failed in the step and is finished alone: %s", seq.request_id, message)
-            seq.error = message
-            self.finish(seq, "error")
-            finished.append(seq)
-
     def _release_retired(self) -> None:
         """Free the blocks of retired sequences whose fed tokens are all known (only the last is pending)."""
         keep = []
@@ -278,17 +232,6 @@ class Scheduler:
             self.block_manager.publish(seq)
             self.block_manager.deallocate(seq)
         self.retired = keep
-
-    def _append_token(self, seq: Sequence, token_id: int, now: float) -> str | None:
-        """Append a sampled token; the stop reason it triggers, if any."""
-        seq.append_token(token_id, now)
-        if not seq.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if token_id in seq.sampling_params.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -149,13 +149,6 @@ def triton_with_fa4_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     return triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
-_DENSE_FRESH = {"on": False}  # set by the attention layers (fresh_prefill_backend "fa4"): warmup covers it
-
-
-def use_dense_fresh(on: bool) -> None:
-    _DENSE_FRESH["on"] = on
-
-
 def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                           fresh_prefill_backend: str = "triton") -> torch.Tensor:
@@ -163,16 +156,13 @@ def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 
     A mixed step whose leading segments are single tokens (meta.decode_split) sends those rows to our
     Triton decode kernel and the rest to FA4, each writing its rows of one output. fresh_prefill_backend
-    "fa4": a step with no cached keys takes FA4's dense varlen kernel on the fresh k/v ("triton", the
-    default, keeps it on the paged kernel; a torch name sends it to torch's dense attention)."""
+    "fa4": a step with no cached keys takes FA4's dense varlen kernel on the fresh k/v; every other value
+    (the triton backend's choices: triton, sdpa, ...) leaves this backend's fresh steps on the paged kernel."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode:
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    if meta.fresh_only and fresh_prefill_backend != "triton":
-        if fresh_prefill_backend == "fa4":
-            return fa4_dense_prefill(q, k, v, meta, scale)
-        from flame_llm.kernels.triton_attention import dense_prefill
-        return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
+    if meta.fresh_only and fresh_prefill_backend == "fa4":
+        return fa4_dense_prefill(q, k, v, meta, scale)
     if meta.decode_split is None:
         return fa4_paged_attention(q, k_cache, v_cache, meta, scale)
     d, decode, rest = meta.decode_split
@@ -205,15 +195,11 @@ def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len:
     return cases
 
 
-@torch.inference_mode()
-def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, max_num_seqs: int,
-           max_num_batched_tokens: int, max_model_len: int) -> int:
-    """Compile every FA4 variant the engine's limits can reach (reads the cache, writes nothing to it);
-    returns how many were compiled. jit_compiles() counts from here."""
-    global _compiles_at_warmup
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+def _warmup_steps(k_cache: torch.Tensor, num_heads: int, max_num_seqs: int, max_num_batched_tokens: int,
+                  max_model_len: int):
+    """(q, k_lens, q_lens, meta) of each warmup_shapes step whose block table fits the cache."""
+    num_blocks, block_size, _, head_dim = k_cache.shape
     dev = k_cache.device
-    before = _compile_cache_size()
     for q_lens, k_lens in warmup_shapes(max_num_seqs, max_num_batched_tokens, max_model_len, block_size):
         width = -(-max(k_lens) // block_size)
         if width > num_blocks:
@@ -223,14 +209,51 @@ def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: 
         tables = torch.arange(width, dtype=torch.int32, device=dev).repeat(len(q_lens), 1)
         meta = AttentionMetadata(cu_q, torch.tensor(k_lens, dtype=torch.int32, device=dev), tables,
                                  torch.empty(0, dtype=torch.int64, device=dev), max(q_lens), max(k_lens))
-        fa4_paged_attention(q, k_cache, v_cache, meta, scale)
-        if _DENSE_FRESH["on"] and k_lens == q_lens and num_blocks * block_size >= sum(q_lens):
-            kv = k_cache.view(-1, num_kv_heads, head_dim)[: sum(q_lens)]  # any finite keys: only compiles
-            fa4_dense_prefill(q, kv, kv, meta, scale)
-    # a mixed step's decode rows go to our Triton decode kernel with a split count that follows the step:
-    # compile each split count's variant now, not under load
-    warmup_all_variants(k_cache, v_cache, num_heads, scale, decode_only=True)
+        yield q, q_lens, k_lens, meta
+
+
+def _dense_warmup_step(k_cache: torch.Tensor, q: torch.Tensor, q_lens: list[int], k_lens: list[int],
+                       meta: AttentionMetadata, scale: float) -> None:
+    """The dense kernel on a fresh-only warmup step (any finite keys: it only compiles)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if k_lens == q_lens and num_blocks * block_size >= sum(q_lens):
+        kv = k_cache.view(-1, num_kv_heads, head_dim)[: sum(q_lens)]
+        fa4_dense_prefill(q, kv, kv, meta, scale)
+
+
+def _finish_warmup(dev: torch.device, before: int) -> int:
+    global _compiles_at_warmup
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     _compiles_at_warmup = _compile_cache_size()
     return _compiles_at_warmup - before
+
+
+@torch.inference_mode()
+def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, max_num_seqs: int,
+           max_num_batched_tokens: int, max_model_len: int, dense_fresh: bool = False) -> int:
+    """Compile every FA4 variant the engine's limits can reach (reads the cache, writes nothing to it), the
+    dense kernel's too when dense_fresh (fresh_prefill_backend "fa4"); returns how many were compiled.
+    jit_compiles() counts from here."""
+    before = _compile_cache_size()
+    for q, q_lens, k_lens, meta in _warmup_steps(k_cache, num_heads, max_num_seqs, max_num_batched_tokens,
+                                                 max_model_len):
+        fa4_paged_attention(q, k_cache, v_cache, meta, scale)
+        if dense_fresh:
+            _dense_warmup_step(k_cache, q, q_lens, k_lens, meta, scale)
+    # a mixed step's decode rows go to our Triton decode kernel with a split count that follows the step:
+    # compile each split count's variant now, not under load
+    warmup_all_variants(k_cache, v_cache, num_heads, scale, decode_only=True)
+    return _finish_warmup(k_cache.device, before)
+
+
+@torch.inference_mode()
+def warmup_dense(k_cache: torch.Tensor, num_heads: int, scale: float, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> int:
+    """The triton backend with fresh_prefill_backend "fa4": compile FA4's dense variants only (the paged ones
+    are never used); returns how many were compiled. jit_compiles() counts from here."""
+    before = _compile_cache_size()
+    for q, q_lens, k_lens, meta in _warmup_steps(k_cache, num_heads, max_num_seqs, max_num_batched_tokens,
+                                                 max_model_len):
+        _dense_warmup_step(k_cache, q, q_lens, k_lens, meta, scale)
+    return _finish_warmup(k_cache.device, before)

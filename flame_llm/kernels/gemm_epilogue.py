@@ -132,6 +132,24 @@ def quack_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     return quack_module().gemm_add(x, weight.T, residual, tuned=False)
 
 
+TMA_CAPABILITY = (9, 0)  # the Triton kernel's TensorDescriptor loads are TMA: Hopper and newer
+
+
+def epilogue_unavailable_reason(impl: str, device: torch.device) -> str | None:
+    """Why `impl` cannot run on `device` (None when it can). Off CUDA every impl runs as the torch composition,
+    so only quack's import is checked there (asking for quack on a machine without it is a config error)."""
+    if impl == "quack":
+        gi = quack_module()
+        if isinstance(gi, Exception):
+            return f"quack-kernels does not import: {type(gi).__name__}: {gi}"
+    if impl == "triton" and device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < TMA_CAPABILITY:
+            return (f"the Triton kernel needs CUDA compute capability >= {TMA_CAPABILITY[0]}.{TMA_CAPABILITY[1]} "
+                    f"(TMA); this device is {cap[0]}.{cap[1]}")
+    return None
+
+
 # ---- the dispatch the layers call ------------------------------------------------------------------
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, impl: str) -> torch.Tensor:
     """silu(gate) * up of the merged gate/up projection of x [..., K]; torch composition off CUDA."""

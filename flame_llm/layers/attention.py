@@ -24,9 +24,11 @@ def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
     if name == "fa4":
         import functools
 
-        from flame_llm.kernels.fa4_backend import fa4_attention_forward, use_dense_fresh
-        use_dense_fresh(fresh_prefill_backend == "fa4")  # its warmup then compiles the dense variants too
-        return functools.partial(fa4_attention_forward, fresh_prefill_backend=fresh_prefill_backend)
+        from flame_llm.kernels.fa4_backend import fa4_attention_forward
+        # only "fa4" changes this backend's fresh-only steps (FA4's dense kernel); the triton backend's other
+        # choices (sdpa, cudnn, ...) are not this backend's and leave them on FA4's paged kernel
+        return functools.partial(fa4_attention_forward,
+                                 fresh_prefill_backend="fa4" if fresh_prefill_backend == "fa4" else "triton")
     raise ValueError(f"attention_backend {name!r} is not one of 'torch', 'triton', 'flash_attn', 'fa4'")
 
 

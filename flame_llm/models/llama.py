@@ -168,8 +168,17 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCaus
 def configure_gemm_epilogues(model: nn.Module, spec: str) -> dict[str, str]:
     """Set Config.gemm_epilogues on every decoder layer of `model`: "swiglu=triton|quack" (SiLU-mul in the
     gate/up GEMM's epilogue), "residual=cublas|triton|quack" (the residual add in the o / down GEMMs'; the
-    norms after them then have no add); "" is today's path. Off CUDA each runs as its torch composition."""
+    norms after them then have no add); "" is today's path. Off CUDA each runs as its torch composition.
+    ValueError names the field when an impl cannot run on the model's device (quack not importable, triton
+    below SM90)."""
+    from flame_llm.kernels.gemm_epilogue import epilogue_unavailable_reason
+
     ops = parse_gemm_epilogues(spec)
+    device = next(model.parameters()).device
+    for op, impl in ops.items():
+        reason = epilogue_unavailable_reason(impl, device)
+        if reason is not None:
+            raise ValueError(f"engine field 'gemm_epilogues': {op}={impl} cannot run here: {reason}")
     for m in model.modules():
         biases = []
         if isinstance(m, MLP):

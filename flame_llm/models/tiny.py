@@ -11,7 +11,7 @@ TINY_DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "flame_llm", 
 TINY_VOCAB_SIZE = 512  # the default model's vocabulary; its tokenizer is trained to exactly this size
 
 
-def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed: int = 0,
+def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = TINY_VOCAB_SIZE, seed: int = 0,
                     num_layers: int = 2, max_position_embeddings: int = 4096,
                     sharded: bool = False, std: float = 0.35, tokenizer: bool = False) -> str:
     """Write a float32 random checkpoint (with `tokenizer`: and the tiny tokenizer beside it). A large init

@@ -29,17 +29,23 @@ def num_parameters(hf_config) -> int:
 
 
 def kv_cache_bytes(hf_config, engine: dict, dtype_bytes: int) -> int:
-    """The KV cache a CPU engine allocates: num_kvcache_blocks blocks when set, else cpu_kvcache_gib."""
-    from flame_llm.config import CacheConfig
+    """The KV cache a CPU engine allocates: num_kvcache_blocks blocks when set, else what the runner sizes from
+    cpu_kvcache_gib (kv_sizing.cpu_num_blocks: capped at what max_num_seqs sequences of max_model_len can hold)."""
+    from flame_llm.config import EngineConfig
+    from flame_llm.engine.kv_sizing import cpu_num_blocks, kv_block_bytes
 
-    blocks = engine.get("num_kvcache_blocks", -1)
-    if blocks is None or blocks < 1:
-        return int(engine.get("cpu_kvcache_gib", CacheConfig().cpu_kvcache_gib) * GIB)
-    c = hf_config
+    cfg = EngineConfig.from_kwargs(**engine)  # every field the engine dict leaves out takes its default
+    cc, c = cfg.cache_config, hf_config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    block_size = engine.get("block_size", CacheConfig().block_size)
-    return blocks * block_size * c.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+    block_bytes = kv_block_bytes(c.num_hidden_layers, cc.block_size, kv_heads, head_dim, dtype_bytes)
+    blocks = cc.num_kvcache_blocks
+    if blocks < 1:
+        # max_model_len as the engine caps it (Config: at the model's positions)
+        max_len = min(cfg.model_config.max_model_len, getattr(c, "max_position_embeddings", 1 << 62))
+        blocks, _ = cpu_num_blocks(cc.cpu_kvcache_gib, block_bytes, cfg.scheduler_config.max_num_seqs, max_len,
+                                   cc.block_size)
+    return blocks * block_bytes
 
 
 def available_memory_bytes() -> int:

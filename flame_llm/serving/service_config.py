@@ -106,10 +106,16 @@ class ServiceConfig:
     def from_kwargs(cls, **kwargs) -> ServiceConfig:
         """From flat field names (each unique across the sections and the engine's fields): ServiceConfig.from_kwargs(
         model=..., num_shards=2, namespace="x", load_format="dummy"); `engine` may also be a mapping of engine
-        fields."""
+        fields, or an EngineConfig (passed through unchanged)."""
         top = {k: kwargs.pop(k) for k in ("model",) if k in kwargs}
         engine = kwargs.pop("engine", {})
-        parts: dict[str, dict] = {"engine": dict(engine)} | {s: {} for s in SECTIONS}
+        if isinstance(engine, EngineConfig):  # taken as it is; flat engine fields beside it would be ambiguous
+            flat = sorted(k for k in kwargs if _SECTION_OF.get(k) == "engine")
+            if flat:
+                raise ValueError(f"service config field(s) {flat} are given beside an EngineConfig `engine`; set "
+                                 "them in it")
+        parts: dict[str, dict] = {"engine": engine if isinstance(engine, EngineConfig) else dict(engine)}
+        parts |= {s: {} for s in SECTIONS}
         for k, v in kwargs.items():
             section = _SECTION_OF.get(k)
             if section is None:
@@ -124,12 +130,6 @@ class ServiceConfig:
         return self.engine.to_kwargs(changed_only=True)
 
 
-def _article(name: str) -> str:
-    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
-
-
-SECTIONS = {"placement": PlacementConfig, "shard": ShardOptions, "router": RouterConfig, "client": ClientConfig,
-            "ray": RayConfig, "http": HttpConfig}
 _SECTION_OF = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 assert not set(_SECTION_OF) & set(ENGINE_FIELDS), "a field name is in a section and the engine"
 _SECTION_OF |= {name: "engine" for name in ENGINE_FIELDS}
