@@ -95,10 +95,16 @@ def fa4_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     when given (FA4's forward takes an output buffer; its public wrapper, an autograd Function, does not)."""
     kwargs = dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                   seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=scale, causal=True)
+    return _fa4_call(q, k_cache, v_cache, out, kwargs)
+
+
+def _fa4_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, kwargs: dict
+              ) -> torch.Tensor:
+    """FA4's inference forward when this version has it (into `out`), else its public varlen function."""
     fwd = _forward_fn()
     if fwd is not None:
-        return fwd(q, k_cache, v_cache, out=out, **kwargs)[0]
-    res = _varlen_fn()(q, k_cache, v_cache, **kwargs)
+        return fwd(q, k, v, out=out, **kwargs)[0]
+    res = _varlen_fn()(q, k, v, **kwargs)
     res = res[0] if isinstance(res, tuple) else res
     if out is not None:
         out.copy_(res)
@@ -128,15 +134,7 @@ def fa4_dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: A
     dense varlen kernel (no page table; 695 vs 612-623 TFLOP/s paged for 8K fresh on the H200)."""
     kwargs = dict(cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                   max_seqlen_k=meta.max_seqlen_q, softmax_scale=scale, causal=True)
-    fwd = _forward_fn()
-    if fwd is not None:
-        return fwd(q, k, v, out=out, **kwargs)[0]
-    res = _varlen_fn()(q, k, v, **kwargs)
-    res = res[0] if isinstance(res, tuple) else res
-    if out is not None:
-        out.copy_(res)
-        return out
-    return res
+    return _fa4_call(q, k, v, out, kwargs)
 
 
 def triton_with_fa4_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
