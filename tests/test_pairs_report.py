@@ -224,7 +224,8 @@ def test_one_traces_pairs_through_ray_job_submit(tmp_path):
     through `ray job submit`."""
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths live under it
     gcs, dash, client, agent, agent_grpc, rtenv, metrics, nm, om = _free_ports(9)
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}, "PYTHONPATH": REPO}
+    # `ray start` turns token authentication on (the token in ~/.ray/auth_token); its clients must say so too
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": REPO, "RAY_AUTH_MODE": "token"}
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", "--num-cpus", "2", "--num-gpus", "0", "--disable-usage-stats",
          "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard",
