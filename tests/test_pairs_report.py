@@ -5,15 +5,12 @@ through `ray job submit` against a local `ray start --head`."""
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
-import time
 
 import pytest
 
-from bench import pairs, provenance, report, systems
+from bench import jobpairs, pairs, provenance, report, systems
 from bench.runner import RAW_FORMAT
 from bench.systems import parse_system
 from bench.traces import TraceConfig, make_trace
@@ -206,60 +203,20 @@ def test_cpu_pairs_split_over_two_invocations_merge_into_one_report(tmp_path):
         pairs.main([*common, "--pair-start", "1"])
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.mark.slow
 def test_one_traces_pairs_through_ray_job_submit(tmp_path):
-    """What `bash bench/device_run.sh jobpairs` does on the GPU machine, on CPU: a Ray head of our own (its own
-    ports and temp dir, so other Ray clusters on this machine are left alone), `ray job submit --working-dir .`
-    of bench.pairs, the job's logs fetched, the head stopped; the raw records and the report say the pairs ran
-    through `ray job submit`."""
-    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths live under it
-    gcs, dash, client, agent, agent_grpc, rtenv, metrics, nm, om = _free_ports(9)
-    # `ray start` turns token authentication on (the token in ~/.ray/auth_token); its clients must say so too
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": REPO, "RAY_AUTH_MODE": "token"}
-    head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--num-cpus", "2", "--num-gpus", "0", "--disable-usage-stats",
-         "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard",
-         "true", "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
-         "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(rtenv),
-         "--metrics-export-port", str(metrics), "--node-manager-port", str(nm), "--object-manager-port", str(om),
-         "--temp-dir", temp], env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT)
+    """What `bash bench/device_run.sh jobpairs` runs on the GPU machine, on CPU: bench.jobpairs starts a Ray head of
+    its own (free ports, its own temp dir: other Ray clusters on this machine are left alone), submits bench.pairs
+    with `ray job submit --working-dir <repo>`, fetches the job's logs and stops the head; the raw records and the
+    report say the pairs ran through `ray job submit`."""
+    os.environ.pop("RAY_ADDRESS", None)
     out = str(tmp_path / "job")
-    address = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.monotonic() + 180
-        while subprocess.run(["ray", "job", "list", "--address", address], env=env, capture_output=True,
-                             timeout=60).returncode != 0:
-            assert head.poll() is None, "ray start --head exited"
-            assert time.monotonic() < deadline, "the Ray head's job server did not come up in 180 s"
-            time.sleep(2)
-        sub = subprocess.run(
-            ["ray", "job", "submit", "--address", address, "--submission-id", "pairs-test", "--working-dir", ".",
-             "--runtime-env-json", json.dumps({"excludes": [".git", ".device", ".vllm", "out", "bench/results"]}),
-             "--", "python", "-m", "bench.pairs", "--systems", "flame,engine", "--traces", "reuse", "--pairs", "1",
-             "--out", out, *SCALE], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-        logs = subprocess.run(["ray", "job", "logs", "--address", address, "pairs-test"], env=env,
-                              capture_output=True, text=True, timeout=60).stdout
-        assert sub.returncode == 0, sub.stdout[-3000:] + sub.stderr[-3000:]
-        assert "succeeded" in sub.stdout and "| flame / engine |" in logs
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        shutil.rmtree(temp, ignore_errors=True)
+    rc = jobpairs.main(["--out", out, "--num-cpus", "2", "--num-gpus", "0", "--submission-id", "pairs-test", "--",
+                        "--systems", "flame,engine", "--traces", "reuse", "--pairs", "1", *SCALE])
+    job = json.load(open(os.path.join(out, "jobs", "pairs-test.json")))
+    logs = open(os.path.join(out, "jobs", "pairs-test.log")).read()
+    assert rc == 0 and job["rc"] == 0, (job, logs[-3000:])
+    assert job["status"] == "SUCCEEDED" and "| flame / engine |" in logs
     for label in ("flame", "engine"):
         raw = json.load(open(os.path.join(out, "raw", "reuse", label, "pair00.json")))
         assert raw["call"]["via"] == "ray job submit" and raw["call"]["submission_id"] == "pairs-test"
@@ -267,3 +224,20 @@ def test_one_traces_pairs_through_ray_job_submit(tmp_path):
     rep = report.write_report(out)
     assert [x["via"] for x in rep["traces"]["reuse"]["provenance"]["pairs"]] == ["ray job submit"]
     assert "launched via: ray job submit" in open(os.path.join(out, "report.md")).read()
+    head_gone = subprocess.run(["ray", "job", "list", "--address", job["address"]], env=jobpairs.ray_env(),
+                               capture_output=True, timeout=60)
+    assert head_gone.returncode != 0  # the head was stopped
+
+
+def test_jobpairs_refuses_out_after_the_separator_and_reports_a_head_that_fails_to_start(tmp_path):
+    with pytest.raises(SystemExit, match="give --out to bench.jobpairs"):
+        jobpairs.main(["--out", str(tmp_path), "--", "--traces", "reuse", "--out", "x"])
+    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
+    head, address = jobpairs.start_head(-1, 0, temp, str(tmp_path / "start.log"))  # -1 CPUs: refused
+    try:
+        with pytest.raises(RuntimeError, match="ray start --head exited with"):
+            jobpairs.wait_jobs_api(head, address, timeout_s=120)
+    finally:
+        jobpairs.stop_head(head)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert "Resource quantities must be nonnegative" in (tmp_path / "start.log").read_text()
