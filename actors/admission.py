@@ -9,6 +9,13 @@ promised the next slot after that, one slot interval later (a slot clock), so a 
 requests come back spread at the rate slots free, each jittered within its interval. Hints are bounded
 to [HINT_MIN_S, HINT_MAX_S] (those cut to the maximum spread over its last JITTER fraction).
 `wait_for_room` lets a caller wait for a free queue slot instead of a timer.
+
+Fair (the default): callers (a client: its Ray job and client id) wait in their own FIFO queues, and each
+free slot goes to the next caller in turn (round robin), so one client's burst cannot keep another's request
+out. Each caller may hold its own capacity, max_requests in flight + max_queued waiting, before it is
+rejected; at most MAX_QUEUED_CALLERS callers wait at once. Memory: at most
+MAX_QUEUED_CALLERS x (max_requests + max_queued) waiting requests. Not fair (fair=False): one FIFO queue
+of at most max_queued requests for everyone, as before.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from flame_llm.limits import max_output_tokens
 
@@ -28,6 +35,7 @@ JITTER = 0.1  # hints cut to HINT_MAX_S are spread over its last 10%
 RATE_WINDOW = 256  # releases the drain rate is measured over
 RATE_HORIZON_S = 30.0  # ... no older than this (but the last two)
 MIN_AREA_S = 1e-3  # request-seconds: a hold time over less is measured as over this
+MAX_QUEUED_CALLERS = 256  # callers with requests waiting at once (fair gate); past it a new caller is rejected
 
 
 def request_cost(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
@@ -38,22 +46,25 @@ def request_cost(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int
 
 
 class Overloaded(Exception):
-    def __init__(self, retry_after_s: float, queued: int, limit: int, position: int = 0):
-        super().__init__(f"admission queue is full ({queued} waiting, max_queued_requests={limit}); "
-                         f"retry after {retry_after_s:.3f}s")
+    def __init__(self, retry_after_s: float, queued: int, limit: int, position: int = 0, why: str = ""):
+        why = why or f"admission queue is full ({queued} waiting, max_queued_requests={limit})"
+        super().__init__(f"{why}; retry after {retry_after_s:.3f}s")
         self.retry_after_s = retry_after_s
         self.position = position  # queue slots promised to rejected requests before this one's
 
 
 class Admission:
-    def __init__(self, max_tokens: int, max_requests: int, max_queued: int, *,
+    def __init__(self, max_tokens: int, max_requests: int, max_queued: int, *, fair: bool = True,
                  clock: Callable[[], float] = time.perf_counter, rng: random.Random | None = None):
         assert max_tokens >= 1 and max_requests >= 1 and max_queued >= 0
-        self.max_tokens, self.max_requests, self.max_queued = max_tokens, max_requests, max_queued
+        self.max_tokens, self.max_requests, self.max_queued, self.fair = max_tokens, max_requests, max_queued, fair
         self.tokens = 0
         self.requests = 0
         self.queued_tokens = 0
-        self._waiters: deque[tuple[int, asyncio.Future]] = deque()
+        # caller -> its waiting (cost, future), FIFO; the dict's order is the callers' turn (round robin)
+        self._queues: dict[Hashable, deque[tuple[int, asyncio.Future]]] = {}
+        self._queued = 0
+        self._held: dict[Hashable, int] = {}  # caller -> its requests in flight
         self._room_waiters: deque[asyncio.Future] = deque()
         self.admitted = 0
         self.rejected = 0
@@ -68,7 +79,30 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return self._queued
+
+    def _key(self, caller: Hashable) -> Hashable:
+        return caller if self.fair else None
+
+    def _head(self) -> tuple[Hashable, int] | None:
+        """(caller, cost) of the request whose turn is next, or None with nobody waiting."""
+        for key, q in self._queues.items():
+            return key, q[0][0]
+        return None
+
+    def _full_for(self, key: Hashable) -> str:
+        """Why a request of `key` arriving now is rejected, or "" when it may wait."""
+        if not self.fair:
+            return "" if self._queued < self.max_queued else \
+                f"admission queue is full ({self._queued} waiting, max_queued_requests={self.max_queued})"
+        q = self._queues.get(key)
+        if q is None and len(self._queues) >= MAX_QUEUED_CALLERS:
+            return f"admission queue is full ({len(self._queues)} callers waiting, the most at once)"
+        waiting, held = len(q) if q else 0, self._held.get(key, 0)
+        if waiting + held >= self.max_requests + self.max_queued:
+            return (f"admission queue is full for this caller ({waiting} waiting, {held} in flight; "
+                    f"max_inflight_requests={self.max_requests} + max_queued_requests={self.max_queued})")
+        return ""
 
     def _fits(self, cost: int) -> bool:
         if self.requests == 0:
@@ -81,56 +115,80 @@ class Admission:
         self._area_t = now
         return now
 
-    def _take(self, cost: int) -> None:
+    def _take(self, cost: int, key: Hashable) -> None:
         self._advance()
         self.tokens += cost
         self.requests += 1
         self.admitted += 1
+        self._held[key] = self._held.get(key, 0) + 1
 
-    def has_room(self, cost: int = 0) -> bool:
-        """A request of `cost` tokens arriving now would be admitted or queued, not rejected."""
-        return (not self._waiters and self._fits(cost)) or len(self._waiters) < self.max_queued
+    def has_room(self, cost: int = 0, caller: Hashable = None) -> bool:
+        """A request of `cost` tokens from `caller` arriving now would be admitted or queued, not rejected."""
+        return (not self._queued and self._fits(cost)) or not self._full_for(self._key(caller))
 
-    async def acquire(self, cost: int) -> None:
-        """Reserve `cost` tokens and one request slot; wait FIFO when over the bounds; raise Overloaded
-        when max_queued requests are already waiting."""
-        if not self._waiters and self._fits(cost):
-            self._take(cost)
+    async def acquire(self, cost: int, caller: Hashable = None) -> None:
+        """Reserve `cost` tokens and one request slot for `caller`; wait in the caller's FIFO queue (served
+        in turn with the other callers') when over the bounds; raise Overloaded when the caller's capacity
+        is taken (see the module docstring)."""
+        key = self._key(caller)
+        if not self._queued and self._fits(cost):
+            self._take(cost, key)
             return
-        if len(self._waiters) >= self.max_queued:
+        why = self._full_for(key)
+        if why:
             self.rejected += 1
             hint, position = self._reject_hint(cost)
-            raise Overloaded(hint, len(self._waiters), self.max_queued, position)
+            raise Overloaded(hint, self._queued, self.max_queued, position, why)
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((cost, fut))
+        entry = (cost, fut)
+        self._queues.setdefault(key, deque()).append(entry)
+        self._queued += 1
         self.queued_tokens += cost
         self.waited += 1
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release(cost)  # granted just as we were cancelled
+                self.release(cost, caller)  # granted just as we were cancelled
             else:
-                self._waiters.remove((cost, fut))
+                q = self._queues[key]
+                q.remove(entry)
+                if not q:
+                    del self._queues[key]
+                self._queued -= 1
                 self.queued_tokens -= cost
+                self._grant()  # a head too big for the free tokens may have gone: the next may fit
                 self._wake_room_waiters()
             raise
 
-    def release(self, cost: int) -> None:
-        assert self.requests >= 1 and self.tokens >= cost
+    def release(self, cost: int, caller: Hashable = None) -> None:
+        key = self._key(caller)
+        assert self.requests >= 1 and self.tokens >= cost and self._held.get(key, 0) >= 1
         now = self._advance()
         self.tokens -= cost
         self.requests -= 1
+        self._held[key] -= 1
+        if not self._held[key]:
+            del self._held[key]
         self._releases.append((now, cost, self._area))
         self._released_tokens += cost
         if len(self._releases) > RATE_WINDOW:
             self._released_tokens -= self._releases.popleft()[1]
-        while self._waiters and self._fits(self._waiters[0][0]):
-            c, fut = self._waiters.popleft()
-            self.queued_tokens -= c
-            self._take(c)
-            fut.set_result(None)
+        self._grant()
         self._wake_room_waiters()
+
+    def _grant(self) -> None:
+        """Admit waiting requests while the one whose turn it is fits; its caller's turn then passes."""
+        while (head := self._head()) is not None and self._fits(head[1]):
+            key = head[0]
+            q = self._queues.pop(key)
+            c, fut = q.popleft()
+            if q:
+                self._queues[key] = q  # to the back of the turn
+            self._queued -= 1
+            self.queued_tokens -= c
+            self._take(c, key)
+            fut.set_result(None)
 
     # ---- retry hints ------------------------------------------------------------------------------
     def drain_rate(self) -> tuple[float, float]:
@@ -156,7 +214,8 @@ class Admission:
             return HINT_COLD_S, COLD_INTERVAL_S
         interval = 1.0 / rate
         # the head of the queue (or, with no queue, this request) needs a release, and enough free tokens
-        head = self._waiters[0][0] if self._waiters else cost
+        head = self._head()
+        head = cost if head is None else head[1]
         deficit = self.tokens + head - self.max_tokens
         token_wait = deficit / token_rate if deficit > 0 and token_rate > 0 else 0.0
         return max(interval, token_wait), interval
@@ -183,7 +242,8 @@ class Admission:
     # ---- waiting for room instead of a timer --------------------------------------------------------
     async def wait_for_room(self, timeout_s: float) -> bool:
         """Wait until a request arriving now would be queued or admitted (True), at most timeout_s
-        (False). Waiters are woken in order, one per free queue slot, so they do not all come at once."""
+        (False). Waiters are woken in order, one per free queue slot, so they do not all come at once.
+        (The anonymous caller's room: this gate's one queue when it is not fair.)"""
         if self.has_room() and not self._room_waiters:
             return True
         fut = asyncio.get_running_loop().create_future()
@@ -198,8 +258,8 @@ class Admission:
                 self._room_waiters.remove(fut)
 
     def _wake_room_waiters(self) -> None:
-        free = self.max_queued - len(self._waiters)
-        if not self._waiters and self._fits(0):
+        free = self.max_queued - self._queued
+        if not self._queued and self._fits(0):
             free = max(free, 1)
         while free > 0 and self._room_waiters:
             fut = self._room_waiters.popleft()
@@ -208,6 +268,6 @@ class Admission:
                 free -= 1
 
     def stats(self) -> dict:
-        return {"inflight_tokens": self.tokens, "inflight_requests": self.requests, "queued": len(self._waiters),
-                "queued_tokens": self.queued_tokens, "admitted": self.admitted, "rejected": self.rejected,
-                "waited": self.waited}
+        return {"inflight_tokens": self.tokens, "inflight_requests": self.requests, "queued": self._queued,
+                "queued_tokens": self.queued_tokens, "queued_callers": len(self._queues), "admitted": self.admitted,
+                "rejected": self.rejected, "waited": self.waited}

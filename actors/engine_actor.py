@@ -1,10 +1,11 @@
 """The engine actor: one per GPU (or CPU shard), holding one AsyncEngine for its whole life.
 
-`submit` (a batch) and `stream` (one request, its tokens as they are sampled) run in the default concurrency
-group (its own event loop); health, stats, abort, drain and shutdown run in the "control" group, on another
-loop, so a saturated admission loop never starves them. Requests are aborted on the caller's word or when the
-caller's Ray job dies (actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)`
-in flame_llm.serving.service.
+`submit` (a batch, its results at once), `submit_streaming` (a batch, each result as it finishes) and `stream`
+(one request, its tokens as they are sampled) run in the default concurrency group (its own event loop); health,
+stats, abort, drain and shutdown run in the "control" group, on another loop, so a saturated admission loop
+never starves them. Requests are aborted on the caller's word or when the caller's Ray job dies
+(actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)` in
+flame_llm.serving.service.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import ray
 
 from actors.admission import Admission, Overloaded, request_cost
+from actors.as_finished import as_finished
 from actors.host import EngineHost
 from actors.inflight import Inflight
 from actors.metrics import shard_histograms
@@ -31,11 +33,11 @@ from flame_llm.protocol.types import (
     Request,
     RequestError,
     Result,
+    ShardHealth,
     WireError,
-    prompt_digest,
 )
 from flame_llm.protocol.wire import MAX_LEVEL, MIN_LEVEL, decode_requests, decoded_size, encode_results
-from flame_llm.validate import check_int
+from flame_llm.validate import check_bool, check_int, check_number
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +52,19 @@ class ShardOptions:
     # admission bounds; the token bound is above a shard's half of the seed reuse trace (1.06M tokens)
     max_inflight_tokens: int = 1 << 22  # prompt + max output tokens of the requests admitted
     max_inflight_requests: int = 1024  # requests admitted
-    max_queued_requests: int = 4096  # requests waiting for admission; past this one is rejected (overloaded)
+    max_queued_requests: int = 4096  # requests waiting for admission (per caller when fair); past it: overloaded
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
     zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
+    result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
+    fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
 
     def __post_init__(self) -> None:
         for name, low, high in (("torch_threads", 1, 1 << 10), ("max_inflight_tokens", 1, 1 << 40),
                                 ("max_inflight_requests", 1, 1 << 30), ("max_queued_requests", 0, 1 << 30),
                                 ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", MIN_LEVEL, MAX_LEVEL)):
             check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
+        check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
+        check_bool("fair_admission", self.fair_admission, where="shard field")
 
 
 class EngineActor:
@@ -75,7 +81,8 @@ class EngineActor:
         self.limits = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len, options.max_payload_bytes)
         self.zstd_level = options.zstd_level
         self.admission = Admission(options.max_inflight_tokens, options.max_inflight_requests,
-                                   options.max_queued_requests)
+                                   options.max_queued_requests, fair=options.fair_admission)
+        self.result_window_s = options.result_window_ms / 1000.0
         self.draining = False
         self.counters = {"batches": 0, "requests": 0, "streams": 0, "bad_batches": 0, "errors": 0, "cached_tokens": 0,
                          "prompt_tokens": 0, "output_tokens": 0, "decode_s": 0.0, "encode_s": 0.0,
@@ -110,22 +117,48 @@ class EngineActor:
         self.counters["result_wire_bytes"] += len(out)
         return out
 
-    async def submit(self, payload: bytes, caller: str | None = None) -> bytes:
+    async def submit(self, payload: bytes, caller: str | None = None, client: str | None = None) -> bytes:
         """A request batch payload in, a result payload out (input order). Never raises for bad input.
-        `caller`: the Ray job id of the sender; its requests are aborted when that job dies."""
+        `caller`: the Ray job id of the sender; its requests are aborted when that job dies. (caller, client)
+        is the sender's turn in admission."""
         t0 = time.perf_counter()
         items = self._decode(payload)
         if isinstance(items, Result):
             return self._encode([items])
         t1 = time.perf_counter()
         self.counters["decode_s"] += t1 - t0
-        results = await asyncio.gather(*(self._serve(item, t1, caller) for item in items))
+        results = await asyncio.gather(*(self._serve(item, t1, caller, client=client) for item in items))
         for r in results:
             r.timings["decode_s"] = t1 - t0
         return self._encode(results)
 
     @ray.method(num_returns="streaming")
-    async def stream(self, payload: bytes, caller: str | None = None):
+    async def submit_streaming(self, payload: bytes, caller: str | None = None, client: str | None = None):
+        """As submit, but a Ray streaming generator of result payloads (bytes, as submit answers), each request's
+        result sent as it finishes: results finishing within result_window_ms of a payload's first travel with
+        it (a payload leaves at once when none of the batch's other requests is still running). Every request
+        of the batch gets exactly one result, in finishing order (match them by id); an unreadable batch is one
+        result with id None. Cancelling the generator (ray.cancel) aborts what is still running."""
+        t0 = time.perf_counter()
+        items = self._decode(payload)
+        if isinstance(items, Result):
+            yield self._encode([items])
+            return
+        t1 = time.perf_counter()
+        self.counters["decode_s"] += t1 - t0
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._serve(item, t1, caller, client=client)) for item in items]
+        try:
+            async for results in as_finished(tasks, self.result_window_s):
+                for r in results:
+                    r.timings["decode_s"] = t1 - t0
+                yield self._encode(results)
+        finally:
+            for t in tasks:  # the caller went away: nobody reads the rest
+                t.cancel()
+
+    @ray.method(num_returns="streaming")
+    async def stream(self, payload: bytes, caller: str | None = None, client: str | None = None):
         """A Ray streaming generator over a payload of one request: lists of new token ids as the engine samples
         them, then the result payload (bytes, as `submit` answers). Aborting the request (`abort`), its
         caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
@@ -139,7 +172,7 @@ class EngineActor:
         self.counters["streams"] += 1
         chunks: asyncio.Queue = asyncio.Queue()
         task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
-                                                                  chunks.put_nowait))
+                                                                  chunks.put_nowait, client))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         try:
             done = False
@@ -156,7 +189,7 @@ class EngineActor:
             task.cancel()
 
     async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
-                     emit=None) -> Result:
+                     emit=None, client: str | None = None) -> Result:
         if isinstance(item, RequestError):
             self.counters["errors"] += 1
             return self._result(item.id, error=item.info())
@@ -169,7 +202,7 @@ class EngineActor:
             res.finish_reason = "abort"
             return res
         try:
-            return await self._admit_and_run(item, res, t_start, emit)
+            return await self._admit_and_run(item, res, t_start, emit, (caller, client))
         except asyncio.CancelledError:
             if not self.inflight.was_aborted(item.id):
                 raise
@@ -184,10 +217,10 @@ class EngineActor:
         """Admission tokens of a request: its prompt and the output it may still produce in max_model_len."""
         return request_cost(len(item.prompt_token_ids), item.sampling.max_tokens, self.limits.max_model_len)
 
-    async def _admit_and_run(self, item: Request, res: Result, t_start: float, emit) -> Result:
+    async def _admit_and_run(self, item: Request, res: Result, t_start: float, emit, sender: tuple) -> Result:
         sp, cost = item.sampling, self._cost(item)
         try:
-            await self.admission.acquire(cost)
+            await self.admission.acquire(cost, sender)
         except Overloaded as e:
             self.counters["errors"] += 1
             res.error = ErrorInfo(ErrorCode.OVERLOADED, f"shard {self.name}: {e}", e.retry_after_s)
@@ -220,19 +253,16 @@ class EngineActor:
             res.timings = {"queue_s": t_admit - t_start}
             return res
         finally:
-            self.admission.release(cost)
+            self.admission.release(cost, sender)
         t_done = time.perf_counter()
         c = self.counters
         c["requests"] += 1
         c["prompt_tokens"] += out.num_prompt_tokens
         c["cached_tokens"] += out.num_cached_tokens
         c["output_tokens"] += len(out.output_token_ids)
-        res.output_token_ids, res.finish_reason = out.output_token_ids, out.finish_reason
-        res.prompt_tokens, res.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
-        res.prompt_digest = prompt_digest(item.prompt_token_ids)
-        res.timings = {"queue_s": t_admit - t_start, "engine_s": t_done - t_admit, "total_s": t_done - t_start,
-                       **{k: float(v) for k, v in (("ttft", out.metrics.ttft), ("tpot", out.metrics.tpot))
-                          if v is not None}}
+        timings = {"queue_s": t_admit - t_start, "engine_s": t_done - t_admit, "total_s": t_done - t_start}
+        res = Result.from_output(out, item.prompt_token_ids, timings, shard=self.shard, device=self.device,
+                                 node=self.node_id)
         for key, name in (("queue_s", "queue_s"), ("total_s", "e2e_s"), ("ttft", "ttft_s"), ("tpot", "tpot_s")):
             if key in res.timings:
                 self.hist[name].observe(res.timings[key])
@@ -245,14 +275,13 @@ class EngineActor:
         return self.inflight.abort(list(request_ids))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    def health(self) -> dict:
-        """Placement, identity and state, and the limits requests are checked against (EngineLimits)."""
-        return {"shard": self.shard, "device": self.device, "node": self.node_id, "name": self.name,
-                "incarnation": self.incarnation, "restarted": self.restarted, "pid": os.getpid(), "model": self.model,
-                "model_revision": self.model_revision, **self.limits.to_dict(), "draining": self.draining,
-                # requests it takes without rejecting (in flight + queued): a client's flow-control credit
-                "admission_capacity": self.admission.max_requests + self.admission.max_queued,
-                "engine_failed": self.engine.failed}
+    def health(self) -> ShardHealth:
+        """Placement, identity and state, and the limits requests are checked against."""
+        return ShardHealth(self.shard, self.name, self.device, self.node_id, os.getpid(), self.model,
+                           self.model_revision, self.incarnation, self.restarted, self.limits,
+                           # requests one caller has there without a rejection: its flow-control credit
+                           self.admission.max_requests + self.admission.max_queued, self.draining,
+                           self.engine.failed)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def debug_break_engine(self) -> None:
@@ -264,7 +293,7 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
-        return {**self.health(), **self.counters, **self.inflight.counters, **self.admission.stats(),
+        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.admission.stats(),
                 "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats(),
                 "histograms": {k: h.to_dict() for k, h in self.hist.items()}}
 

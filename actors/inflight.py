@@ -19,21 +19,32 @@ log = logging.getLogger(__name__)
 
 REMEMBER_ABORTS = 100_000  # ids aborted before their request arrived, remembered (oldest dropped first)
 REMEMBER_ABORTS_S = 300.0
-WATCH_INTERVAL_S = 0.5  # between looks at the callers' jobs
+WATCH_INTERVAL_S = 0.5  # first look at the callers' jobs after this; each look that finds nobody dead waits
+WATCH_BACKOFF = 1.5  # this much longer than the last,
+WATCH_MAX_INTERVAL_S = 2.0  # up to this (a dead caller's requests are aborted within ~2 s)
+JOB_INFO_TIMEOUT_S = 5.0
 
 
-def dead_jobs(job_ids: set[str]) -> set[str]:
+async def dead_jobs(job_ids: set[str]) -> set[str]:
     """The job ids (hex) among `job_ids` that Ray's job table marks dead (a driver that exited or was killed).
-    The table is read from the GCS (ray._private.state, as `ray list jobs` needs the dashboard); when it cannot
-    be read, nobody is declared dead."""
-    import ray._private.state
+    Only those jobs are read from the GCS, one filtered job-info call each, without the submission-job and
+    running-tasks fields (the whole table, `ray._private.state.jobs()`, grows with every job the cluster ever
+    ran); a job the GCS does not know, or a failed call (the GCS is restarting), declares nobody dead."""
+    import ray
 
-    try:
-        table = ray._private.state.jobs()
-    except Exception as e:  # the GCS is restarting: try again next round
-        log.warning("could not read Ray's job table: %s", e)
-        return set()
-    return {j["JobID"] for j in table if j["IsDead"] and j["JobID"] in job_ids}
+    gcs = ray._private.worker.global_worker.gcs_client
+
+    async def one(job: str) -> bool:
+        try:
+            got = await gcs.async_get_all_job_info(job_or_submission_id=job, skip_submission_job_info_field=True,
+                                                   skip_is_running_tasks_field=True, timeout=JOB_INFO_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - try again next round
+            log.warning("could not read Ray's job info of %s: %s", job, e)
+            return False
+        return any(info.is_dead for jid, info in got.items() if jid.hex() == job)
+
+    ids = sorted(job_ids)
+    return {j for j, dead in zip(ids, await asyncio.gather(*(one(j) for j in ids))) if dead}
 
 
 class Inflight:
@@ -43,7 +54,8 @@ class Inflight:
         self.aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when its abort arrived
         self.loop: asyncio.AbstractEventLoop | None = None  # the submit loop (abort comes from another thread)
         self.watcher: asyncio.Task | None = None
-        self.counters = {"aborted": 0, "aborted_dead_caller": 0}
+        # caller_checks / caller_check_s: the watcher's looks at the job table and the seconds they took
+        self.counters = {"aborted": 0, "aborted_dead_caller": 0, "caller_checks": 0, "caller_check_s": 0.0}
         self._lock = threading.Lock()
 
     def add(self, rid: str, caller: str | None) -> bool:
@@ -96,13 +108,22 @@ class Inflight:
             self.aborted.pop(rid, None)
 
     async def _watch(self) -> None:
-        """Abort the requests of callers whose Ray job died; ends when no caller is left."""
+        """Abort the requests of callers whose Ray job died; ends when no caller is left. Looks back off while
+        every caller lives (WATCH_INTERVAL_S growing to WATCH_MAX_INTERVAL_S) and start over with a new caller."""
+        interval, seen = WATCH_INTERVAL_S, set()
         try:
             while self.callers:
-                await asyncio.sleep(WATCH_INTERVAL_S)
+                await asyncio.sleep(interval)
                 with self._lock:
                     callers = set(self.callers)
-                dead = await asyncio.to_thread(dead_jobs, callers)
+                if not callers:
+                    break
+                interval = WATCH_INTERVAL_S if callers - seen else min(interval * WATCH_BACKOFF, WATCH_MAX_INTERVAL_S)
+                seen = callers
+                t0 = time.perf_counter()
+                dead = await dead_jobs(callers)
+                self.counters["caller_checks"] += 1
+                self.counters["caller_check_s"] += time.perf_counter() - t0
                 for job in dead:
                     with self._lock:
                         rids = list(self.callers.pop(job, ()))

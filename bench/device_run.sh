@@ -123,6 +123,11 @@ case $stage in
     timeout 150 python3 -m pytest tests/test_gemm_epilogues.py tests/test_gpu_fa4.py tests/test_gpu_variants.py -q \
       -p no:warnings > "$OUT/fusion-tests.log" 2>&1
     grep -E "passed|failed|^E " "$OUT/fusion-tests.log" | tail -12 ;;
+  load)  # sustained load through each system's OpenAI endpoint, e.g. `load --systems flame,vllm --rates 2,4,8
+    # --duration-s 30` (one system after another; bench.load_report DIR merges calls into one report)
+    timeout ${LOAD_TIMEOUT:-560} python3 -m bench.pairs --mode load "${VLLM[@]}" --out /tmp/load "$@" 2>&1 \
+      | grep -v -e INFO -e WARNING | tail -45
+    tar czf "$OUT/load.tgz" -C /tmp load ;;
   sleep)  # hold the warm machine (and its unpacked /tmp) while a fix is made here
     sleep "${1:-60}" ;;
   *) echo "unknown stage $stage"; exit 2 ;;

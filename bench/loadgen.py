@@ -8,7 +8,11 @@ the one prefix chain), so a document's questions meet their cached prefix. Nothi
 window closes; requests still running are awaited (bounded by `drain_s`) and counted.
 
 Per rate: offered and achieved throughput, TTFT / TPOT / ITL / end-to-end percentiles, rejected and failed
-requests, and goodput: completed requests per second that met the SLO (TTFT and TPOT bounds)."""
+requests, and goodput: completed requests per second that met the SLO (TTFT and TPOT bounds). A window is
+saturated when its completions fall behind its arrivals: served < sat_fraction x the arrival rate it really
+drew, where served counts completions over the window shifted by their median latency. A series without a
+saturated window says so (`saturation`). The stream's workload options (answer length distribution, Zipf-skewed
+documents) are in bench/load_workloads.py."""
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +24,12 @@ import aiohttp
 import numpy as np
 
 from bench.http_client import SERVED_MODEL_NAME, Replica
+from bench.load_workloads import OutputLen, doc_weights, draw_doc
 from bench.traces import TraceConfig
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.policy import RouterConfig, RouterPolicy
 
-LOAD_FORMAT = "flame-load-raw/1"  # the raw record of one system's series
+LOAD_FORMAT = "flame-load-raw/2"  # the raw record of one system's series (/1: before saturation and stalls)
 
 
 _T = TraceConfig()
@@ -44,6 +49,11 @@ class LoadConfig:
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.1
     policy: str = "cumulative"  # placement over several replicas ("round_robin": the affinity A/B)
+    output_len: str = ""  # answer lengths: "" (output_tokens each), N, uniform:LO-HI or lognormal:LO-HI
+    doc_zipf: float = 0.0  # document popularity: 0 uniform, S > 0 Zipf with exponent S (hot prefixes)
+    sat_fraction: float = 0.95  # a window is saturated when served < this x its arrival rate (summarize)
+    slo_target_pct: float = 90.0  # the auto search's latency bound: at least this % of requests meet the SLO
+    kill_shard_at_s: float | None = None  # flame: kill one engine actor this many seconds into each window
 
     def __post_init__(self) -> None:
         checks = [("rates", len(self.rates) > 0 and all(r > 0 for r in self.rates), "positive numbers"),
@@ -51,10 +61,19 @@ class LoadConfig:
                   ("num_docs", self.num_docs >= 1, ">= 1"), ("doc_tokens", self.doc_tokens >= 1, ">= 1"),
                   ("question_tokens", self.question_tokens >= 1, ">= 1"),
                   ("output_tokens", self.output_tokens >= 1, ">= 1"), ("vocab_size", self.vocab_size >= 4, ">= 4"),
-                  ("slo_ttft_s", self.slo_ttft_s > 0, "> 0"), ("slo_tpot_s", self.slo_tpot_s > 0, "> 0")]
+                  ("slo_ttft_s", self.slo_ttft_s > 0, "> 0"), ("slo_tpot_s", self.slo_tpot_s > 0, "> 0"),
+                  ("doc_zipf", self.doc_zipf >= 0, ">= 0"), ("sat_fraction", 0 < self.sat_fraction <= 1, "in (0, 1]"),
+                  ("slo_target_pct", 0 <= self.slo_target_pct <= 100, "in [0, 100]"),
+                  ("kill_shard_at_s", self.kill_shard_at_s is None or 0 <= self.kill_shard_at_s < self.duration_s,
+                   "in [0, duration_s)")]
         for name, ok, limit in checks:
             if not ok:
                 raise ValueError(f"load field {name!r} must be {limit}; got {getattr(self, name)!r}")
+        self.lengths()  # a bad spec fails here
+
+    def lengths(self) -> OutputLen:
+        return OutputLen.parse(self.output_len) if self.output_len else OutputLen("fixed", self.output_tokens,
+                                                                                  self.output_tokens)
 
 
 @dataclass(slots=True)
@@ -69,6 +88,7 @@ class Outcome:
     output_tokens: int = 0
     status: int = 0
     error: str | None = None
+    max_tokens: int = 0  # the answer length asked for
 
 
 def make_documents(cfg: LoadConfig) -> np.ndarray:
@@ -131,9 +151,13 @@ def _chunk_tokens(chunk: dict) -> int:
 
 
 async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: np.ndarray, model_revision: str,
-                   model: str = SERVED_MODEL_NAME, window_seed: int = 0) -> list[Outcome]:
-    """One window at `rate`: every release on time, each request streamed; the outcomes in release order."""
+                   model: str = SERVED_MODEL_NAME, window_seed: int = 0, event=None) -> list[Outcome]:
+    """One window at `rate`: every release on time, each request streamed; the outcomes in release order.
+    `event`: (seconds into the window, a blocking function, a dict) the function is run in a thread at that time
+    (the shard kill), the dict gets `at_s`, when it started."""
     rng = np.random.default_rng(cfg.seed * 1_000_003 + window_seed)
+    len_rng = np.random.default_rng(cfg.seed * 1_000_033 + window_seed)  # its own stream: the prompts stay the same
+    lengths, weights = cfg.lengths(), doc_weights(cfg.num_docs, cfg.doc_zipf)
     times = arrivals(rate, cfg.duration_s, cfg.seed * 7919 + window_seed)
     policy = RouterPolicy(len(replicas), RouterConfig(cfg.policy))
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
@@ -141,21 +165,28 @@ async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks, outcomes = [], []
         t0 = time.perf_counter()
+        if event is not None:
+            async def fire(at_s: float, fn, sink: dict) -> None:
+                await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - t0)))
+                sink["at_s"] = time.perf_counter() - t0
+                await asyncio.to_thread(fn)
+
+            tasks.append(asyncio.ensure_future(fire(*event)))
         for t in times:
             delay = t - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            d = int(rng.integers(cfg.num_docs))
+            d = draw_doc(rng, weights)
             prompt = np.concatenate([docs[d], rng.integers(0, cfg.vocab_size, cfg.question_tokens)]).tolist()
+            n_out = lengths.draw(len_rng)
             work = estimate_prefill_work(len(prompt))
-            (k,) = policy.route_batch([(prefix_chain(prompt, model_revision), work, cfg.output_tokens)])
+            (k,) = policy.route_batch([(prefix_chain(prompt, model_revision), work, n_out)])
             sent = time.perf_counter()
-            out = Outcome(sent - t0, d, k)
+            out = Outcome(sent - t0, d, k, max_tokens=n_out)
             outcomes.append(out)
-            task = asyncio.ensure_future(stream_one(session, replicas[k].url, prompt, cfg.output_tokens, out, sent,
-                                                    model))
+            task = asyncio.ensure_future(stream_one(session, replicas[k].url, prompt, n_out, out, sent, model))
             # the policy's outstanding work leaves with the request (load_guarded places by it)
-            task.add_done_callback(lambda _, k=k, work=work: policy.complete(k, work, cfg.output_tokens, 0, 0))
+            task.add_done_callback(lambda _, k=k, work=work, n=n_out: policy.complete(k, work, n, 0, 0))
             tasks.append(task)
         done, pending = await asyncio.wait(tasks, timeout=cfg.drain_s) if tasks else (set(), set())
         for task in pending:
@@ -175,12 +206,22 @@ def summarize(outcomes: list[Outcome], rate: float, cfg: LoadConfig) -> dict:
     good = [o for o in ok if o.ttft_s <= cfg.slo_ttft_s
             and (o.output_tokens <= 1 or (o.e2e_s - o.ttft_s) / (o.output_tokens - 1) <= cfg.slo_tpot_s)]
     rejected = [o for o in outcomes if o.status in (413, 429, 503)]
+    arrival = len(outcomes) / cfg.duration_s  # the rate the Poisson draw really offered in this window
+    achieved = len(ok) / span
+    # completions over the window shifted by the median latency: a system that keeps up serves its arrivals in
+    # the window's length, however long each request takes; one that falls behind needs longer (its backlog)
+    e2e_p50 = float(np.percentile([o.e2e_s for o in ok], 50)) if ok else 0.0
+    served = len(ok) / max(cfg.duration_s, span - e2e_p50)
     return {"offered_rps": rate, "sent": len(outcomes), "completed": len(ok), "rejected": len(rejected),
             "failed": len(outcomes) - len(ok) - len(rejected), "window_s": cfg.duration_s, "span_s": span,
-            "achieved_rps": len(ok) / span, "output_tok_s": sum(o.output_tokens for o in ok) / span,
+            "arrival_rps": arrival, "achieved_rps": achieved, "served_rps": served,
+            "saturated": bool(outcomes) and served < cfg.sat_fraction * arrival,
+            "output_tok_s": sum(o.output_tokens for o in ok) / span,
             "goodput_rps": len(good) / span, "slo_met_pct": 100.0 * len(good) / len(outcomes) if outcomes else 0.0,
             "ttft_s": percentiles([o.ttft_s for o in ok]), "tpot_s": percentiles(tpot), "itl_s": percentiles(itl),
             "e2e_s": percentiles([o.e2e_s for o in ok]),
+            "asked_tokens": percentiles([o.max_tokens for o in outcomes]),
+            "short_answers": sum(o.output_tokens != o.max_tokens for o in ok),  # ignore_eos: each gets what it asked
             "errors": sorted({o.error for o in outcomes if o.error})[:5]}
 
 
@@ -192,13 +233,29 @@ def percentiles(xs: list[float]) -> dict:
             "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "n": int(a.size)}
 
 
-def saturation(windows: list[dict]) -> float:
-    """The highest achieved throughput of any window (requests per second)."""
-    return max((w["achieved_rps"] for w in windows), default=0.0)
+def saturation(windows: list[dict]) -> dict:
+    """Where the series saturated, if it did: the knee is the lowest offered rate from which every window (it
+    and all higher ones) fell behind its arrivals (`knee_offered_rps`, None when the highest did not); a
+    saturated window below a rate the system kept up with is listed apart (`anomalies`: a stall or noise, not
+    capacity). `saturation_rps` (the system's capacity) is the highest achieved throughput of a window at or
+    past the knee, and None when there is no knee: the capacity is then above the highest offered rate, not the
+    highest achieved throughput."""
+    ws = sorted(windows, key=lambda w: w["offered_rps"])
+    k = len(ws)
+    while k > 0 and ws[k - 1]["saturated"]:
+        k -= 1
+    past = ws[k:]
+    return {"saturated": bool(past), "knee_offered_rps": past[0]["offered_rps"] if past else None,
+            "max_unsaturated_offered_rps": ws[k - 1]["offered_rps"] if k > 0 else None,
+            "max_offered_rps": ws[-1]["offered_rps"] if ws else None,
+            "max_achieved_rps": max((w["achieved_rps"] for w in ws), default=0.0),
+            "saturation_rps": max(w["achieved_rps"] for w in past) if past else None,
+            "anomalies": [w["offered_rps"] for w in ws[:k] if w["saturated"]]}
 
 
 def record(system: str, cfg: LoadConfig, windows: list[dict], outcomes: list[list[Outcome]], info: dict) -> dict:
     """The raw record of one system's series: config, per-window summaries and every request's outcome."""
+    sat = saturation(windows)
     return {"format": LOAD_FORMAT, "system": system, "config": asdict(cfg), "info": info,
-            "windows": windows, "saturation_rps": saturation(windows),
+            "windows": windows, "saturation": sat, "saturation_rps": sat["saturation_rps"],
             "outcomes": [[asdict(o) for o in window] for window in outcomes]}

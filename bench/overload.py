@@ -43,21 +43,21 @@ def one_round(args, name: str, bounds: tuple[int, int], flow_control: bool, prom
                                     engine={"max_model_len": 512, "max_num_batched_tokens": 512,
                                             "max_num_seqs": 16, "cpu_kvcache_gib": 0.0625})
     svc = start_service(cfg)
-    client = Client.for_service(svc)
+    client = Client.for_service(svc, results_as_finished=args.results_as_finished == "on")
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     try:
         client.generate(prompts[:4], sp)  # warm: first steps of each engine
         before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
-        retries0 = client.counters["retries"]
+        retries0 = client.counters.retries
         t0 = time.perf_counter()
         res = client.generate(prompts, sp)
         wall = time.perf_counter() - t0
         rejected = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) - before
-        errors = [r["error"] for r in res if r["error"] is not None]
+        errors = [r.error for r in res if r.error is not None]
         return {"setting": name, "bounds": list(bounds), "flow_control": flow_control, "round": rnd,
-                "wall_s": wall, "rejected": rejected, "credit_waits": client.counters["credit_waits"],
-                "retries": client.counters["retries"] - retries0, "errors": len(errors),
-                "max_attempts": max(r["timings"]["attempts"] for r in res)}
+                "wall_s": wall, "rejected": rejected, "credit_waits": client.counters.credit_waits,
+                "retries": client.counters.retries - retries0, "errors": len(errors),
+                "max_attempts": max(r.timings["attempts"] for r in res)}
     finally:
         client.close()
         svc.stop(timeout_s=10)
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--tight", default="8,8", help="max_inflight_requests,max_queued_requests per shard")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (ample, tight), interleaved")
+    ap.add_argument("--results-as-finished", choices=("on", "off"), default="on",
+                    help="client.results_as_finished: credit back per result (on) or per batch (off)")
     ap.add_argument("--out", help="write the JSON record here")
     args = ap.parse_args(argv)
     tight = tuple(int(x) for x in args.tight.split(","))

@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 from tqdm import tqdm
 
-from bench.loadgen import LoadConfig
+from bench.load import LOAD_ARGUMENTS
 from bench.provenance import call_info, machine_info
 from bench.report import render_markdown, write_report
 from bench.runner import RUN_ARGUMENTS, local_ray_scope, options_from_args, run_one
@@ -30,7 +30,6 @@ from bench.traces import TRACE_NAMES
 log = logging.getLogger(__name__)
 
 
-_L = LoadConfig()  # load mode's defaults
 # (flags, add_argument kwargs): the `flame-llm bench` options
 ARGUMENTS = [
     (("--mode",), {"default": "burst", "choices": ("burst", "load"),
@@ -43,16 +42,7 @@ ARGUMENTS = [
     (("--pair-start",), {"type": int, "default": 0, "help": "index of the first pair (to split the pairs of one "
                          "report over several commands writing to the same --out)"}),
     *RUN_ARGUMENTS,
-    (("--rates",), {"default": ",".join(f"{r:g}" for r in _L.rates),
-                    "help": "load mode: offered requests per second, comma-separated"}),
-    (("--duration-s",), {"type": float, "default": _L.duration_s, "help": "load mode: seconds of each rate's window"}),
-    (("--drain-s",), {"type": float, "default": _L.drain_s,
-                      "help": "load mode: wait for running requests after a window"}),
-    (("--warmup-requests",), {"type": int, "default": 8, "help": "load mode: requests on other documents first"}),
-    (("--slo-ttft-s",), {"type": float, "default": _L.slo_ttft_s,
-                         "help": "load mode: goodput's time-to-first-token bound"}),
-    (("--slo-tpot-s",), {"type": float, "default": _L.slo_tpot_s,
-                         "help": "load mode: goodput's time-per-output-token bound"}),
+    *LOAD_ARGUMENTS,
 ]
 
 
@@ -119,22 +109,8 @@ def check_pairs_free(out: str, traces: list[str], pairs: range) -> None:
 
 
 def run_load(a: argparse.Namespace) -> int:
-    from bench.load import load_config, run_system, write_load_report
-    from bench.runner import model_dir
-
-    o = options_from_args(a)
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    for s in systems:
-        parse_system(s, o.policy)
-    with open(os.path.join(model_dir(o), "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    cfg = load_config(a, vocab)
-    os.makedirs(o.out, exist_ok=True)
-    with local_ray_scope():
-        records = [run_system(label, o, cfg, o.out, a.warmup_requests) for label in systems]
-    print(write_load_report(o.out, records))
-    failed = [r["system"] for r in records if not any(w["completed"] for w in r["windows"])]
-    return 1 if failed else 0
+    from bench.load import run_load
+    return run_load(a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The paired report's picture, one row per trace: req/s per system with every pair's point and the
 median; each ratio of the subject to another system with its paired range; completion-latency CDFs;
-the service path's per-batch times (systems that report them)."""
+the service path's per-batch times (systems that report them). And the load report's chart (plot_load)."""
 from __future__ import annotations
 
 import logging
@@ -90,3 +90,49 @@ def _service_path(ax, name: str, t: dict) -> None:
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], keys, rotation=20, fontsize=7)
     ax.set_title(f"{name}: service path per batch (ms)")
     ax.legend(fontsize=7)
+
+
+def plot_load(records: list[dict], path: str) -> bool:
+    """The load report's chart: latency (TTFT and e2e, p50 and p99) and throughput against offered load, every
+    system on one chart, one colour each (windows in rate order); False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    top = 0.0
+    for k, rec in enumerate(records):
+        c = f"C{k}"  # one colour per system in every panel; p99 dashed, achieved dotted
+        wins = sorted(rec["windows"], key=lambda w: w["offered_rps"])  # the auto search runs them out of order
+        ws = [w for w in wins if w["ttft_s"]]
+        x = [w["offered_rps"] for w in ws]
+        axes[0].plot(x, [w["ttft_s"]["p50"] for w in ws], "o-", color=c, label=f"{rec['system']} p50")
+        axes[0].plot(x, [w["ttft_s"]["p99"] for w in ws], "o--", color=c, label=f"{rec['system']} p99")
+        top = max([top, *(w["ttft_s"]["p99"] for w in ws)])
+        axes[1].plot(x, [w["e2e_s"]["p50"] for w in ws], "o-", color=c, label=f"{rec['system']} p50")
+        axes[1].plot(x, [w["e2e_s"]["p99"] for w in ws], "o--", color=c, label=f"{rec['system']} p99")
+        offered = [w["offered_rps"] for w in wins]
+        axes[2].plot(offered, [w["goodput_rps"] for w in wins], "o-", color=c,
+                     label=f"{rec['system']} goodput")
+        axes[2].plot(offered, [w["achieved_rps"] for w in wins], "x:", color=c,
+                     label=f"{rec['system']} achieved")
+    if records:
+        slo = records[0]["config"]["slo_ttft_s"]
+        if slo <= 2 * top:  # the SLO line only where it does not flatten the curves
+            axes[0].axhline(slo, color="grey", lw=0.8, ls=":", label=f"SLO {slo} s")
+        else:
+            axes[0].set_title(f"time to first token (SLO {slo} s, off the scale)")
+    for ax, title, ylabel in ((axes[0], "time to first token", "s"), (axes[1], "end-to-end latency", "s"),
+                              (axes[2], "throughput", "req/s")):
+        if not ax.get_title():
+            ax.set_title(title)
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

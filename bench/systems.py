@@ -6,7 +6,9 @@ max_tokens) -> (release perf_counter, records), stats(), stop(); load mode adds 
 - engine: one `flame_llm.serving.http_server` process per device, driven by the sticky-prefix HTTP client.
 - vllm: one `vllm serve` process per device, same client; config "default" or "seed" (eager, Triton attention).
 Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label
-ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B).
+ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B); "flame-batch" is flame
+with each shard batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18
+item 1).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
 from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
-KINDS = ("flame", "engine", "vllm", "vllm-seed")
+KINDS = ("flame", "flame-batch", "engine", "vllm", "vllm-seed")
 VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
 
 
@@ -38,6 +40,7 @@ class SystemConfig:
     kind: str  # flame | engine | vllm
     vllm_config: str | None  # "default" | "seed" for vllm
     policy: str  # the router policy placing requests
+    results_as_finished: bool = True  # flame: each result as it finishes ("flame-batch": a batch's at once)
 
 
 def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
@@ -45,9 +48,9 @@ def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
     if base not in KINDS:
         raise ValueError(f"system must be one of {', '.join(KINDS)}, optionally with '-rr' (round-robin "
                          f"placement); got {label!r}")
-    kind = "vllm" if base.startswith("vllm") else base
+    kind = "vllm" if base.startswith("vllm") else "flame" if base.startswith("flame") else base
     cfg = ("seed" if base == "vllm-seed" else "default") if kind == "vllm" else None
-    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy)
+    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy, base != "flame-batch")
 
 
 @dataclass(slots=True)
@@ -104,10 +107,11 @@ class FlameSystem:
         placed = [p.gpu_uuid or p.name for p in self.service.placements]
         if placed != s.devices:
             raise RuntimeError(f"flame placed shards on {placed}; the bench's shard -> device map is {s.devices}")
-        self.client = make_client(cfg, self.service.router, self.service.actors)
+        self.client = make_client(cfg, self.service.router, self.service.actors,
+                                  results_as_finished=self.system.results_as_finished)
         health = self.service.health
-        check = verify_processes(s.devices, [h["pid"] for h in health], False) if s.on_gpu else {}
-        return {"placement": placed, "health": health, "namespace": cfg.ray.namespace, **check,
+        check = verify_processes(s.devices, [h.pid for h in health], False) if s.on_gpu else {}
+        return {"placement": placed, "health": [h.to_dict() for h in health], "namespace": cfg.ray.namespace, **check,
                 "actor_check": "each actor compares torch's cuda:0 UUID with its planned UUID at start"}
 
     def run_burst(self, requests: list[TraceRequest], max_tokens: int) -> tuple[float, list[dict]]:
@@ -121,7 +125,7 @@ class FlameSystem:
         results = self._loop.run_until_complete(call)
         t_end = time.perf_counter()
         records = []
-        for req, r in zip(requests, results, strict=True):  # the client's result dicts, plus the bench's fields
+        for req, r in zip(requests, (r.to_dict() for r in results), strict=True):  # plus the bench's fields
             done_at = r["timings"].get("done_at")  # per-request completion, when the client reports it
             records.append({**r, "id": req.rid, "cached_reported": r["error"] is None,
                             "output_len": len(r["output_token_ids"]),
@@ -144,7 +148,7 @@ class FlameSystem:
         import ray
         actors = ray.get([a.stats.remote() for a in self.service.actors.values()])
         keep = ("batches", "requests", "bad_batches", "decode_s", "encode_s")
-        return {"client": dict(self.client.counters), "actors": [{k: a[k] for k in keep} for a in actors]}
+        return {"client": self.client.counters.to_dict(), "actors": [{k: a[k] for k in keep} for a in actors]}
 
     def stats(self) -> dict:
         """Router and client state, and the last burst's service-path counters (client: routing, payload

@@ -85,22 +85,16 @@ def submit(args) -> int:
     client = Client.connect(namespace)
     t0 = time.perf_counter()
     try:
-        results = client.generate(prompts, sp, use_tqdm=len(prompts) > 64)
+        results = [r.to_dict() for r in client.generate(prompts, sp, use_tqdm=len(prompts) > 64)]
     finally:
         client.close()
     elapsed = time.perf_counter() - t0
-    results = [_plain(r) for r in results]
     if args.output:
         with open(args.output, "w") as f:
             for r in results:
                 f.write(json.dumps(r) + "\n")
     _print_results(results, elapsed)
     return 1 if any(r["error"] for r in results) else 0
-
-
-def _plain(r) -> dict:
-    """A result as its plain dict: generate() returns dicts, or protocol Result objects (their to_dict())."""
-    return r if isinstance(r, dict) else r.to_dict()
 
 
 def _print_results(results: list[dict], elapsed: float) -> None:
@@ -196,7 +190,7 @@ def demo(args) -> int:
               f"block): expect ~{expect:.1f}% of prompt tokens cached.")
         sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
-        results = [_plain(r) for r in client.generate(prompts, sp)]
+        results = [r.to_dict() for r in client.generate(prompts, sp)]
         _print_results(results, time.perf_counter() - t0)
         failed = any(r["error"] for r in results)
         tok = load_tokenizer(client.model_dir)
@@ -216,21 +210,21 @@ def _demo_text(client, tok, max_tokens: int) -> bool:
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     print("\ntext in, text out (random weights: the words are noise, the path is real):")
-    text = _plain(client.generate([DEMO_TEXT], sp)[0])
+    text = client.generate([DEMO_TEXT], sp)[0]
     chat_ids = tok.apply_chat_template(DEMO_CHAT, add_generation_prompt=True, tokenize=True)
     chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
-    chat = _plain(client.generate([chat_ids], sp)[0])
+    chat = client.generate([chat_ids], sp)[0]
     for r in (text, chat):
-        if r["error"]:
-            print(f"  ERROR {r['error']['code']}: {r['error']['message']}")
+        if r.error is not None:
+            print(f"  ERROR {r.error.code}: {r.error.message}")
             return True
-    reply = tok.decode(text["output_token_ids"], skip_special_tokens=True)
-    print(f"  prompt: {DEMO_TEXT!r}\n  output: {reply!r} ({text['finish_reason']})")
+    reply = tok.decode(text.output_token_ids, skip_special_tokens=True)
+    print(f"  prompt: {DEMO_TEXT!r}\n  output: {reply!r} ({text.finish_reason})")
     print("chat (the model's chat template, as /v1/chat/completions applies it):")
     for m in DEMO_CHAT:
         print(f"  {m['role']}: {m['content']}")
-    print(f"  assistant: {tok.decode(chat['output_token_ids'], skip_special_tokens=True)!r} "
-          f"({chat['finish_reason']})")
+    print(f"  assistant: {tok.decode(chat.output_token_ids, skip_special_tokens=True)!r} "
+          f"({chat.finish_reason})")
     return False
 
 

@@ -6,6 +6,10 @@ import logging
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flame_llm.protocol.types import ShardHealth
 
 log = logging.getLogger("flame_llm.cli")
 SUPERVISE_EVERY_S = 2.0  # serve: between looks for shards whose node is gone
@@ -32,10 +36,10 @@ def attach_service(args) -> str:
     return resolve_namespace(cfg.ray.namespace if explicit else None)
 
 
-def print_placement(health: list[dict]) -> None:
+def print_placement(health: list[ShardHealth]) -> None:
     print(f"{'shard':>5}  {'name':<6}  {'device':<40}  node")
     for h in health:
-        print(f"{h['shard']:>5}  {h['name']:<6}  {h['device']:<40}  {h['node']}")
+        print(f"{h.shard:>5}  {h.name:<6}  {h.device:<40}  {h.node}")
 
 
 def serve(args) -> int:

@@ -180,8 +180,12 @@ def test_a_stalled_engine_gets_longer_hints_capped():
 def test_overloaded_message_and_fields():
     gate, _ = _steady_gate()
     e = _rejections(gate, 1)[0]
-    assert "admission queue is full (0 waiting, max_queued_requests=0); retry after" in str(e)
+    assert ("admission queue is full for this caller (0 waiting, 4 in flight; max_inflight_requests=4 + "
+            "max_queued_requests=0); retry after") in str(e)
     assert e.position == 0 and HINT_MIN_S <= e.retry_after_s <= HINT_MAX_S
+    gate.fair = False  # one queue for everyone: the message of the shared bound
+    e = _rejections(gate, 1)[0]
+    assert "admission queue is full (0 waiting, max_queued_requests=0); retry after" in str(e)
 
 
 # ---- waiting for room ----
@@ -278,3 +282,98 @@ def test_ten_x_burst_keeps_the_shard_busy(slots, max_queued):
     ratio, attempts = _burst(Admission, slots, max_queued, n)
     assert old_ratio > 1.6 and old_attempts >= 9  # the defect: the shard idles while everyone waits
     assert ratio < 1.3 and attempts <= 4
+
+
+# ---- fair admission: per-caller queues served in turn (issue 18 item 4) ----
+
+async def _settle():
+    for _ in range(4):  # a granted wait resumes, ends, and runs its done callbacks
+        await asyncio.sleep(0)
+
+
+def _fill_caller(gate, caller, n):
+    """n requests of `caller`: the admitted ones return at once, the others wait; their tasks."""
+    return [asyncio.ensure_future(gate.acquire(10, caller)) for _ in range(n)]
+
+
+def test_a_second_callers_request_waits_its_turn_instead_of_failing():
+    async def main():
+        gate = Admission(10**6, 2, 2)  # bounds 2 + 2
+        order = []
+        a = _fill_caller(gate, "A", 4)  # A holds both slots and both of its queue places
+        await _settle()
+        assert gate.requests == 2 and gate.queued == 2
+        with pytest.raises(Overloaded, match="full for this caller"):  # A past its own capacity
+            await gate.acquire(10, "A")
+        b = asyncio.ensure_future(gate.acquire(10, "B"))  # not rejected: B has a capacity of its own
+        b.add_done_callback(lambda _: order.append("B"))
+        for t in a[2:]:
+            t.add_done_callback(lambda _: order.append("A"))
+        await _settle()
+        assert gate.queued == 3 and gate.stats()["queued_callers"] == 2
+        gate.release(10, "A")  # A's turn came first (it queued first), then B's: round robin
+        gate.release(10, "A")
+        await _settle()
+        assert order == ["A", "B"] and gate.queued == 1
+        gate.release(10, "A")
+        await asyncio.gather(*a, b)
+        assert gate.queued == 0 and gate.stats()["queued_callers"] == 0 and gate._held == {"A": 1, "B": 1}
+        assert gate.rejected == 1
+
+    asyncio.run(main())
+
+
+def test_round_robin_interleaves_callers_whatever_their_backlog():
+    async def main():
+        gate = Admission(10**6, 1, 100)
+        await gate.acquire(10, "A")
+        granted = []
+        for caller, n in (("A", 6), ("B", 2), ("C", 2)):
+            for _ in range(n):
+                t = asyncio.ensure_future(gate.acquire(10, caller))
+                t.add_done_callback(lambda _, c=caller: granted.append(c))
+        await _settle()
+        for _ in range(10):
+            gate.release(10, granted[-1] if granted else "A")
+            await _settle()
+        return granted
+    assert asyncio.run(main()) == ["A", "B", "C", "A", "B", "C", "A", "A", "A", "A"]
+
+
+def test_unfair_gate_rejects_a_second_caller_as_before():
+    async def main():
+        gate = Admission(10**6, 2, 2, fair=False)
+        a = _fill_caller(gate, "A", 4)
+        await _settle()
+        with pytest.raises(Overloaded, match=r"admission queue is full \(2 waiting, max_queued_requests=2\)"):
+            await gate.acquire(10, "B")
+        for _ in range(4):
+            gate.release(10, "A")
+            await _settle()
+        await asyncio.gather(*a)
+
+    asyncio.run(main())
+
+
+def test_waiting_callers_are_bounded_and_a_cancelled_wait_leaves_no_trace():
+    from actors.admission import MAX_QUEUED_CALLERS
+
+    async def main():
+        gate = Admission(10**6, 1, 1)
+        await gate.acquire(10, "holder")
+        waits = [asyncio.ensure_future(gate.acquire(10, k)) for k in range(MAX_QUEUED_CALLERS)]
+        await _settle()
+        assert gate.stats()["queued_callers"] == MAX_QUEUED_CALLERS
+        with pytest.raises(Overloaded, match=f"{MAX_QUEUED_CALLERS} callers waiting"):
+            await gate.acquire(10, "one too many")
+        waits[0].cancel()
+        await asyncio.gather(waits[0], return_exceptions=True)
+        assert gate.queued == MAX_QUEUED_CALLERS - 1 and 0 not in gate._queues
+        late = asyncio.ensure_future(gate.acquire(10, "late"))  # a caller's place freed: it may wait now
+        await _settle()
+        for w in [*waits[1:], late]:
+            w.cancel()
+        await asyncio.gather(*waits[1:], late, return_exceptions=True)
+        assert gate.queued == 0 and gate.queued_tokens == 0 and not gate._queues
+
+    asyncio.run(main())

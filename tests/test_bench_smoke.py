@@ -48,8 +48,11 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").vllm_config == "seed"
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
-    with pytest.raises(ValueError, match="system must be one of flame, engine, vllm, vllm-seed"):
+    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, engine, vllm, vllm-seed"):
         parse_system("sglang")
+    batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
+    assert (batch.kind, batch.results_as_finished, batch.policy) == ("flame", False, "round_robin")
+    assert parse_system("flame").results_as_finished
 
 
 def _records(trace, placement=("cpu-0", "cpu-1")):

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from flame_llm.protocol.types import Request
+from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, Request
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending, ShardBatcher
@@ -28,7 +28,7 @@ def test_flush_at_max_prompts_without_waiting():
     async def main():
         loop = asyncio.get_running_loop()
         rec = Recorder()
-        b = ShardBatcher(3, rec, max_prompts=128, window_s=10.0)
+        b = ShardBatcher(3, rec, max_prompts=128, window_s=10.0, max_payload_bytes=DEFAULT_MAX_PAYLOAD_BYTES)
         for i in range(300):
             b.add(_pending(loop, i))
         await asyncio.sleep(0)
@@ -47,7 +47,7 @@ def test_flush_after_formation_window():
     async def main():
         loop = asyncio.get_running_loop()
         rec = Recorder()
-        b = ShardBatcher(0, rec, max_prompts=128, window_s=0.010)
+        b = ShardBatcher(0, rec, max_prompts=128, window_s=0.010, max_payload_bytes=DEFAULT_MAX_PAYLOAD_BYTES)
         t0 = time.perf_counter()
         for i in range(3):
             b.add(_pending(loop, i))
@@ -93,10 +93,13 @@ def test_sends_to_one_shard_overlap():
             await asyncio.sleep(0.02)
             running -= 1
 
-        b = ShardBatcher(0, slow_send, max_prompts=2, window_s=10.0)
+        b = ShardBatcher(0, slow_send, max_prompts=2, window_s=10.0, max_payload_bytes=DEFAULT_MAX_PAYLOAD_BYTES)
         for i in range(6):
             b.add(_pending(loop, i))
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # the three sends overlap (20 ms each); a loaded machine may take longer to finish
+            if not b.tasks:
+                break
+            await asyncio.sleep(0.01)
         assert peak == 3 and not b.tasks
 
     asyncio.run(main())

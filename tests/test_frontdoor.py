@@ -208,7 +208,7 @@ def test_python_client_text_prompt_returns_text(door):
     try:
         (r,) = client.generate(["The keeper climbed the steps"], SamplingParams(temperature=0.0, max_tokens=8,
                                                                                ignore_eos=True))
-        r = r if isinstance(r, dict) else r.to_dict()  # list[Result] once the typed results land
+        r = r.to_dict()
         tok = AutoTokenizer.from_pretrained(client.model_dir)
         assert r["error"] is None and len(r["output_token_ids"]) == 8
         assert r["prompt_tokens"] == len(tok.encode("The keeper climbed the steps"))
@@ -304,7 +304,7 @@ def test_stream_from_python_client_first_token_and_cancel(door):
                 break
             return got
 
-        assert asyncio.run(main()) == want["output_token_ids"]
+        assert asyncio.run(main()) == want.output_token_ids
         _wait_idle(svc, 5.0)
         assert sum(ray.get(a.stats.remote())["aborted"] for a in svc.actors.values()) >= 1
     finally:

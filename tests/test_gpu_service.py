@@ -67,15 +67,15 @@ def test_service_shards_on_their_gpus_match_the_engine(tiny_llama):
     svc = start_service(cfg)
     try:
         assert [p.gpu_uuid for p in svc.placements] == uuids  # one shard per GPU, in index order
-        assert [h["device"] for h in svc.health] == uuids
+        assert [h.device for h in svc.health] == uuids
         client = make_client(cfg, svc.router, svc.actors)
         try:
             results = client.generate(prompts, sp)
         finally:
             client.close()
-        assert [r["error"] for r in results] == [None] * len(prompts)
-        assert [r["output_token_ids"] for r in results] == ref
-        assert all(r["device"] == uuids[r["shard"]] for r in results)
+        assert [r.error for r in results] == [None] * len(prompts)
+        assert [r.output_token_ids for r in results] == ref
+        assert all(r.device == uuids[r.shard] for r in results)
     finally:
         svc.stop()
         ray.shutdown()

@@ -43,13 +43,13 @@ def test_shards_on_both_nodes_and_results_name_them(cluster, tiny_llama):
     try:
         placed = {p.shard: p.node_id for p in svc.placements}
         assert set(placed.values()) == {n.node_id for n in nodes}
-        assert {h["shard"]: h["node"] for h in svc.health} == placed  # each actor runs where it was planned
+        assert {h.shard: h.node for h in svc.health} == placed  # each actor runs where it was planned
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, 512, size=30).tolist() for _ in range(8)]
         res = client.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
-        assert [r["error"] for r in res] == [None] * 8
-        assert {r["node"] for r in res} == set(placed.values())
-        assert all(r["node"] == placed[r["shard"]] for r in res)
+        assert [r.error for r in res] == [None] * 8
+        assert {r.node for r in res} == set(placed.values())
+        assert all(r.node == placed[r.shard] for r in res)
     finally:
         client.close()
         svc.stop(timeout_s=10)
@@ -96,9 +96,9 @@ def test_a_lost_node_loses_no_request_and_its_shard_is_replaced(cluster, tiny_ll
         cluster.remove_node(node)
         t.join(timeout=240)
         res = out["res"]
-        assert [r["error"] for r in res] == [None] * 64
-        assert all(len(r["output_token_ids"]) == 48 for r in res)
-        assert any(r["shard"] == 0 and r["timings"]["attempts"] > 1 for r in res)  # moved off the lost shard
+        assert [r.error for r in res] == [None] * 64
+        assert all(len(r.output_token_ids) == 48 for r in res)
+        assert any(r.shard == 0 and r.timings["attempts"] > 1 for r in res)  # moved off the lost shard
         deadline = time.monotonic() + 10  # the client tells the router without waiting: poll for it
         while ray.get(svc.router.stats.remote())["counters"]["dropped"] == 0:  # the lost shard's prefixes
             assert time.monotonic() < deadline
@@ -113,12 +113,12 @@ def test_a_lost_node_loses_no_request_and_its_shard_is_replaced(cluster, tiny_ll
 
         later = fresh()
         deadline = time.monotonic() + 30
-        while not any(r["shard"] == 1 for r in later):  # the client routes to shard 1 once it answers again
-            assert time.monotonic() < deadline, [r["shard"] for r in later]
+        while not any(r.shard == 1 for r in later):  # the client routes to shard 1 once it answers again
+            assert time.monotonic() < deadline, [r.shard for r in later]
             time.sleep(1.0)
             later = fresh()
-        assert [r["error"] for r in later] == [None] * 8
-        assert all(r["node"] == (new_node if r["shard"] == 1 else head_id) for r in later)
+        assert [r.error for r in later] == [None] * 8
+        assert all(r.node == (new_node if r.shard == 1 else head_id) for r in later)
     finally:
         client.close()
         svc.stop(timeout_s=10)

@@ -70,9 +70,7 @@ def test_prompt_checks_name_the_prompt_and_the_limit(tokens, code, words):
 def test_limits_use_the_engines_rule_and_the_tightest_shard_wins():
     assert LIMITS.max_prompt_tokens == max_prompt_tokens(8) == 7
     LIMITS.check_prompt(np.full(7, 99))  # at the limits: accepted
-    health = [{**LIMITS.to_dict(), "device": "cpu-0"},
-              {**EngineLimits.of(50, 16, 1 << 20).to_dict(), "device": "cpu-1"}]
-    assert EngineLimits.tightest(health) == EngineLimits(50, 8, 7, 1 << 20)
+    assert EngineLimits.tightest([LIMITS, EngineLimits.of(50, 16, 1 << 20)]) == EngineLimits(50, 8, 7, 1 << 20)
     assert LIMITS.to_dict() == {"vocab_size": 100, "max_model_len": 8, "max_prompt_tokens": 7,
                                 "max_payload_bytes": DEFAULT_MAX_PAYLOAD_BYTES}
 

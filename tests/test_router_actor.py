@@ -118,7 +118,8 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
     the router to drop the shard's prefixes (they were skipped when the shard was already avoided)."""
     import asyncio
 
-    from flame_llm.protocol.types import ErrorCode, ErrorInfo
+    from flame_llm.protocol.types import EngineLimits, ErrorCode, ErrorInfo, ShardHealth
+    from flame_llm.serving.batcher import ClientCounters
     from flame_llm.serving.shard_watch import ShardWatch
 
     r = start_router(2, RouterConfig("cumulative"), name=f"router-{uuid.uuid4().hex[:8]}", namespace=NS)
@@ -126,7 +127,9 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
         lost = ray.get(r.route.remote(_items([11])))[0]
 
         async def main():
-            watch = ShardWatch({0: None, 1: None}, r, [{"incarnation": 0}] * 2, 1.0, {})
+            health = [ShardHealth(s, f"cpu-{s}", f"cpu-{s}", "node", 0, "m", "rev", "0", False,
+                                  EngineLimits.of(512, 2048), 8) for s in (0, 1)]
+            watch = ShardWatch({0: None, 1: None}, r, health, 1.0, ClientCounters())
             watch.avoid_shard(lost, ErrorInfo(ErrorCode.DRAINING, "draining"))
             watch.lose_shard(lost, RayActorError())
             assert watch.avoid[lost].code is ErrorCode.SHARD_UNAVAILABLE

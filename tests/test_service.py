@@ -53,7 +53,7 @@ def test_admission_bounds_wait_fifo_and_reject():
         gate.release(50)
         gate.release(10)
         assert gate.stats() == {"inflight_tokens": 0, "inflight_requests": 0, "queued": 0, "queued_tokens": 0,
-                                "admitted": 4, "rejected": 1, "waited": 2}
+                                "queued_callers": 0, "admitted": 4, "rejected": 1, "waited": 2}
 
     asyncio.run(main())
 
@@ -102,13 +102,13 @@ def _prompts(n, length, seed, prefix=None):
 
 def test_health_placement_and_frozen_heap(service):
     svc, _ = service
-    assert [h["name"] for h in svc.health] == ["cpu-0", "cpu-1"]
-    assert [h["device"] for h in svc.health] == ["cpu-0", "cpu-1"]
-    limits = {k: svc.health[0][k] for k in ("vocab_size", "max_model_len", "max_prompt_tokens", "max_payload_bytes")}
+    assert [h.name for h in svc.health] == ["cpu-0", "cpu-1"]
+    assert [h.device for h in svc.health] == ["cpu-0", "cpu-1"]
+    limits = svc.health[0].limits.to_dict()
     assert limits == {"vocab_size": 512, "max_model_len": 1024, "max_prompt_tokens": 1023,
                       "max_payload_bytes": svc.cfg.shard.max_payload_bytes}
     stats = ray.get(svc.actors[0].stats.remote())
-    assert stats["frozen_objects"] > 0 and stats["model_revision"] == svc.health[0]["model_revision"]
+    assert stats["frozen_objects"] > 0 and stats["model_revision"] == svc.health[0].model_revision
 
 
 def test_outputs_equal_llm_generate(service, tiny_llama):
@@ -122,19 +122,19 @@ def test_outputs_equal_llm_generate(service, tiny_llama):
     want_g = llm.generate(prompts, greedy, use_tqdm=False)
     want_s = llm.generate(prompts, seeded, use_tqdm=False)
     for got, want in ((got_g, want_g), (got_s, want_s)):
-        assert [r["error"] for r in got] == [None] * 6
-        assert [r["output_token_ids"] for r in got] == [w.output_token_ids for w in want]
-        assert [r["finish_reason"] for r in got] == [w.finish_reason for w in want]
-        assert [r["prompt_tokens"] for r in got] == [40] * 6
-    assert {r["shard"] for r in got_g} == {0, 1}  # six unseen prefixes: both shards serve
+        assert [r.error for r in got] == [None] * 6
+        assert [r.output_token_ids for r in got] == [w.output_token_ids for w in want]
+        assert [r.finish_reason for r in got] == [w.finish_reason for w in want]
+        assert [r.prompt_tokens for r in got] == [40] * 6
+    assert {r.shard for r in got_g} == {0, 1}  # six unseen prefixes: both shards serve
     r = got_g[0]
-    assert r["node"] == ray.get_runtime_context().get_node_id()
-    assert set(r["timings"]) >= {"queue_s", "engine_s", "total_s", "client_s", "decode_s", "roundtrip_s", "done_at"}
-    assert [r["prompt_digest"] for r in got_g] == [prompt_digest(p) for p in prompts]  # what the shard served
+    assert r.node == ray.get_runtime_context().get_node_id()
+    assert set(r.timings) >= {"queue_s", "engine_s", "total_s", "client_s", "decode_s", "roundtrip_s", "done_at"}
+    assert [r.prompt_digest for r in got_g] == [prompt_digest(p) for p in prompts]  # what the shard served
     c = client.counters
-    assert c["batches"] >= 2 and c["route_s"] > 0 and c["encode_s"] > 0 and c["result_decode_s"] > 0
+    assert c.batches >= 2 and c.route_s > 0 and c.encode_s > 0 and c.result_decode_s > 0
     # tiny-vocabulary ids compress: the decoded payload (from the zstd header) is larger than what travels
-    assert c["payload_raw_bytes"] > c["payload_wire_bytes"] > 0
+    assert c.payload_raw_bytes > c.payload_wire_bytes > 0
 
 
 def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):
@@ -143,9 +143,9 @@ def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):
     doc = _prompts(1, 300, seed=7)[0]  # more than one 256-token routing block
     first = client.generate(_prompts(4, 8, seed=8, prefix=doc), sp)
     again = client.generate(_prompts(4, 8, seed=9, prefix=doc), sp)
-    shards = {r["shard"] for r in first + again}
+    shards = {r.shard for r in first + again}
     assert len(shards) == 1
-    assert all(r["cached_tokens"] >= 256 for r in again)  # the owner's cache holds the document
+    assert all(r.cached_tokens >= 256 for r in again)  # the owner's cache holds the document
     # unseen prefixes go, one by one, to the shard with the least cumulative estimated work
     cum = [s["cumulative_work"] for s in ray.get(svc.router.stats.remote())["shards"]]
     fresh = client.generate(_prompts(8, 300, seed=10), sp)
@@ -155,7 +155,7 @@ def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):
         k = int(np.argmin(cum))
         cum[k] += work
         expected.append(k)
-    assert [r["shard"] for r in fresh] == expected
+    assert [r.shard for r in fresh] == expected
 
 
 def test_overloaded_requests_are_retried(service):
@@ -169,11 +169,11 @@ def test_overloaded_requests_are_retried(service):
         before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
         prompts = _prompts(48, 16, seed=11)  # 24 per shard against 8 in flight + 8 queued
         res = client.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
-        assert [r["error"] for r in res] == [None] * 48
+        assert [r.error for r in res] == [None] * 48
         rejected = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) - before
-        assert rejected > 0 and client.counters["retries"] >= rejected
-        assert max(r["timings"]["attempts"] for r in res) > 1
-        assert client.counters["credit_waits"] == 0
+        assert rejected > 0 and client.counters.retries >= rejected
+        assert max(r.timings["attempts"] for r in res) > 1
+        assert client.counters.credit_waits == 0
     finally:
         client.close()
 
@@ -185,30 +185,31 @@ def test_flow_control_keeps_a_burst_within_the_shards_capacity(service):
     from flame_llm.serving.client import Client
 
     svc, client = service
-    assert {h["admission_capacity"] for h in svc.health} == {16}
+    assert {h.admission_capacity for h in svc.health} == {16}
     before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
     prompts = _prompts(48, 16, seed=11)
     sp = SamplingParams(temperature=0.0, max_tokens=4)
     peak = dict.fromkeys(client.dispatch.outstanding, 0)
-    real_release = client.dispatch._release_held
+    credit = client.dispatch.credit
+    real_release = credit.release
 
     def watched(shard):  # runs on the client loop after every credit change
         real_release(shard)
         peak[shard] = max(peak[shard], client.dispatch.outstanding[shard])
 
-    client.dispatch._release_held = watched
+    credit.release = watched
     try:
         res = client.generate(prompts, sp)
     finally:
-        del client.dispatch._release_held
-    assert [r["error"] for r in res] == [None] * 48
+        del credit.release
+    assert [r.error for r in res] == [None] * 48
     assert sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) == before
-    assert max(r["timings"]["attempts"] for r in res) == 1
-    assert 0 < max(peak.values()) <= 16 and client.counters["credit_waits"] > 0
-    assert client.dispatch.outstanding == dict.fromkeys(peak, 0) and not any(client.dispatch.held.values())
+    assert max(r.timings["attempts"] for r in res) == 1
+    assert 0 < max(peak.values()) <= 16 and client.counters.credit_waits > 0
+    assert client.dispatch.outstanding == dict.fromkeys(peak, 0) and not any(client.dispatch.credit.held.values())
     off = Client.for_service(svc, flow_control=False)
     try:
-        assert [r["output_token_ids"] for r in off.generate(prompts, sp)] == [r["output_token_ids"] for r in res]
+        assert [r.output_token_ids for r in off.generate(prompts, sp)] == [r.output_token_ids for r in res]
     finally:
         off.close()
 
@@ -244,29 +245,124 @@ def test_streams_take_flow_control_credit_too(service):
         streamed, batch = asyncio.run(main())
     finally:
         del d.take_credit
-    assert [r["error"] for _, r in streamed] == [None] * 40 and [r["error"] for r in batch] == [None] * 16
+    assert [r.error for _, r in streamed] == [None] * 40 and [r.error for r in batch] == [None] * 16
     assert sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) == before
-    assert all(r["timings"]["attempts"] == 1 for _, r in streamed) and 0 < max(peak.values()) <= 16
-    assert [toks for toks, _ in streamed] == [r["output_token_ids"] for r in client.generate(prompts, sp)]
-    assert d.outstanding == dict.fromkeys(peak, 0) and not any(d.held.values())
+    assert all(r.timings["attempts"] == 1 for _, r in streamed) and 0 < max(peak.values()) <= 16
+    assert [toks for toks, _ in streamed] == [r.output_token_ids for r in client.generate(prompts, sp)]
+    assert d.outstanding == dict.fromkeys(peak, 0) and not any(d.credit.held.values())
 
     async def cancelled_while_waiting():
         full = dict(d.outstanding)
         for s in d.outstanding:
-            d.outstanding[s] = d.capacity[s]  # no room anywhere: the stream waits for credit
+            d.outstanding[s] = d.credit.capacity[s]  # no room anywhere: the stream waits for credit
         task = asyncio.ensure_future(one(prompts[0]))
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if any(d.held.values()):  # its future waits in the shard's credit queue
+            if any(d.credit.held.values()):  # its future waits in the shard's credit queue
                 break
-        assert any(isinstance(x, asyncio.Future) for q in d.held.values() for x in q)
+        assert any(isinstance(x, asyncio.Future) for q in d.credit.held.values() for x in q)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         d.outstanding.update(full)
 
     asyncio.run_coroutine_threadsafe(cancelled_while_waiting(), client._loop).result(timeout=30)
-    assert client.generate(prompts[:2], sp)[0]["error"] is None and d.outstanding == dict.fromkeys(peak, 0)
+    assert client.generate(prompts[:2], sp)[0].error is None and d.outstanding == dict.fromkeys(peak, 0)
+
+
+def test_results_land_as_they_finish_flag_on_and_off(service):
+    """Issue 18 item 1: with results_as_finished (the default) each request's result reaches the caller when its
+    shard finishes it: as_completed yields the short requests of a batch before the long ones, generate still
+    answers in input order. Flag off: a shard's batch lands at once, one result payload per batch. Both flags
+    give the same outputs."""
+    from flame_llm.serving.client import Client
+
+    svc, client = service
+    prompts = _prompts(8, 16, seed=50)
+    sps = [SamplingParams(temperature=0.0, max_tokens=2 if i % 2 == 0 else 160, ignore_eos=True) for i in range(8)]
+    short, long = range(0, 8, 2), range(1, 8, 2)
+    before = client.counters.to_dict()
+    landed = list(client.as_completed(prompts, sps, use_tqdm=True))
+    assert sorted(i for i, _ in landed) == list(range(8)) and {i for i, _ in landed[:4]} == set(short)
+    by = dict(landed)
+    assert max(by[i].timings["done_at"] for i in short) < min(by[i].timings["done_at"] for i in long)
+    assert [len(by[i].output_token_ids) for i in range(8)] == [2, 160] * 4
+    c = client.counters
+    assert c.result_payloads - before["result_payloads"] > c.batches - before["batches"]  # several per batch
+    res = client.generate(prompts, sps)
+    assert [r.output_token_ids for r in res] == [by[i].output_token_ids for i in range(8)]
+    off = Client.for_service(svc, results_as_finished=False)
+    try:
+        got = list(off.as_completed(prompts, sps))
+        res_off = off.generate(prompts, sps)
+        assert [r.output_token_ids for r in res_off] == [r.output_token_ids for r in res]
+        for s in {r.shard for r in res_off}:  # a shard's batch (4 + 4 or 8: one credit part) lands at once
+            assert len({r.timings["done_at"] for r in res_off if r.shard == s}) == 1
+        assert off.counters.result_payloads == off.counters.batches
+        assert sorted(i for i, _ in got) == list(range(8))
+    finally:
+        off.close()
+    it = client.as_completed(prompts, sps)  # left early: what is unanswered is aborted
+    next(it)
+    it.close()
+    assert _wait_idle(svc, 5.0) < 5.0
+
+
+def test_a_busy_client_cannot_starve_another(service):
+    """Issue 18 item 4: while one client's 320-request burst keeps both shards' admission full (8 in flight + 8
+    queued each), single requests of a second client wait their turn at the shard instead of failing
+    `overloaded` (they did after 21 quick retries), and each completes within a few batch service times."""
+    from flame_llm.serving.client import Client
+
+    svc, busy = service
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    other = Client.for_service(svc)
+    try:
+        other.generate(_prompts(16, 16, seed=60), sp)  # warm
+        t0 = time.perf_counter()  # the batch service time: 8 in flight on each shard, nothing else running
+        assert [r.error for r in other.generate(_prompts(16, 16, seed=61), sp)] == [None] * 16
+        batch_s = time.perf_counter() - t0
+        burst = {}
+        thread = threading.Thread(target=lambda: burst.update(res=busy.generate(_prompts(320, 16, seed=62), sp)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while sum(ray.get(a.stats.remote())["queued"] for a in svc.actors.values()) < 8:  # the queues are full
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        singles = []
+        for k in range(4):
+            t = time.perf_counter()
+            (r,) = other.generate(_prompts(1, 16, seed=70 + k), sp)
+            singles.append((time.perf_counter() - t, r))
+        assert thread.is_alive()  # the burst held the shards all along
+        thread.join(timeout=600)
+        assert [r.error for r in burst["res"]] == [None] * 320
+        assert [r.error for _, r in singles] == [None] * 4
+        assert all(r.timings["attempts"] == 1 for _, r in singles)
+        worst = max(t for t, _ in singles)
+        assert worst <= 4 * batch_s, (worst, batch_s, [t for t, _ in singles])
+    finally:
+        other.close()
+
+
+def test_overloaded_reaches_the_caller_only_past_its_deadline(service):
+    """Without flow control a burst past a shard's 8 + 8 is rejected in part: with a deadline of 0 the rejected
+    requests get `overloaded` at once (one attempt); a bad deadline is refused. (With the default deadline they
+    are retried and complete: test_overloaded_requests_are_retried.)"""
+    from flame_llm.serving.client import Client
+
+    svc, _ = service
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    client = Client.for_service(svc, flow_control=False)
+    try:
+        with pytest.raises(ValueError, match="overload_deadline_s must be a number >= 0"):
+            client.generate([[1, 2, 3]], sp, overload_deadline_s=-1.0)
+        res = client.generate(_prompts(48, 16, seed=80), sp, overload_deadline_s=0.0)
+        errors = [r.error for r in res if r.error is not None]
+        assert errors and {e.code for e in errors} == {"overloaded"}
+        assert all(r.timings["attempts"] == 1 for r in res) and client.counters.retries == 0
+    finally:
+        client.close()
 
 
 def test_a_stream_left_early_leaves_no_outstanding_work_at_the_router(service):
@@ -313,7 +409,7 @@ def _raw(obj) -> bytes:
 
 def test_bad_inputs_get_their_errors_while_good_batch_completes(service):
     svc, client = service
-    rev = svc.health[0]["model_revision"]
+    rev = svc.health[0].model_revision
     good_sp = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "max_tokens": 4, "ignore_eos": False,
                "stop_token_ids": [], "seed": None}
     tok = np.arange(5, 15, dtype="<u4").tobytes()
@@ -355,17 +451,17 @@ def test_bad_inputs_get_their_errors_while_good_batch_completes(service):
     assert "top_p" in per_req[3].error.message
     assert "the limit is 1023 (max_model_len 1024" in per_req[5].error.message
     t.join(timeout=120)
-    assert [r["error"] for r in out["res"]] == [None] * 12
+    assert [r.error for r in out["res"]] == [None] * 12
 
 
 def test_client_side_errors_and_batch_level_error_fanout(service):
     _, client = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)
     res = client.generate([[], [1, -3], [[1, 2]], [4, 5, 6], [600, 1], [1] * 1024], sp)
-    assert [(r["error"] or {}).get("code") for r in res] == ["empty_prompt", "bad_prompt", "bad_prompt", None,
+    assert [r.error and r.error.code for r in res] == ["empty_prompt", "bad_prompt", "bad_prompt", None,
                                                              "token_out_of_range", "prompt_too_long"]
     # checked against the shards' published limits before routing: no shard saw them
-    assert [r["shard"] for r in res if r["error"]] == [-1] * 5
+    assert [r.shard for r in res if r.error] == [-1] * 5
     with pytest.raises(ValueError, match="sampling_params has 1 entries; prompts has 2"):
         client.generate([[1], [2]], [sp])
     with pytest.raises(ValueError, match="no usable tokenizer"):
@@ -381,7 +477,7 @@ def test_agenerate_from_caller_loop(service):
         return await asyncio.gather(client.agenerate(prompts[:2], sp), client.agenerate(prompts[2:], sp))
 
     a, b = asyncio.run(main())
-    assert [r["output_token_ids"] for r in a + b] == [r["output_token_ids"] for r in client.generate(prompts, sp)]
+    assert [r.output_token_ids for r in a + b] == [r.output_token_ids for r in client.generate(prompts, sp)]
 
 
 def test_service_and_client_error_paths(service, tiny_qwen3):
@@ -415,13 +511,13 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
             time.sleep(0.02)
         ray.kill(other.actors[0], no_restart=False)
         t.join(timeout=120)
-        assert [r["error"]["code"] for r in out["res"]] == ["shard_died"] * 4
+        assert [r.error.code for r in out["res"]] == ["shard_died"] * 4
         strict.close()
         client = Client.for_service(other, restart_timeout_s=1.0)
-        assert client.generate([[5, 6, 7]], sp)[0]["error"] is None
+        assert client.generate([[5, 6, 7]], sp)[0].error is None
         ray.kill(other.actors[0], no_restart=True)
         (res,) = client.generate([[5, 6, 7]], sp)
-        assert res["error"]["code"] == "shard_unavailable" and "did not come back" in res["error"]["message"]
+        assert res.error.code == "shard_unavailable" and "did not come back" in res.error.message
         ray.kill(other.router, no_restart=True)
         deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone
         while time.monotonic() < deadline:
@@ -431,7 +527,7 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
                 break
             time.sleep(0.05)
         (res,) = client.generate([[5, 6, 7]], sp)
-        assert res["error"]["code"] == "router_error"
+        assert res.error.code == "router_error"
         client.close()
     finally:
         other.stop(timeout_s=2)
@@ -454,12 +550,12 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     ray.kill(victim, no_restart=False)
     t.join(timeout=180)
     res = out["res"]
-    assert len(res) == 32 and len({r["id"] for r in res}) == 32
-    assert [r["error"] for r in res] == [None] * 32
-    assert all(len(r["output_token_ids"]) == 24 for r in res)
+    assert len(res) == 32 and len({r.id for r in res}) == 32
+    assert [r.error for r in res] == [None] * 32
+    assert all(len(r.output_token_ids) == 24 for r in res)
     new = ray.get(victim.health.remote())
-    assert new["restarted"] and new["incarnation"] != old["incarnation"] and new["device"] == old["device"]
-    assert client.counters["restarts_seen"] == 1
+    assert new.restarted and new.incarnation != old.incarnation and new.device == old.device
+    assert client.counters.restarts_seen == 1
     # the restarted shard's engine is cold: the router forgot the prefixes it owned (this burst's among them)
     assert ray.get(svc.router.stats.remote())["counters"]["dropped"] > dropped
 
@@ -474,13 +570,13 @@ def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(servic
         for a in svc.actors.values():
             ray.get(a.debug_break_engine.remote())
         res = client.generate(_prompts(6, 30, seed=21), SamplingParams(temperature=0.0, max_tokens=4))
-        assert [r["error"] for r in res] == [None] * 6 and len({r["id"] for r in res}) == 6
-        assert all(len(r["output_token_ids"]) == 4 for r in res)
+        assert [r.error for r in res] == [None] * 6 and len({r.id for r in res}) == 6
+        assert all(len(r.output_token_ids) == 4 for r in res)
         new = [ray.get(a.health.remote()) for a in svc.actors.values()]
-        assert {r["shard"] for r in res} == {0, 1}  # six unseen prefixes balance: both broken shards served
+        assert {r.shard for r in res} == {0, 1}  # six unseen prefixes balance: both broken shards served
         for o, n in zip(old, new):
-            assert not n["engine_failed"] and n["device"] == o["device"] and n["incarnation"] != o["incarnation"]
-        assert client.counters["restarts_seen"] >= 1
+            assert not n.engine_failed and n.device == o.device and n.incarnation != o.incarnation
+        assert client.counters.restarts_seen >= 1
     finally:
         client.close()
 
@@ -502,8 +598,8 @@ def test_a_router_call_lost_with_a_restarting_router_is_made_again(service):
     client = make_client(svc.cfg, LosesFirstCall(svc.router), svc.actors)
     try:
         (res,) = client.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2))
-        assert res["error"] is None and len(res["output_token_ids"]) == 2
-        assert client.counters["route_retries"] == 1 and client.router.lost == 2
+        assert res.error is None and len(res.output_token_ids) == 2
+        assert client.counters.route_retries == 1 and client.router.lost == 2
     finally:
         client.close()
 
@@ -517,15 +613,15 @@ def test_draining_shard_requests_go_to_the_other_shard_then_shutdown(service):
     cum = [s["cumulative_work"] for s in ray.get(svc.router.stats.remote())["shards"]]
     n = 2 + int(max(0.0, cum[1] - cum[0]) // estimate_prefill_work(300))  # enough unseen documents to reach shard 1
     docs = _prompts(n, 300, seed=30)
-    doc = next(d for d, r in zip(docs, client.generate(docs, sp)) if r["shard"] == 1)
+    doc = next(d for d, r in zip(docs, client.generate(docs, sp)) if r.shard == 1)
     assert ray.get(actor.drain.remote(5.0)) is True
     follow = [doc[:280] + q for q in _prompts(3, 20, seed=31)]  # the router's owner of doc's first block: 1
     res = client.generate(follow, sp)
-    assert [r["error"] for r in res] == [None] * 3
-    assert [(r["shard"], r["timings"]["attempts"]) for r in res] == [(0, 2)] * 3  # 1 said draining, then 0
+    assert [r.error for r in res] == [None] * 3
+    assert [(r.shard, r.timings["attempts"]) for r in res] == [(0, 2)] * 3  # 1 said draining, then 0
     (again,) = client.generate([doc[:280] + [7, 8, 9]], sp)
-    assert again["error"] is None and (again["shard"], again["timings"]["attempts"]) == (0, 1)
-    rev = svc.health[0]["model_revision"]
+    assert again.error is None and (again.shard, again.timings["attempts"]) == (0, 1)
+    rev = svc.health[0].model_revision
     payload = encode_requests([Request("d", [1, 2, 3], SamplingParams(max_tokens=2))], rev)
     (rec,) = decode_results(ray.get(actor.submit.remote(payload)))
     assert rec.error.code == "draining" and rec.error.code.retryable
@@ -608,7 +704,7 @@ def test_a_cancelled_agenerate_and_a_killed_client_process_abort_their_requests(
     assert _wait_idle(svc, 5.0) < 5.0
     assert sum(ray.get(a.stats.remote())["aborted_dead_caller"] for a in svc.actors.values()) - aborted == 6
     (res,) = client.generate([[9, 9, 9]], SamplingParams(temperature=0.0, max_tokens=2))
-    assert res["error"] is None
+    assert res.error is None
 
 
 def test_abort_before_arrival_and_the_stream_method_on_the_wire(service):
@@ -616,7 +712,7 @@ def test_abort_before_arrival_and_the_stream_method_on_the_wire(service):
     its stream method yields token lists, then the result payload."""
     svc, _ = service
     actor = svc.actors[0]
-    rev = svc.health[0]["model_revision"]
+    rev = svc.health[0].model_revision
     assert ray.get(actor.abort.remote(["early"])) == 0
     (rec,) = decode_results(ray.get(actor.submit.remote(encode_requests(
         [Request("early", [1, 2, 3], SamplingParams(max_tokens=4))], rev))))

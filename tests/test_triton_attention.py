@@ -279,3 +279,12 @@ def test_warmup_all_variants_runs_every_config_and_split():
     cache = torch.randn(4, 16, 2, 16, device=dev)
     n = ta.warmup_all_variants(cache, cache, 8, 0.25, decode_only=True)
     assert n == len(ta.reachable_configs(4, decode_only=True)) * len(ta.split_choices())
+
+
+def test_warmup_all_variants_covers_prefill_tiles_wider_than_a_block():
+    """Prefill tiles hold up to 128 keys: with 16-token blocks the warmup's block table must span them (a
+    one-column table was read past its end: a segfault under the interpreter, a bad read on a GPU)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = torch.randn(8, 16, 1, 16, device=dev)  # one head: the interpreter runs a grid 8x smaller
+    n = ta.warmup_all_variants(cache, cache, 1, 0.25)
+    assert n == len(ta.reachable_configs(1)) * len(ta.split_choices())

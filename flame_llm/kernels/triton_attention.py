@@ -115,9 +115,11 @@ def warmup_all_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads:
             cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
         q = torch.zeros(q_len, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
+        # one block-table column per block the q_len keys span (every one block 0): the kernel reads the
+        # table for each key below seq_len, so a one-column table would be read past its end
+        table = torch.zeros(1, triton.cdiv(q_len, block_size), **i32)
         meta = AttentionMetadata(torch.tensor([0, q_len], **i32), torch.tensor([q_len], **i32),
-                                 torch.zeros(1, 1, **i32), torch.empty(0, dtype=torch.int64, device=dev),
-                                 q_len, q_len)
+                                 table, torch.empty(0, dtype=torch.int64, device=dev), q_len, q_len)
         for splits in split_choices():
             paged_attention_triton(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
             n += 1

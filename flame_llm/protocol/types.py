@@ -1,5 +1,5 @@
 """The protocol's one set of types: requests, results, error codes and the limits an engine publishes,
-with their wire maps (see flame_llm.protocol.wire) and the plain dicts the client returns. The client,
+with their wire maps (see flame_llm.protocol.wire) and the plain dicts of JSON records (to_dict). The client,
 its batcher, the engine actor, the router, the HTTP server and the bench all use these.
 
 Requests are checked against the EngineLimits the engines publish in health(), by the same checks wherever
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from flame_llm.limits import max_prompt_tokens
+from flame_llm.outputs import RequestOutput
 from flame_llm.protocol.checks import finite, fits_utf8, key_list, token_bytes
 from flame_llm.protocol.checks import prompt_digest as prompt_digest  # re-exported: part of the protocol's types
 from flame_llm.sampling_params import SamplingParams, brief
@@ -141,9 +142,9 @@ class EngineLimits:
         return cls(vocab_size, max_model_len, max_prompt_tokens(max_model_len), max_payload_bytes)
 
     @classmethod
-    def tightest(cls, published: list[dict]) -> EngineLimits:
-        """What every shard accepts, from their health() dicts."""
-        return cls(**{f.name: min(h[f.name] for h in published) for f in fields(cls)})
+    def tightest(cls, published: list[EngineLimits]) -> EngineLimits:
+        """What every shard accepts, from the limits their health() publishes."""
+        return cls(**{f.name: min(getattr(x, f.name) for x in published) for f in fields(cls)})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +165,31 @@ class EngineLimits:
         if hi >= self.vocab_size:
             raise RequestError(ErrorCode.TOKEN_OUT_OF_RANGE, f"token id {hi} at position {int(tokens.argmax())} is >= "
                                                              f"vocab_size {self.vocab_size}", "prompt")
+
+
+@dataclass(slots=True, frozen=True)
+class ShardHealth:
+    """What an engine actor's health() answers: its placement, identity and state, and the limits requests
+    are checked against. `admission_capacity`: requests one caller may have there without a rejection (in
+    flight + queued), a client's flow-control credit."""
+    shard: int
+    name: str
+    device: str  # the GPU UUID or cpu-k
+    node: str
+    pid: int
+    model: str  # the model directory it loaded
+    model_revision: str
+    incarnation: str  # a new one after each restart: tells a restarted actor from the old one
+    restarted: bool
+    limits: EngineLimits
+    admission_capacity: int
+    draining: bool = False
+    engine_failed: bool = False
+
+    def to_dict(self) -> dict:
+        """A flat map (the limits' fields beside the others), for JSON records and status()."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "limits"}
+        return {**out, **self.limits.to_dict()}
 
 
 def sampling_from_map(m: Any) -> SamplingParams:
@@ -257,6 +283,16 @@ class Result:
     prompt_digest: str = ""
     text: str | None = None  # the decoded output, added by a client with a tokenizer (never on the wire)
 
+    @classmethod
+    def from_output(cls, out: RequestOutput, prompt_token_ids: list[int] | np.ndarray, timings: dict[str, float],
+                    **placement: Any) -> Result:
+        """The result of a finished engine request whose prompt was `prompt_token_ids` (as it arrived: its digest
+        is the result's); `placement`: shard, device, node; `timings` gets the engine's own (output_timings)."""
+        return cls(out.request_id, output_token_ids=out.output_token_ids, finish_reason=out.finish_reason,
+                   prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+                   timings={**timings, **output_timings(out)}, prompt_digest=prompt_digest(prompt_token_ids),
+                   **placement)
+
     def to_wire(self) -> dict:
         rec = {k: getattr(self, k) for k in RESULT_FIELDS}
         rec["output_token_ids"] = token_bytes(self.output_token_ids, f"result {self.id!r}: output_token_ids")
@@ -284,7 +320,7 @@ class Result:
         return cls(**{**rec, "output_token_ids": np.frombuffer(out, dtype="<u4").tolist(), "error": err})
 
     def to_dict(self) -> dict:
-        """The plain dict the client returns (and the bench records)."""
+        """The plain dict of a JSON record (the bench's records, `flame-llm submit --output`)."""
         out = {k: getattr(self, k) for k in RESULT_FIELDS}
         ids = self.output_token_ids
         out["output_token_ids"] = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
@@ -293,6 +329,12 @@ class Result:
             out["text"] = self.text
         return out
 
+
+def output_timings(out: RequestOutput) -> dict[str, float]:
+    """The engine's timings of a finished request that a result carries (ttft, tpot; seconds): the one place
+    that reads RequestOutput.metrics."""
+    m = out.metrics
+    return {k: float(v) for k, v in (("ttft", m.ttft), ("tpot", m.tpot)) if v is not None}
 
 
 def _check_numbers(rec: dict, i: int) -> None:

@@ -28,6 +28,7 @@ import msgpack
 import zstandard
 
 from flame_llm.protocol.types import (
+    DEFAULT_ZSTD_LEVEL,
     MAX_BATCH_REQUESTS,
     MAX_RESULT_PAYLOAD_BYTES,
     EngineLimits,
@@ -152,7 +153,7 @@ def _unpack(raw: bytes, what: str) -> Any:
                                                f"{brief(str(e), 200)})") from None
 
 
-def encode_requests(requests: list[Request], model_revision: str, level: int = 1) -> bytes:
+def encode_requests(requests: list[Request], model_revision: str, level: int = DEFAULT_ZSTD_LEVEL) -> bytes:
     """One batch of requests as a compressed payload (token ids checked to fit uint32)."""
     if not fits_utf8(model_revision, MAX_REVISION_BYTES):
         raise ValueError(f"model_revision must be a str of at most {MAX_REVISION_BYTES} UTF-8 bytes; "
@@ -195,7 +196,7 @@ def decode_requests(payload: bytes, limits: EngineLimits, expected_revision: str
     return DecodedBatch(revision, [Request.from_wire(r, limits, seen) for r in obj["requests"]])
 
 
-def encode_results(results: list[Result], level: int = 1) -> bytes:
+def encode_results(results: list[Result], level: int = DEFAULT_ZSTD_LEVEL) -> bytes:
     """Result records as a compressed payload."""
     return _compressor(level).compress(msgpack.packb([r.to_wire() for r in results], use_bin_type=True))
 

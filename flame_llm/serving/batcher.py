@@ -1,12 +1,13 @@
-"""Per-shard request queues of the client: a formed batch leaves when it reaches max_prompts, its
-window runs out, the next request would pass the decoded payload budget, or the client says the batch
-is formed."""
+"""The client's request state (Pending, ClientCounters) and its per-shard request queues: a formed batch leaves
+when it reaches max_prompts, its window runs out, the next request would pass the decoded payload budget, or
+the client says the batch is formed."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 
-from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, Request
+from flame_llm.protocol.types import Request
 from flame_llm.protocol.wire import BATCH_OVERHEAD
 
 
@@ -21,6 +22,31 @@ class Pending:
     shard: int = -1
     attempts: int = 0
     est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
+    deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
+
+
+@dataclass(slots=True)
+class ClientCounters:
+    """One client's running totals, owned by its Dispatcher (Client.counters, ShardWatch see the same object)."""
+    batches: int = 0  # request payloads sent
+    result_payloads: int = 0  # result payloads received (several per batch when results come as they finish)
+    streams: int = 0
+    aborts_sent: int = 0
+    route_calls: int = 0
+    route_retries: int = 0
+    retries: int = 0  # requests sent again (overloaded, draining or dead shard)
+    restarts_seen: int = 0
+    credit_waits: int = 0
+    # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds in routing calls, request
+    # encoding and result decoding
+    payload_raw_bytes: int = 0
+    payload_wire_bytes: int = 0
+    route_s: float = 0.0
+    encode_s: float = 0.0
+    result_decode_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class ShardBatcher:
@@ -29,8 +55,8 @@ class ShardBatcher:
     formed, whichever comes first. `send(shard, batch)` is awaited in its own task, so batches to one
     shard overlap."""
 
-    def __init__(self, shard: int, send, max_prompts: int = 128, window_s: float = 0.010,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES):
+    def __init__(self, shard: int, send, max_prompts: int, window_s: float, max_payload_bytes: int):
+        """max_prompts and window_s: ClientConfig's max_batch_prompts and batch_window_ms."""
         self.shard, self.send = shard, send
         self.max_prompts, self.window_s, self.max_payload_bytes = max_prompts, window_s, max_payload_bytes
         self.items: list[Pending] = []

@@ -1,8 +1,8 @@
 """The Python client: checks prompts against the limits every shard publishes, hands them to its
 Dispatcher (flame_llm/serving/dispatch.py: routing, per-shard batchers, compressed payloads, retries) and
-returns results in input order, as the plain dicts of flame_llm.protocol.types.Result.to_dict(); streams one
-request's tokens (client_stream.py). A result whose error is retryable does not reach the caller while
-retries are left.
+returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_completed` as they finish;
+streams one request's tokens (client_stream.py). A result whose error is retryable does not reach the caller
+while the retry policy (retry.py) says to send it again.
 
 All client work runs on one private event loop thread, so `generate` (sync) and `agenerate` (from
 any asyncio loop) share the batchers and concurrent callers' requests coalesce into batches."""
@@ -12,9 +12,12 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
+import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import ray
@@ -32,7 +35,7 @@ from flame_llm.protocol.types import (
 )
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending
+from flame_llm.serving.batcher import ClientCounters, Pending
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher, failed_result
 from flame_llm.serving.service import Service, attach, find_service, resolve_namespace, start_service
@@ -50,21 +53,16 @@ class Client:
         self.config, self.max_retries = config, config.max_retries
         self.model_revision = model_revision
         health = ray.get([a.health.remote() for a in actors.values()])
-        self.limits = EngineLimits.tightest(health)  # what every shard accepts
+        self.limits = EngineLimits.tightest([h.limits for h in health])  # what every shard accepts
         self.max_payload_bytes = self.limits.max_payload_bytes
         self.model_dir, self.service = model_dir, service
-        self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        self.client_id = uuid.uuid4().hex[:8]
+        self._ids = (f"{self.client_id}-{i}" for i in itertools.count())
         self._tokenizer = None
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
-        self.counters = {"batches": 0, "streams": 0, "aborts_sent": 0, "route_calls": 0, "route_retries": 0,
-                         "retries": 0, "restarts_seen": 0, "credit_waits": 0,
-                         # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds
-                         # in routing calls, request encoding and result decoding
-                         "payload_raw_bytes": 0, "payload_wire_bytes": 0, "route_s": 0.0, "encode_s": 0.0,
-                         "result_decode_s": 0.0}
         self.dispatch = Dispatcher(router, dict(actors), model_revision, config, zstd_level, health,
-                                   self.max_payload_bytes, self.namespace, self.counters)
+                                   self.max_payload_bytes, self.namespace, self.client_id)
         self.router, self.actors = router, self.dispatch.actors
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
@@ -84,25 +82,50 @@ class Client:
         """A client of a service this process started (closing it leaves the service running)."""
         return make_client(svc.cfg, svc.router, svc.actors, namespace=svc.cfg.ray.namespace, **kwargs)
 
+    @property
+    def counters(self) -> ClientCounters:
+        """This client's running totals (its dispatcher's)."""
+        return self.dispatch.counters
+
     def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
-                 use_tqdm: bool = False) -> list[dict]:
-        fut = asyncio.run_coroutine_threadsafe(self._call(self._generate(prompts, sampling_params, use_tqdm)),
-                                               self._loop)
+                 use_tqdm: bool = False, overload_deadline_s: float | None = None) -> list[Result]:
+        """Each prompt's Result, in input order; use_tqdm: a progress bar advanced per result as it lands.
+        overload_deadline_s: how long a request may be retried on overloaded shards before `overloaded` is its
+        result (None: ClientConfig.overload_deadline_s)."""
+        fut = asyncio.run_coroutine_threadsafe(
+            self._call(self._generate(prompts, sampling_params, use_tqdm, overload_deadline_s)), self._loop)
         try:
             return fut.result()
         except BaseException:  # interrupted (Ctrl-C): the shards abort what this call sent
             fut.cancel()
             raise
 
-    async def agenerate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams]) -> list[dict]:
+    async def agenerate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
+                        overload_deadline_s: float | None = None) -> list[Result]:
         """As generate, awaited from any asyncio loop; cancelling it aborts its requests on the shards."""
-        fut = asyncio.run_coroutine_threadsafe(self._call(self._generate(prompts, sampling_params, False)),
-                                               self._loop)
+        fut = asyncio.run_coroutine_threadsafe(
+            self._call(self._generate(prompts, sampling_params, False, overload_deadline_s)), self._loop)
         return await asyncio.wrap_future(fut)
+
+    def as_completed(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
+                     use_tqdm: bool = False, overload_deadline_s: float | None = None
+                     ) -> Iterator[tuple[int, Result]]:
+        """`for index, result in client.as_completed(prompts, sp)`: each prompt's Result as it lands (index: the
+        prompt's position). Leaving the loop early aborts the requests not yet answered."""
+        landed: queue.SimpleQueue = queue.SimpleQueue()
+        fut = asyncio.run_coroutine_threadsafe(self._call(self._generate(
+            prompts, sampling_params, use_tqdm, overload_deadline_s, lambda i, r: landed.put((i, r)))), self._loop)
+        fut.add_done_callback(lambda _: landed.put(None))
+        try:
+            while (item := landed.get()) is not None:
+                yield item
+            fut.result()  # raises what the call raised (bad arguments)
+        finally:
+            fut.cancel()
 
     async def stream_chunks(self, prompt, sampling_params: SamplingParams):
         """One request's output as it is sampled: StreamChunk(token_ids) as the shard sends them, the last one
-        with `result` (the result dict, as generate returns it; an error is in its `error`). Routed, encoded and
+        with `result` (its Result, as generate returns it; an error is in its `error`). Routed, encoded and
         checked like generate's requests, retried likewise until its first token. Leaving the loop early
         (break, cancel, close) aborts the request on its shard."""
         caller_loop = asyncio.get_running_loop()
@@ -111,10 +134,9 @@ class Client:
         def push(chunk: StreamChunk) -> None:
             caller_loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
-        fut = asyncio.run_coroutine_threadsafe(self._call(stream_request(self, prompt, sampling_params, push)),
-                                               self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._call(self._stream(prompt, sampling_params, push)), self._loop)
         fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                              or push(StreamChunk([], self._failed_dict(f.exception()))))
+                              or push(StreamChunk([], self._failed(f.exception()))))
         try:
             while True:
                 chunk = await chunks.get()
@@ -126,11 +148,11 @@ class Client:
 
     async def stream(self, prompt, sampling_params: SamplingParams):
         """`async for token_id in client.stream(prompt, sp)`: the output token ids as the shard samples them.
-        A failed request raises StreamError (its result dict in `.result`) once the tokens it had are out."""
+        A failed request raises StreamError (its Result in `.result`) once the tokens it had are out."""
         async for chunk in self.stream_chunks(prompt, sampling_params):
             for t in chunk.token_ids:
                 yield t
-            if chunk.result is not None and chunk.result["error"] is not None:
+            if chunk.result is not None and chunk.result.error is not None:
                 raise StreamError(chunk.result)
 
     def close(self) -> None:
@@ -168,10 +190,22 @@ class Client:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.dispatch.shards.stop()
 
-    def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop) -> Pending:
+    async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None]) -> None:
+        t0 = time.perf_counter()
+        p = self._prepare(prompt, sp, asyncio.get_running_loop())
+        self.counters.streams += 1
+        result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
+        result.timings["client_s"] = time.perf_counter() - t0
+        push(StreamChunk([], result))
+
+    def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 deadline_s: float | None = None) -> Pending:
         """A request for `prompt`, checked against the shards' limits; its future already holds the error
-        result when it cannot be sent."""
-        p = Pending(Request(next(self._ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future())
+        result when it cannot be sent. deadline_s: its overload deadline, from now (None: the config's)."""
+        if deadline_s is None:
+            deadline_s = self.config.overload_deadline_s
+        p = Pending(Request(next(self._ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future(),
+                    deadline=time.monotonic() + deadline_s if math.isfinite(deadline_s) else math.inf)
         try:
             tokens = p.request.prompt_token_ids = self._tokens(prompt)
             p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))
@@ -187,37 +221,51 @@ class Client:
         p.est_decode = max_output_tokens(len(tokens), sp.max_tokens, self.limits.max_model_len)
         return p
 
-    async def _generate(self, prompts: list, sampling_params, use_tqdm: bool) -> list[dict]:
+    async def _generate(self, prompts: list, sampling_params, use_tqdm: bool, deadline_s: float | None,
+                        on_result: Callable[[int, Result], None] | None = None) -> list[Result]:
+        """Each prompt's Result in input order; on_result(index, result) is called as each lands."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries; prompts has {len(prompts)}")
+        if deadline_s is None:
+            deadline_s = self.config.overload_deadline_s
+        elif isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s >= 0:
+            raise ValueError(f"overload_deadline_s must be a number >= 0 (seconds); got {deadline_s!r}")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        pend = [self._prepare(prompt, sp, loop) for prompt, sp in zip(prompts, sampling_params, strict=True)]
         bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc="requests")
+
+        def landed(i: int, fut: asyncio.Future) -> None:
+            if fut.cancelled():
+                return
+            r = fut.result()
+            r.timings["client_s"] = time.perf_counter() - t0  # this request's time in the call
+            if self._tokenizer is not None and r.error is None:
+                r.text = self._tokenizer.decode(r.output_token_ids)
+            if bar is not None:
+                bar.update(1)
+            if on_result is not None:
+                on_result(i, r)
+
+        pend = [self._prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
+                                                                                    strict=True)]
+        for i, p in enumerate(pend):
+            p.future.add_done_callback(lambda f, i=i: landed(i, f))
         try:
             routed = [p for p in pend if not p.future.done()]
             if routed:
                 await self.dispatch.route(routed)
-            if use_tqdm:
-                from tqdm import tqdm
-                bar = tqdm(total=len(pend), desc="requests")
-                for p in pend:
-                    p.future.add_done_callback(lambda _: bar.update(1))
-            results: list[Result] = await asyncio.gather(*(p.future for p in pend))
+            return await asyncio.gather(*(p.future for p in pend))  # after each `landed`: added first
         except asyncio.CancelledError:
             self._abort(pend)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        t1 = time.perf_counter()
-        for r in results:
-            r.timings["client_s"] = t1 - t0
-            if self._tokenizer is not None and r.error is None:
-                r.text = self._tokenizer.decode(r.output_token_ids)
-        return [r.to_dict() for r in results]
 
     def _abort(self, pend: list[Pending]) -> None:
         """The caller gave up on these requests: drop the unanswered ones from their queues and tell their
@@ -231,8 +279,8 @@ class Client:
         for shard, ids in by_shard.items():
             self.dispatch.abort_on(shard, ids)
 
-    def _failed_dict(self, e: BaseException) -> dict:
-        return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")).to_dict()
+    def _failed(self, e: BaseException) -> Result:
+        return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}"))
 
     def _tokens(self, prompt) -> np.ndarray:
         """The prompt as uint32 token ids; RequestError (bad_prompt) when it cannot be one."""
@@ -264,13 +312,13 @@ def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors
     `overrides` of its fields; the shards' health gives the model revision and limits. With `service`,
     closing the client stops that service."""
     health = ray.get([a.health.remote() for a in actors.values()])
-    revisions = {h["model_revision"] for h in health}
+    revisions = {h.model_revision for h in health}
     if len(revisions) != 1:
         raise RuntimeError(f"shards serve different model revisions: {sorted(revisions)}")
     config = dataclasses.replace(cfg.client if cfg is not None else ClientConfig(), **overrides)
     zstd_level = cfg.shard.zstd_level if cfg is not None else DEFAULT_ZSTD_LEVEL
     namespace = namespace or (cfg.ray.namespace if cfg is not None else None)
-    return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0]["model"], service=service,
+    return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0].model, service=service,
                   namespace=namespace)
 
 

@@ -12,6 +12,7 @@ import os
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from flame_llm.protocol.types import Result
 from flame_llm.serving.http_app import HttpConfig
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class ClientBackend:
     def observe(self, name: str, seconds: float) -> None:
         self.hist[name].observe(seconds)
 
-    async def generate(self, prompts: list, sampling: list) -> list[dict]:
+    async def generate(self, prompts: list, sampling: list) -> list[Result]:
         return await self.client.agenerate(prompts, sampling)
 
     def stream(self, prompt, sp):
@@ -61,7 +62,7 @@ class ClientBackend:
         answer within HEALTH_TIMEOUT_S counts as down."""
         async def one(actor) -> bool:
             try:
-                return not (await asyncio.wait_for(actor.health.remote(), HEALTH_TIMEOUT_S))["draining"]
+                return not (await asyncio.wait_for(actor.health.remote(), HEALTH_TIMEOUT_S)).draining
             except Exception:  # noqa: BLE001 - dead, restarting or slow: not up
                 return False
 
@@ -79,7 +80,7 @@ class ClientBackend:
         from flame_llm.serving.service import status
 
         st = await asyncio.to_thread(status, self.client.namespace)
-        return render_service(st, self.client.counters, self.registry)
+        return render_service(st, self.client.counters.to_dict(), self.registry)
 
 
 class FrontDoor:

@@ -39,17 +39,14 @@ class EngineBackend:
         self._ids = (f"http-{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self.counters = {"requests": 0, "errors": 0}
 
-    def _result(self, rid: str, prompt, out=None, error: ErrorInfo | None = None, t0: float = 0.0) -> dict:
-        r = Result(rid, prompt_tokens=len(prompt), device=self.device, node=self.info["node"], error=error,
-                   prompt_digest=prompt_digest(prompt))
+    def _result(self, rid: str, prompt, out=None, error: ErrorInfo | None = None, t0: float = 0.0) -> Result:
         if out is not None:
-            r.output_token_ids, r.finish_reason = out.output_token_ids, out.finish_reason
-            r.cached_tokens = out.num_cached_tokens
-            r.timings = {"total_s": time.perf_counter() - t0, **{k: float(v) for k, v in (
-                ("ttft", out.metrics.ttft), ("tpot", out.metrics.tpot)) if v is not None}}
-        return r.to_dict()
+            return Result.from_output(out, prompt, {"total_s": time.perf_counter() - t0}, device=self.device,
+                                      node=self.info["node"])
+        return Result(rid, prompt_tokens=len(prompt), device=self.device, node=self.info["node"], error=error,
+                      prompt_digest=prompt_digest(prompt))
 
-    async def _one(self, prompt, sp) -> dict:
+    async def _one(self, prompt, sp) -> Result:
         rid, t0 = next(self._ids), time.perf_counter()
         self.counters["requests"] += 1
         try:
@@ -62,7 +59,7 @@ class EngineBackend:
             return self._result(rid, prompt, error=ErrorInfo(ErrorCode.ENGINE_ERROR, str(e)))
         return self._result(rid, prompt, out, t0=t0)
 
-    async def generate(self, prompts: list, sampling: list) -> list[dict]:
+    async def generate(self, prompts: list, sampling: list) -> list[Result]:
         """All prompts are checked against the engine's KV pool before any is admitted."""
         try:
             for p, sp in zip(prompts, sampling, strict=True):
@@ -82,7 +79,7 @@ class EngineBackend:
                     yield StreamChunk(x)
                 else:
                     r = self._result(rid, prompt, x, t0=t0)
-                    r["output_token_ids"] = []  # the chunks carried them
+                    r.output_token_ids = []  # the chunks carried them
                     yield StreamChunk([], r)
         except (ValueError, RuntimeError) as e:
             self.counters["errors"] += 1

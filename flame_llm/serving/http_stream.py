@@ -4,6 +4,7 @@ its shard even when the response is not, so that the engine stops (aborts) the m
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -16,8 +17,8 @@ from flame_llm.serving.detok import TextStream
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tuple[dict, str]:
-    """One choice through backend.stream: (its result dict, its text). on_text(text, token_ids) is called for every
+async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tuple[Result, str]:
+    """One choice through backend.stream: (its Result, its text). on_text(text, token_ids) is called for every
     chunk. When a stop string matches, the stream is closed (the request is aborted on its engine) and the
     result says finish_reason "stop"."""
     tok = backend.tokenizer
@@ -30,7 +31,7 @@ async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tupl
             ids.extend(c.token_ids)
             text = ts.feed(c.token_ids) if ts is not None else ""
             if c.result is not None:
-                result = {**c.result, "output_token_ids": ids}  # what was streamed
+                result = dataclasses.replace(c.result, output_token_ids=ids)  # what was streamed
                 text += ts.finish() if ts is not None and not ts.stopped else ""
             if on_text is not None and (text or c.token_ids):
                 on_text(text, c.token_ids)
@@ -39,14 +40,15 @@ async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tupl
     finally:
         await agen.aclose()
     if result is None:  # stopped by a stop string before the engine finished: it was aborted there
-        result = Result(None, output_token_ids=ids, finish_reason="stop", prompt_tokens=len(prompt)).to_dict()
+        result = Result(None, output_token_ids=ids, finish_reason="stop", prompt_tokens=len(prompt))
     elif ts is not None and ts.stopped:
-        result = {**result, "finish_reason": "stop"}
+        result.finish_reason = "stop"
     return result, (ts.text if ts is not None else "")
 
 
 async def collect(req: api.ApiRequest, backend, t0: float, observe) -> tuple[list[dict], list[str]]:
-    """Every choice's result and text, for a response in one piece."""
+    """Every choice's result (as the response's JSON reads it: Result.to_dict()) and text, for a response in one
+    piece."""
     if req.stop:
         pairs = await asyncio.gather(*(run_choice(backend, p, sp, req.stop)
                                        for p, sp in zip(req.prompts, req.sampling, strict=True)))
@@ -54,10 +56,10 @@ async def collect(req: api.ApiRequest, backend, t0: float, observe) -> tuple[lis
     else:
         results = await backend.generate(req.prompts, req.sampling)
         tok = backend.tokenizer
-        texts = [tok.decode(r["output_token_ids"], skip_special_tokens=True) if tok is not None and not r["error"]
+        texts = [tok.decode(r.output_token_ids, skip_special_tokens=True) if tok is not None and not r.error
                  else "" for r in results]
     observe("e2e_s", time.perf_counter() - t0)
-    return results, texts
+    return [r.to_dict() for r in results], texts
 
 
 def _event(obj: dict) -> bytes:
@@ -89,7 +91,7 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
         for k in range(len(req.prompts)):
             await resp.write(_event(api.chunk(req, model, k, "", [], None, first=True)))
     tasks = [asyncio.create_task(one(k, p, sp)) for k, (p, sp) in enumerate(zip(req.prompts, req.sampling))]
-    results: list[dict | None] = [None] * len(tasks)
+    results: list[Result | None] = [None] * len(tasks)
     first = True
     try:
         while any(r is None for r in results):
@@ -100,15 +102,15 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
                     first = False
                 await resp.write(_event(api.chunk(req, model, index, a, b, None)))
                 continue
-            error = a if kind == "error" else (api.result_error(a) if a["error"] is not None else None)
+            error = a if kind == "error" else (api.result_error(a.to_dict()) if a.error is not None else None)
             if error is not None:
                 await resp.write(_event(error.body()))
                 break
             results[index] = a
-            await resp.write(_event(api.chunk(req, model, index, "", [], a["finish_reason"])))
+            await resp.write(_event(api.chunk(req, model, index, "", [], a.finish_reason)))
         else:
             if req.include_usage:
-                await resp.write(_event(api.usage_chunk(req, model, results)))
+                await resp.write(_event(api.usage_chunk(req, model, [r.to_dict() for r in results])))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     finally:

@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.engine_actor import CONCURRENCY_GROUPS, EngineActor
 from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards, replacement_placement
+from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.preflight import check_cpu_memory
 from flame_llm.serving.ray_attach import attach, init_ray, running_local_address
 from flame_llm.serving.service_config import DEFAULT_NAMESPACE, ServiceConfig
@@ -30,7 +31,7 @@ class Service:
     placements: list[ShardPlacement]
     router: ray.actor.ActorHandle
     actors: dict[int, ray.actor.ActorHandle]
-    health: list[dict] = field(default_factory=list)
+    health: list[ShardHealth] = field(default_factory=list)
     model: str = ""  # the model directory the shards load
     lifetime: str | None = None  # the actors' Ray lifetime ("detached" or None)
 
@@ -147,7 +148,7 @@ def start_service(cfg: ServiceConfig, detached: bool = False, source: str = "the
             raise RuntimeError(f"shard {p.name} on node {p.node_id} ({p.gpu_uuid or 'CPU'}) failed to start: "
                                f"{e}") from e
     log.info("service up in namespace %r: %s", ns,
-             ", ".join(f"{h['name']}@{h['device']}/{h['node'][:8]}" for h in health))
+             ", ".join(f"{h.name}@{h.device}/{h.node[:8]}" for h in health))
     return Service(cfg, placements, router, actors, health, model, lifetime)
 
 

@@ -42,6 +42,8 @@ class ClientConfig:
     restart_timeout_s: float = 300.0  # how long to wait for a dead shard to come back
     flush_formed: bool = True  # send a generate() call's batches at once (false: the three rules above only)
     flow_control: bool = True  # at most a shard's admission capacity unanswered there (false: rejections retried)
+    results_as_finished: bool = True  # each result as it finishes on its shard (false: a batch's results at once)
+    overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
 
     def __post_init__(self) -> None:
         w = "client field"
@@ -51,6 +53,8 @@ class ClientConfig:
         check_number("restart_timeout_s", self.restart_timeout_s, 0, low_open=True, where=w)
         check_bool("flush_formed", self.flush_formed, where=w)
         check_bool("flow_control", self.flow_control, where=w)
+        check_bool("results_as_finished", self.results_as_finished, where=w)
+        check_number("overload_deadline_s", self.overload_deadline_s, 0, where=w)
 
 
 @dataclass(slots=True)

@@ -16,19 +16,20 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import ActorUnschedulableError, RayError
 
-from flame_llm.protocol.types import ErrorCode, ErrorInfo
+from flame_llm.protocol.types import ErrorCode, ErrorInfo, ShardHealth
+from flame_llm.serving.batcher import ClientCounters
 
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
 
 
 class ShardWatch:
-    def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle, health: list[dict],
-                 restart_timeout_s: float, counters: dict,
+    def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle,
+                 health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
                  lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None) -> None:
         self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
         self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
-        self.incarnation = {s: h["incarnation"] for s, h in zip(actors, health, strict=True)}
+        self.incarnation = {s: h.incarnation for s, h in zip(actors, health, strict=True)}
         self.avoid: dict[int, ErrorInfo] = {}  # shard -> why requests are routed around it
         self._recovering: dict[int, asyncio.Future] = {}
         self._watchers: dict[int, asyncio.Task] = {}
@@ -68,7 +69,7 @@ class ShardWatch:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _health(self, shard: int) -> dict | None:
+    async def _health(self, shard: int) -> ShardHealth | None:
         """The shard's health, or None when it does not answer; a new incarnation's prefixes are dropped."""
         try:
             h = await asyncio.wait_for(self.actors[shard].health.remote(), timeout=PROBE_TIMEOUT_S)
@@ -80,9 +81,9 @@ class ShardWatch:
                 if handle is not None:
                     self.actors[shard] = handle
             return None
-        if h["incarnation"] != self.incarnation[shard]:
-            self.incarnation[shard] = h["incarnation"]
-            self.counters["restarts_seen"] += 1
+        if h.incarnation != self.incarnation[shard]:
+            self.incarnation[shard] = h.incarnation
+            self.counters.restarts_seen += 1
             await self.router.drop_shard.remote(shard)
         return h
 
@@ -102,7 +103,7 @@ class ShardWatch:
             while True:
                 await asyncio.sleep(WATCH_INTERVAL_S)
                 h = await self._health(shard)
-                if h is not None and not h["draining"]:
+                if h is not None and not h.draining:
                     self.avoid.pop(shard, None)
                     return
         finally:

@@ -1,0 +1,277 @@
+"""Where a streamed token's time goes between the engine and the SSE bytes, hop by hop, at low load on CPU
+(issue 18 item 2): flame's front door against `serve-http` (our engine alone over HTTP), with the tiny model.
+
+One request at a time, the same prompts shape on every path, the paths interleaved request by request:
+
+- `serve-http`: HTTP + SSE straight over one AsyncEngine (the reference),
+- `door`: flame's front door (HTTP actor -> Python client -> router call -> engine actor's `stream`),
+- `client`: the same Python client in this process (no front door, no HTTP),
+- `actor`: this process calls the engine actor's `stream` itself (no router call, no client loop, no credit),
+- `router`: the router's `route` call alone; `ray`: a bare actor call (`health`) for scale,
+- the non-streamed answers of one token: `serve-http` / `door` over HTTP, `client.agenerate`, `actor.submit`.
+
+The engine's own figures come back in the stream's result (queue_s: admission wait; ttft: arrival in the engine to
+its first token). Per hop (p50 of TTFT differences): engine TTFT; actor admission; the Ray streaming hop (actor
+TTFT - engine TTFT - admission); the client layer (client - actor: router call, credit, loop hand-offs); the front
+door (door - client: HTTP, the door actor, its hand-off from the client loop, SSE); total overhead (door -
+serve-http). Inter-token gaps per path (p50 / p99) and tokens per chunk (chunk merging).
+
+    RAY_ADDRESS= python -m bench.hops --requests 40 --output-tokens 32 --out hops.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+
+import aiohttp
+import numpy as np
+
+from bench.http_client import SERVED_MODEL_NAME
+from bench.loadgen import Outcome, percentiles, stream_one
+
+log = logging.getLogger(__name__)
+
+
+def _setup(a):
+    from bench.runner import RunOptions, build_setup
+
+    o = RunOptions(model=a.model, load_format="auto", num_shards=1, max_model_len=a.max_model_len,
+                   max_num_seqs=16, max_num_batched_tokens=a.max_model_len, torch_threads=a.torch_threads,
+                   engine_json={"cpu_kvcache_gib": 0.25})
+    return build_setup(o, os.path.join(a.logs, "logs"))
+
+
+class Paths:
+    """The measured paths over one started flame (1 CPU shard) and one serve-http."""
+
+    def __init__(self, flame, http, revision: str, out_tokens: int) -> None:
+        from flame_llm.sampling_params import SamplingParams
+
+        self.flame, self.http, self.revision = flame, http, revision
+        self.door = flame.http_replicas()[0].url
+        self.engine_url = http.http_replicas()[0].url
+        self.client = flame.client
+        self.actor = next(iter(flame.service.actors.values()))
+        self.sp = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
+        self.sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        self.n = 0
+
+    def _payload(self, prompt, sp) -> bytes:
+        from flame_llm.protocol.types import Request
+        from flame_llm.protocol.wire import encode_requests
+
+        self.n += 1
+        return encode_requests([Request(f"hops-{self.n}", np.asarray(prompt, dtype=np.uint32), sp)], self.revision)
+
+    async def http_stream(self, session, url: str, prompt) -> dict:
+        out = Outcome(0.0, 0, 0)
+        await stream_one(session, url, prompt, self.sp.max_tokens, out, time.perf_counter(), SERVED_MODEL_NAME)
+        assert out.error is None, out.error
+        return {"ttft": out.ttft_s, "chunks": out.chunk_s, "tokens": out.output_tokens}
+
+    async def client_stream(self, prompt) -> dict:
+        t0 = time.perf_counter()
+        chunks, tokens = [], 0
+        async for c in self.client.stream_chunks(prompt, self.sp):
+            if c.token_ids:
+                chunks.append(time.perf_counter() - t0)
+                tokens += len(c.token_ids)
+            if c.result is not None:
+                assert c.result["error"] is None, c.result["error"]
+        return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens}
+
+    async def actor_stream(self, prompt) -> dict:
+        from flame_llm.protocol.wire import decode_results
+
+        payload = self._payload(prompt, self.sp)
+        t0 = time.perf_counter()
+        chunks, tokens, res = [], 0, None
+        async for ref in self.actor.stream.remote(payload, None):
+            item = await ref
+            if isinstance(item, list):
+                chunks.append(time.perf_counter() - t0)
+                tokens += len(item)
+            else:
+                (res,) = decode_results(item)
+        assert res is not None and res.error is None, res
+        return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens, "engine_ttft": res.timings.get("ttft"),
+                "queue": res.timings.get("queue_s")}
+
+    async def router_call(self, prompt) -> dict:
+        from flame_llm.protocol.routing_key import RouteItem, estimate_prefill_work, prefix_chain
+
+        item = RouteItem(prefix_chain(prompt, self.revision), estimate_prefill_work(len(prompt)), 1)
+        t0 = time.perf_counter()
+        await self.client.router.route.remote([item], [])
+        t1 = time.perf_counter()
+        await self.actor.health.remote()
+        return {"router": t1 - t0, "ray": time.perf_counter() - t1}
+
+    async def http_once(self, session, url: str, prompt) -> dict:
+        """A one-token answer in one piece: its time, and the engine's TTFT when the response says (our servers'
+        `flame` block)."""
+        body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                "ignore_eos": True}
+        t0 = time.perf_counter()
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            out = await resp.json()
+            assert resp.status == 200, resp.status
+        return {"e2e": time.perf_counter() - t0, "engine_ttft": (out.get("flame") or {}).get("ttft")}
+
+    async def client_once(self, prompt) -> float:
+        t0 = time.perf_counter()
+        (r,) = await self.client.agenerate([prompt], self.sp1)
+        assert r["error"] is None, r["error"]
+        return time.perf_counter() - t0
+
+    async def actor_once(self, prompt) -> float:
+        payload = self._payload(prompt, self.sp1)
+        t0 = time.perf_counter()
+        await self.actor.submit.remote(payload, None)
+        return time.perf_counter() - t0
+
+
+async def measure(p: Paths, n: int, prompt_tokens: int, vocab: int, warmup: int, gap_s: float) -> dict:
+    rng = np.random.default_rng(0)
+    samples: dict[str, list] = {k: [] for k in ("serve-http", "door", "client", "actor", "rpc", "once-serve-http",
+                                                "once-door", "once-client", "once-actor")}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)) as s:
+        for i in range(warmup + n):
+            runs = {"serve-http": lambda q: p.http_stream(s, p.engine_url, q),
+                    "door": lambda q: p.http_stream(s, p.door, q), "client": p.client_stream,
+                    "actor": p.actor_stream, "rpc": p.router_call,
+                    "once-serve-http": lambda q: p.http_once(s, p.engine_url, q),
+                    "once-door": lambda q: p.http_once(s, p.door, q), "once-client": p.client_once,
+                    "once-actor": p.actor_once}
+            order = list(runs)
+            order = order[i % len(order):] + order[:i % len(order)]  # rotate: no path always runs first
+            for k in order:
+                prompt = rng.integers(0, vocab, prompt_tokens).tolist()  # fresh: no prefix-cache hit anywhere
+                got = await runs[k](prompt)
+                if i >= warmup:
+                    samples[k].append(got)
+                await asyncio.sleep(gap_s)
+    return samples
+
+
+def summarize(samples: dict) -> dict:
+    ms = 1e3
+
+    def pct(xs) -> dict:
+        return {k: v * ms if k != "n" else v for k, v in percentiles(list(xs)).items()}
+
+    out: dict = {"paths": {}}
+    for k in ("serve-http", "door", "client", "actor"):
+        xs = samples[k]
+        gaps = [b - a for x in xs for a, b in zip(x["chunks"], x["chunks"][1:])]
+        out["paths"][k] = {"ttft_ms": pct(x["ttft"] for x in xs), "itl_ms": pct(gaps),
+                           "tokens_per_chunk": sum(x["tokens"] for x in xs) / sum(len(x["chunks"]) for x in xs)}
+    act = samples["actor"]
+    out["engine_ttft_ms"] = pct(x["engine_ttft"] for x in act if x["engine_ttft"] is not None)
+    out["admission_ms"] = pct(x["queue"] for x in act if x["queue"] is not None)
+    out["router_call_ms"] = pct(x["router"] for x in samples["rpc"])
+    out["ray_call_ms"] = pct(x["ray"] for x in samples["rpc"])
+    out["once_ms"] = {k.removeprefix("once-"): pct(x["e2e"] if isinstance(x, dict) else x for x in samples[k])
+                      for k in samples if k.startswith("once-")}
+    for k, path in (("engine_ttft_http_ms", "once-serve-http"), ("engine_ttft_door_ms", "once-door")):
+        out[k] = pct(x["engine_ttft"] for x in samples[path] if x["engine_ttft"] is not None)
+    p50 = {k: v["ttft_ms"]["p50"] for k, v in out["paths"].items()}
+    eng, adm = out["engine_ttft_ms"]["p50"], out["admission_ms"]["p50"]
+    out["hops_ttft_p50_ms"] = {
+        "engine (arrival in the engine to its first token)": eng,
+        "actor admission (queue_s)": adm,
+        "Ray streaming hop + payload decode (actor - engine - admission)": p50["actor"] - eng - adm,
+        "client layer: router call, credit, client-loop hand-offs (client - actor)": p50["client"] - p50["actor"],
+        "front door: HTTP, door actor, hand-off from the client loop, SSE (door - client)": p50["door"] - p50["client"],
+        "serve-http's own HTTP + SSE (serve-http - engine)": p50["serve-http"] - eng,
+    }
+    d, e = out["paths"]["door"], out["paths"]["serve-http"]
+    out["goals"] = {"ttft_p50_overhead_ms": d["ttft_ms"]["p50"] - e["ttft_ms"]["p50"],
+                    "ttft_p50_overhead_goal_ms": 3.0,
+                    "itl_p99_ratio": d["itl_ms"]["p99"] / e["itl_ms"]["p99"] if e["itl_ms"] else None,
+                    "itl_p99_ratio_goal": 1.2}
+    return out
+
+
+def table(r: dict) -> str:
+    lines = ["| path | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | tokens per chunk | 1-token answer p50 (ms) |",
+             "|---|---|---|---|---|"]
+    for k, v in r["paths"].items():
+        once = r["once_ms"].get(k)
+        lines.append(f"| {k} | {v['ttft_ms']['p50']:.2f} / {v['ttft_ms']['p99']:.2f} | {v['itl_ms']['p50']:.2f} / "
+                     f"{v['itl_ms']['p99']:.2f} | {v['tokens_per_chunk']:.2f} | "
+                     f"{once['p50']:.2f} |" if once else "n/a |")
+    lines += ["", "| hop (TTFT, p50 differences) | ms |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in r["hops_ttft_p50_ms"].items()]
+    for name, k in (("router call alone", "router_call_ms"), ("bare Ray actor call (health)", "ray_call_ms"),
+                    ("serve-http's engine TTFT, 1-token answers", "engine_ttft_http_ms"),
+                    ("flame's engine TTFT, 1-token answers via the door", "engine_ttft_door_ms")):
+        if r.get(k):
+            lines.append(f"| {name} (p50 / p99) | {r[k]['p50']:.2f} / {r[k]['p99']:.2f} |")
+    g = r["goals"]
+    lines += ["", f"TTFT p50 overhead of the door over serve-http: {g['ttft_p50_overhead_ms']:.2f} ms (goal <= 3); "
+              f"inter-token p99 door / serve-http: {g['itl_p99_ratio']:.2f}x (goal <= 1.2)"]
+    return "\n".join(lines)
+
+
+def switch_interval_everywhere(seconds: float, folder: str) -> None:
+    """The GIL switch interval of this process and of every Python process it starts from now on: a thread that
+    waits for the GIL (an event loop woken by the engine thread) waits up to this long (Python's default 5 ms)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(f"import sys\nsys.setswitchinterval({seconds!r})\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH", "")]))
+    sys.setswitchinterval(seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--requests", type=int, default=40, help="measured requests per path")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--gap-s", type=float, default=0.02, help="idle time between requests (low load)")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--logs", default="/tmp/flame-hops")
+    p.add_argument("--switch-interval-s", type=float, default=None,
+                   help="experiment: sys.setswitchinterval in every process started here (serve-http, Ray workers) "
+                        "through a sitecustomize on PYTHONPATH; default: Python's 5 ms")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.switch_interval_s is not None:
+        switch_interval_everywhere(a.switch_interval_s, os.path.join(a.logs, "switch"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from bench.runner import local_ray_scope
+    from bench.systems import make_system, parse_system
+    from flame_llm.config import load_hf_config
+
+    setup = _setup(a)
+    vocab = load_hf_config(setup.model).vocab_size
+    with local_ray_scope():
+        http = make_system(parse_system("engine"), setup, "hops-engine")
+        flame = make_system(parse_system("flame"), setup, "hops-flame")
+        try:
+            http.start()
+            flame.start()
+            paths = Paths(flame, http, setup.model_revision, a.output_tokens)
+            samples = asyncio.run(measure(paths, a.requests, a.prompt_tokens, vocab, a.warmup, a.gap_s))
+        finally:
+            flame.stop()
+            http.stop()
+    res = {"args": vars(a), **summarize(samples), "samples": samples}
+    print(table(res))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

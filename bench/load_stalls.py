@@ -1,0 +1,215 @@
+"""What could stall a load window, read around it (issue 18 item 3): the engines' own counters of kernel variants
+compiled just in time and garbage-collection pauses over 10 ms (the engine's stats(): flame's shards through
+their stats(), our serve-http through /metrics when it exports them; absent counters read as None and the report
+prints n/a), and this process's own GC pauses (gc.callbacks: the load generator and flame's Python client).
+Also the systems' KV capacity in tokens (the eviction workload states it beside the distinct document tokens)."""
+from __future__ import annotations
+
+import gc
+import logging
+import re
+import time
+import urllib.request
+
+log = logging.getLogger(__name__)
+
+# engine stats() keys: kernel variants compiled after warmup (any kernel; attention's alone on older engines),
+# GC pauses over 10 ms and the longest pause so far
+COUNT_KEYS = ("jit_compiles", "attention_jit_compiles", "gc_pauses_over_10ms")
+MAX_KEYS = ("gc_pause_max_s",)
+GC_STALL_S = 0.010
+
+
+class GcWatch:
+    """This process's collections that paused it longer than `threshold_s`, while entered."""
+
+    def __init__(self, threshold_s: float = GC_STALL_S) -> None:
+        self.threshold_s, self.pauses, self.max_s, self.collections = threshold_s, 0, 0.0, 0
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        d = time.perf_counter() - self._t0
+        self.collections += 1
+        self.max_s = max(self.max_s, d)
+        if d > self.threshold_s:
+            self.pauses += 1
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def figures(self) -> dict:
+        return {"gc_pauses_over_10ms": self.pauses, "gc_pause_max_s": self.max_s, "collections": self.collections}
+
+
+def merge(stats: list[dict]) -> dict:
+    """One system's counters from its engines' stats dicts: counts summed, maxima maxed, None when no engine
+    reports the key."""
+    out: dict = {}
+    for k in COUNT_KEYS + MAX_KEYS:
+        vals = [s[k] for s in stats if isinstance(s.get(k), (int, float))]
+        out[k] = (max(vals) if k in MAX_KEYS else sum(vals)) if vals else None
+    return out
+
+
+def parse_metrics(text: str) -> dict:
+    """Engine counters from Prometheus text: a sample whose name (less `_total`) ends with a stats key (or with
+    gc_pause_max_seconds) counts as that key; counts summed over labels, the pause maximum maxed."""
+    suffixes = (("attention_jit_compiles", "attention_jit_compiles"), ("jit_compiles", "jit_compiles"),
+                ("gc_pauses_over_10ms", "gc_pauses_over_10ms"), ("gc_pause_max_s", "gc_pause_max_s"),
+                ("gc_pause_max_seconds", "gc_pause_max_s"))
+    found: dict = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if not m:
+            continue
+        name = m.group(1).removesuffix("_total")
+        key = next((k for suffix, k in suffixes if name.endswith(suffix)), None)
+        if key is None:
+            continue
+        v = float(m.group(3))
+        found[key] = max(found.get(key, v), v) if key in MAX_KEYS else found.get(key, 0.0) + v
+    return found
+
+
+def _get(url: str, timeout_s: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return r.read().decode(errors="replace")
+
+
+def engine_stats(system) -> list[dict] | None:
+    """Each engine's stats as a dict (flame: every shard's stats()["engine"]; our serve-http: what its /metrics
+    says); None for systems that publish none of them (vLLM)."""
+    kind = system.system.kind
+    if kind == "flame":
+        import ray
+        return [s.get("engine", {}) for s in ray.get([a.stats.remote() for a in system.service.actors.values()])]
+    if kind == "engine":
+        out = []
+        for r in system.http_replicas():
+            try:
+                out.append(parse_metrics(_get(f"{r.url}/metrics")))
+            except OSError as e:
+                log.warning("could not read %s/metrics: %s", r.url, e)
+                out.append({})
+        return out
+    return None
+
+
+def stall_counters(system) -> dict | None:
+    try:
+        stats = engine_stats(system)
+    except Exception as e:  # noqa: BLE001 - the figures are n/a, the window stands
+        log.warning("could not read the engines' stall counters: %s", e)
+        return None
+    return None if stats is None else merge(stats)
+
+
+def window_stalls(before: dict | None, after: dict | None, client: dict) -> dict:
+    """A window's stall figures: the engines' counters over the window (None: not reported) and the client's."""
+    eng: dict = {}
+    for k in COUNT_KEYS:
+        b, a = (before or {}).get(k), (after or {}).get(k)
+        eng[k] = a - b if a is not None and b is not None and a >= b else None  # a < b: a restart reset it
+    b, a = (before or {}).get("gc_pause_max_s"), (after or {}).get("gc_pause_max_s")
+    # the engines' longest pause so far: it happened in this window only when it grew
+    eng["gc_pause_max_s"] = a if a is not None and b is not None and a > b else (0.0 if a is not None else None)
+    return {"engine": eng, "client": client}
+
+
+def kv_capacity_tokens(system, block_size: int) -> int | None:
+    """The KV cache of every engine together, in tokens (None when the system does not say)."""
+    kind = system.system.kind
+    try:
+        if kind == "flame":
+            stats = engine_stats(system) or []
+            return sum(int(s.get("num_blocks", 0)) for s in stats) * block_size if stats else None
+        if kind == "vllm":
+            total = 0
+            for r in system.http_replicas():
+                m = re.search(r'vllm:cache_config_info\{([^}]*)\}', _get(f"{r.url}/metrics"))
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) if m else {}
+                if "num_gpu_blocks" not in labels:
+                    return None
+                total += int(labels["num_gpu_blocks"]) * int(labels.get("block_size", 16))
+            return total
+    except Exception as e:  # noqa: BLE001 - unknown, the report says so
+        log.warning("could not read the KV capacity: %s", e)
+    return None  # serve-http does not publish its block count
+
+
+# prefix-cache counters around a window: flame's engine stats keys, and the /metrics samples (less `_total`) of
+# serve-http (its shard-metric names) and vLLM (v1 names), summed over replicas
+CACHE_METRICS = {"engine": {"prefix_hit_tokens": "flame_shard_cached_tokens",
+                            "prefix_query_tokens": "flame_shard_prompt_tokens"},
+                 "vllm": {"prefix_hit_tokens": "vllm:prefix_cache_hits",
+                          "prefix_query_tokens": "vllm:prefix_cache_queries"}}
+
+
+def cache_counters(system) -> dict | None:
+    """Prompt tokens looked up in the prefix cache, those found, and (flame) cached blocks evicted, over every
+    engine of the system so far; None when they cannot be read."""
+    kind = system.system.kind
+    try:
+        if kind == "flame":
+            stats = engine_stats(system) or []
+            return {k: sum(int(s.get(k, 0)) for s in stats)
+                    for k in ("prefix_hit_tokens", "prefix_query_tokens", "evictions")}
+        names = CACHE_METRICS.get(kind)
+        if names is None:
+            return None
+        out = {k: 0.0 for k in names}
+        for r in system.http_replicas():
+            for line in _get(f"{r.url}/metrics").splitlines():
+                m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+                if m:
+                    for key, name in names.items():
+                        if m.group(1).removesuffix("_total") == name:
+                            out[key] += float(m.group(3))
+        return out
+    except Exception as e:  # noqa: BLE001 - the figures are n/a, the window stands
+        log.warning("could not read the prefix-cache counters: %s", e)
+        return None
+
+
+def window_cache(before: dict | None, after: dict | None) -> dict | None:
+    """The window's prefix-cache figures: tokens looked up and found, hit rate, evictions (None: unknown)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in after if k in before}
+    if any(v < 0 for v in d.values()):  # an engine restarted in the window: its counters began again
+        return None
+    q = d.get("prefix_query_tokens", 0)
+    return {**d, "hit_rate": d.get("prefix_hit_tokens", 0) / q if q else None}
+
+
+def shared_pauses(outcomes: list, min_gap_s: float = 0.5, tol_s: float = 0.02) -> list[dict]:
+    """Pauses that several streams sat through together: gaps of at least min_gap_s before a token (the first
+    token's wait included) whose ends fall within tol_s of each other. Streams of one engine get their tokens
+    from the same steps, so a pause they share ended with one slow engine step (a JIT compile, a GC pause, a long
+    prefill), not in a stream's own path. Each: when it ended (seconds into the window), the longest gap ending
+    there, how many streams it held, and `pause_s`: the shortest of their gaps (they all waited at least that
+    long together) beside `longest_wait_s`."""
+    ends = []
+    for o in outcomes:
+        prev = 0.0
+        for t in o.chunk_s:
+            if t - prev >= min_gap_s:
+                ends.append((o.sent_s + t, t - prev))
+            prev = t
+    ends.sort()
+    out: list[dict] = []
+    for end, gap in ends:
+        if out and end - out[-1]["end_s"] <= tol_s:
+            out[-1]["streams"] += 1
+            out[-1]["pause_s"] = min(out[-1]["pause_s"], gap)
+            out[-1]["longest_wait_s"] = max(out[-1]["longest_wait_s"], gap)
+        else:
+            out.append({"end_s": end, "pause_s": gap, "longest_wait_s": gap, "streams": 1})
+    return [p for p in out if p["streams"] >= 2]

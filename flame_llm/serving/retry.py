@@ -1,0 +1,63 @@
+"""The client's one retry policy, for batched and streamed requests alike: what happens to a request after its
+shard answered (or died under it). The rules (flame_llm.protocol.types.RETRYABLE says which errors a resend
+can cure):
+
+- an answer without error, or with one a resend cannot cure, is the request's result (DONE);
+- a request whose tokens were already streamed to its caller is never sent again: its shard's error, or its
+  shard's death, is its result;
+- overloaded: sent again after the shard's retry hint (RETRY) while that is before the request's overload
+  deadline (Pending.deadline, the caller's choice); past it, `overloaded` is its result. Not counted against
+  max_retries: a busy shard is waited for, not given up on;
+- draining (or another retryable error from the shard): routed to another shard (REROUTE), the shard avoided;
+- its shard died: once the shard is back (or given up on), routed again (RESTART);
+- REROUTE and RESTART count against max_retries; past them the error is the result (FAIL for a death).
+
+Dispatcher (dispatch.py) carries the decisions out for batches, client_stream.py for streams."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
+from flame_llm.serving.batcher import Pending
+
+
+class Action(str, Enum):
+    DONE = "done"  # the result goes to the caller
+    RETRY = "retry"  # the same shard again after delay_s
+    REROUTE = "reroute"  # another shard: this one is avoided
+    RESTART = "restart"  # the shard died: wait for it (or give it up), then route again
+    FAIL = "fail"  # the caller gets `error`
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    action: Action
+    delay_s: float = 0.0  # RETRY: how long to wait first
+    error: ErrorInfo | None = None  # FAIL: what the caller gets
+
+
+DONE = Decision(Action.DONE)
+
+
+def decide(p: Pending, max_retries: int, result: Result | None = None, lost: BaseException | None = None,
+           shard: int = -1, streamed: bool = False, now: float | None = None) -> Decision:
+    """What to do with `p` after `result` came back from `shard`, or after the shard died (`lost`, the error it
+    died with). `streamed`: tokens of this attempt already reached the caller. `now`: time.monotonic()."""
+    if lost is not None:
+        if streamed or p.attempts >= max_retries:
+            why = "streaming" if streamed else "serving"
+            times = "" if streamed else f", {p.attempts + 1} times"
+            return Decision(Action.FAIL, error=ErrorInfo(ErrorCode.SHARD_DIED, f"shard {shard} died while {why} this "
+                                                         f"request{times}: {type(lost).__name__}: {lost}"))
+        return Decision(Action.RESTART)
+    assert result is not None
+    err = result.error
+    if err is None or not err.code.retryable or streamed:
+        return DONE
+    if err.code is ErrorCode.OVERLOADED:
+        delay = err.retry_after_s or 0.0
+        now = time.monotonic() if now is None else now
+        return Decision(Action.RETRY, delay) if now + delay < p.deadline else DONE
+    return Decision(Action.REROUTE) if p.attempts < max_retries else DONE
