@@ -14,12 +14,14 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import asdict
 
 from tqdm import tqdm
 
 from bench.load import LOAD_ARGUMENTS
+from bench.provenance import call_info, machine_info
 from bench.report import render_markdown, write_report
 from bench.runner import RUN_ARGUMENTS, local_ray_scope, options_from_args, run_one
 from bench.systems import parse_system
@@ -64,18 +66,23 @@ def run(a: argparse.Namespace) -> int:
         raise SystemExit(f"--systems must list distinct systems; got {a.systems!r}")
     if a.pairs < 1 or a.pair_start < 0:
         raise SystemExit(f"--pairs must be >= 1 and --pair-start >= 0; got {a.pairs}, {a.pair_start}")
-    os.makedirs(o.out, exist_ok=True)
-    with open(os.path.join(o.out, "bench.json"), "w") as f:
-        json.dump({"systems": systems, "traces": traces, "pairs": a.pairs, "pair_start": a.pair_start, "argv": sys.argv,
-                   "started_at": dt.datetime.now(dt.timezone.utc).isoformat(), "options": asdict(o)}, f, indent=1)
     pairs = range(a.pair_start, a.pair_start + a.pairs)
+    check_pairs_free(o.out, traces, pairs)
+    call = call_info(a.pair_start, a.pairs, sys.argv)
+    os.makedirs(os.path.join(o.out, "calls"), exist_ok=True)
+    meta = {"systems": systems, "traces": traces, "pairs": a.pairs, "pair_start": a.pair_start, "argv": sys.argv,
+            "started_at": dt.datetime.now(dt.timezone.utc).isoformat(), "options": asdict(o), "call": call,
+            "machine": machine_info()}
+    for path in (os.path.join(o.out, "bench.json"), os.path.join(o.out, "calls", f"{call['id']}.json")):
+        with open(path, "w") as f:  # bench.json: the latest call (the report's system order); calls/: every call
+            json.dump(meta, f, indent=1)
     n = len(systems)
     plan = [(t, p, pos, systems[(p + pos) % n]) for t in traces for p in pairs for pos in range(n)]
     failed = []
     with local_ray_scope(), tqdm(plan, desc="runs", unit="run") as bar:
         for t, p, pos, label in bar:
             bar.set_postfix_str(f"{t} pair {p} {label}")
-            raw = run_one(o, label, t, p, pos)
+            raw = run_one(o, label, t, p, pos, call)
             if not raw["checks"]["ok"]:
                 failed.append(raw["path"])
                 log.error("%s: checks failed: %s %s", raw["path"], raw["error"] or "", raw["checks"]["failures"])
@@ -84,6 +91,21 @@ def run(a: argparse.Namespace) -> int:
     if failed:
         print(f"{len(failed)} run(s) failed their checks: {failed}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def check_pairs_free(out: str, traces: list[str], pairs: range) -> None:
+    """Refuse, before anything starts, to reuse a pair index already under `out` for one of these traces, whatever
+    its systems: the report merges every record there and forms pair p of a trace from its runs, so a pair index
+    belongs to one call (a continuation into the same --out starts past every pair there)."""
+    done = {(t, s): sorted(int(m[1]) for f in os.listdir(os.path.join(out, "raw", t, s))
+                           if (m := re.fullmatch(r"pair(\d+)\.json", f)))
+            for t in traces if os.path.isdir(os.path.join(out, "raw", t))
+            for s in sorted(os.listdir(os.path.join(out, "raw", t))) if os.path.isdir(os.path.join(out, "raw", t, s))}
+    taken = [f"raw/{t}/{s}/pair{p:02d}.json" for (t, s), ps in done.items() for p in ps if p in pairs]
+    if taken:
+        nxt = 1 + max(p for ps in done.values() for p in ps)
+        raise SystemExit(f"--out {out} already holds {taken[0]} ({len(taken)} run(s) of pairs {pairs.start}-"
+                         f"{pairs.stop - 1} there); continue with --pair-start {nxt}, or use another --out")
 
 
 def run_load(a: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from bench.report_merge import dedupe, pair_provenance, render_provenance
 from bench.report_plots import render_png
 from bench.runner import RAW_FORMAT
 from bench.service_path import render as render_service_path
@@ -51,7 +52,7 @@ def load_runs(raw_dir: str) -> list[dict]:
             runs.append(rec)
     if not runs:
         raise ValueError(f"no raw run records ({RAW_FORMAT}) under {raw_dir!r}")
-    return runs
+    return dedupe(runs)
 
 
 def run_summary(run: dict) -> dict:
@@ -112,12 +113,10 @@ def build_report(runs: list[dict], order: list[str] | None = None) -> dict:
         labels = [x for x in (order or []) if x in by_label] + sorted(x for x in by_label if x not in (order or []))
         stats = {lab: system_stats(by_label[lab]) for lab in labels}
         first = by_label[labels[0]][0]
-        ratios = []
-        subj = labels[0]
-        for ref in labels[1:]:
-            ratios.append(_ratio(subj, ref, stats[subj], stats[ref]))
+        prov = pair_provenance(by_label)
+        ratios = [_ratio(labels[0], ref, stats[labels[0]], stats[ref], set(prov["mixed"])) for ref in labels[1:]]
         out["traces"][name] = {"trace": first["trace"], "systems": labels, "stats": stats, "ratios": ratios,
-                               "warnings": warnings(stats, ratios),
+                               "warnings": warnings(stats, ratios) + prov["warnings"], "provenance": prov,
                                "engine_config": first.get("engine_config"), "placement": first.get("placement"),
                                "policy": {lab: by_label[lab][0]["policy"] for lab in labels},
                                "warmup_shifts": first.get("warmup_shifts")}
@@ -141,9 +140,11 @@ def warnings(stats: dict, ratios: list[dict]) -> list[str]:
     return out
 
 
-def _ratio(subj: str, ref: str, a: dict, b: dict) -> dict:
-    ra = {s["pair"]: s["req_s"] for s in a["per_run"] if s["ok"]}
-    rb = {s["pair"]: s["req_s"] for s in b["per_run"] if s["ok"]}
+def _ratio(subj: str, ref: str, a: dict, b: dict, skip: set[int] = frozenset()) -> dict:
+    """subj / ref: of the medians (every ok run), and per pair over the pairs both ran ok (but those in skip: a pair
+    whose runs mix machines or calls)."""
+    ra = {s["pair"]: s["req_s"] for s in a["per_run"] if s["ok"] and s["pair"] not in skip}
+    rb = {s["pair"]: s["req_s"] for s in b["per_run"] if s["ok"] and s["pair"] not in skip}
     paired = {p: ra[p] / rb[p] for p in sorted(set(ra) & set(rb)) if rb[p] > 0}
     med = a["req_s"]["median"] / b["req_s"]["median"] if a["req_s"] and b["req_s"] else None
     vals = list(paired.values())
@@ -201,6 +202,7 @@ def render_markdown(rep: dict, source: str) -> str:
         lines += ["", "Median per-request timings (s): " + "; ".join(
             f"{lab}: " + ", ".join(f"{k} {v:.4f}" for k, v in t["stats"][lab]["timings_median_s"].items())
             for lab in t["systems"])]
+        lines += render_provenance(t)
         lines += render_service_path({lab: t["stats"][lab].get("service_path") for lab in t["systems"]})
         bad = [s for lab in t["systems"] for s in t["stats"][lab]["per_run"] if not s["ok"]]
         for s in bad:

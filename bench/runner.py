@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 
+from bench.provenance import call_info, machine_info
 from bench.run_options import (  # noqa: F401 - re-exported: the run's options are imported from here too
     BENCH_EPILOG,
     RUN_ARGUMENTS,
@@ -113,8 +114,10 @@ def check_run(trace: Trace, records: list[dict], placement: list[str]) -> dict:
             "expected": len(want)}
 
 
-def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position: int = 0) -> dict:
-    """Start `label` fresh, warm up, run one measured burst, stop; write and return the raw record."""
+def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position: int = 0,
+            call: dict | None = None) -> dict:
+    """Start `label` fresh, warm up, run one measured burst, stop; write and return the raw record. `call`: the
+    invocation it belongs to (bench.provenance.call_info; a call of its own when None)."""
     sys_cfg = parse_system(label, o.policy)
     tag = f"{trace_name}-{label}-pair{pair:02d}"
     setup = build_setup(o, os.path.join(o.out, "logs"))
@@ -125,7 +128,8 @@ def run_one(o: RunOptions, label: str, trace_name: str, pair: int = 0, position:
            "pair": pair, "position": position, "started_at": dt.datetime.now(dt.timezone.utc).isoformat(),
            "host": platform.node(), "python": sys.version.split()[0], "options": asdict(o),
            "engine_config": setup.engine, "model": setup.model, "model_revision": setup.model_revision,
-           "placement": setup.devices, "error": None}
+           "placement": setup.devices, "error": None, "machine": machine_info(),
+           "call": call or call_info(pair, 1, sys.argv)}
     system = make_system(sys_cfg, setup, tag)
     timings: dict = {}
     records: list[dict] = []
