@@ -82,7 +82,7 @@ class Paths:
                 chunks.append(time.perf_counter() - t0)
                 tokens += len(c.token_ids)
             if c.result is not None:
-                assert c.result["error"] is None, c.result["error"]
+                assert c.result.error is None, c.result.error
         return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens}
 
     async def actor_stream(self, prompt) -> dict:
@@ -126,7 +126,7 @@ class Paths:
     async def client_once(self, prompt) -> float:
         t0 = time.perf_counter()
         (r,) = await self.client.agenerate([prompt], self.sp1)
-        assert r["error"] is None, r["error"]
+        assert r.error is None, r.error
         return time.perf_counter() - t0
 
     async def actor_once(self, prompt) -> float:

@@ -387,6 +387,43 @@ def test_a_stream_left_early_leaves_no_outstanding_work_at_the_router(service):
     _wait_idle(svc, 5.0)
 
 
+def _router_idle(svc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(s["outstanding_work"] > 0 for s in ray.get(svc.router.stats.remote())["shards"]):
+        assert time.monotonic() < deadline, ray.get(svc.router.stats.remote())["shards"]
+        time.sleep(0.05)
+
+
+def test_a_stream_with_a_known_prefix_goes_without_a_router_call(service):
+    """Issue 18 item 2 (local routing): a stream whose prefix the router placed before goes to that shard at once,
+    the router told without waiting (its outstanding work comes back to zero, its `placed` count grows); an
+    unseen prefix still asks the router. With ClientConfig.local_routing off every stream asks, as before."""
+    svc, _ = service
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def stream(client, prompt):
+        return [c async for c in client.stream_chunks(prompt, sp)][-1].result
+
+    for local, seed in ((True, 51), (False, 52)):
+        doc = _prompts(1, 300, seed=seed)[0]
+        client = make_client(svc.cfg, svc.router, svc.actors, local_routing=local)
+        try:
+            (first,) = client.generate([doc + [5, 6]], sp)  # the router places the document
+            calls = client.counters.route_calls
+            placed = ray.get(svc.router.stats.remote())["counters"]["placed"]
+            r = asyncio.run(stream(client, doc + [7, 8, 9]))
+            assert r.error is None and len(r.output_token_ids) == 4
+            assert r.shard == first.shard and r.cached_tokens >= 256  # on the document's shard, its cache used
+            c = client.counters
+            assert (c.route_calls - calls, c.local_routes) == ((0, 1) if local else (1, 0))
+            assert ray.get(svc.router.stats.remote())["counters"]["placed"] - placed == (1 if local else 0)
+            r = asyncio.run(stream(client, _prompts(1, 300, seed=seed + 10)[0]))  # unseen: the router places it
+            assert r.error is None and c.route_calls - calls == (1 if local else 2)
+        finally:
+            client.close()
+    _router_idle(svc, 10.0)
+
+
 def test_the_router_estimates_a_huge_max_tokens_as_what_fits(service):
     """A request asking for 10**9 tokens is routed with the output it can produce (up to max_model_len), the
     same rule admission charges (flame_llm.limits.max_output_tokens), not with 10**9 decode tokens."""
@@ -587,7 +624,7 @@ def test_a_router_call_lost_with_a_restarting_router_is_made_again(service):
     class LosesFirstCall:  # the router died under the first call; the restarted one answers the next
         def __init__(self, real):
             self.real, self.complete, self.drop_shard, self.lost = real, real.complete, real.drop_shard, 0
-            self.route = self
+            self.config, self.place, self.route = real.config, real.place, self
 
         async def remote(self, items, avoid):
             self.lost += 1

@@ -35,9 +35,9 @@ from flame_llm.protocol.types import (
 )
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import ClientCounters, Pending
+from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
-from flame_llm.serving.dispatch import Dispatcher, failed_result
+from flame_llm.serving.dispatch import Dispatcher
 from flame_llm.serving.service import Service, attach, find_service, resolve_namespace, start_service
 from flame_llm.serving.service_config import ClientConfig, ServiceConfig
 

@@ -1,6 +1,7 @@
-"""One streamed request of the client (Client.stream, Client.stream_chunks): routed by the router's `route` call
-like a batch, encoded by the wire codec as a batch of one, served by the shard's `stream` method (a Ray
-streaming generator: token chunks as the engine samples them, then the result payload).
+"""One streamed request of the client (Client.stream, Client.stream_chunks): placed at once when the client knows
+its prefix's shard (routing.py, ClientConfig.local_routing), else routed by the router's `route` call like a batch;
+encoded by the wire codec as a batch of one, served by the shard's `stream` method (a Ray streaming generator:
+token chunks as the engine samples them, then the result payload).
 
 What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out by the
 Dispatcher: until its first token arrives a stream is retried as a batch request is; after that a failure
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 
 from flame_llm.protocol.routing_key import Completion
 from flame_llm.protocol.types import Result
-from flame_llm.serving.batcher import Pending
-from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher, failed_result
+from flame_llm.serving.batcher import Pending, failed_result
+from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher
 from flame_llm.serving.retry import Action, decide
 
 
@@ -39,7 +40,9 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
     chunk to `push`; its Result (output_token_ids: what was streamed)."""
     rid, streamed = p.request.id, []
     while True:
-        (shard,) = await d.route_shards([p])
+        shard = d.routing.place_stream(p)
+        if shard is None:
+            (shard,) = await d.route_shards([p])
         if not isinstance(shard, int):  # the router is down, or no shard is left to serve it
             result = p.future.result()
             break

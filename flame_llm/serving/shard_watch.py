@@ -26,9 +26,11 @@ PROBE_TIMEOUT_S = 10.0
 class ShardWatch:
     def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle,
                  health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
-                 lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None) -> None:
+                 lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None,
+                 on_drop: Callable[[int], None] | None = None) -> None:
         self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
         self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
+        self.on_drop = on_drop  # shard -> None: its prefixes were dropped at the router (restarted or lost)
         self.incarnation = {s: h.incarnation for s, h in zip(actors, health, strict=True)}
         self.avoid: dict[int, ErrorInfo] = {}  # shard -> why requests are routed around it
         self._recovering: dict[int, asyncio.Future] = {}
@@ -47,6 +49,8 @@ class ShardWatch:
         # once per loss: a shard avoided only because it was draining (as a node going down does) is lost now
         if prior is None or prior.code is not ErrorCode.SHARD_UNAVAILABLE:
             self.router.drop_shard.remote(shard)
+            if self.on_drop is not None:
+                self.on_drop(shard)
         why = "cannot be placed again (its node is gone)" if isinstance(e, ActorUnschedulableError) else \
             f"did not come back within {self.restart_timeout_s}s"
         self.avoid_shard(shard, ErrorInfo(ErrorCode.SHARD_UNAVAILABLE, f"shard {shard} died and {why}: "
@@ -84,6 +88,8 @@ class ShardWatch:
         if h.incarnation != self.incarnation[shard]:
             self.incarnation[shard] = h.incarnation
             self.counters.restarts_seen += 1
+            if self.on_drop is not None:
+                self.on_drop(shard)
             await self.router.drop_shard.remote(shard)
         return h
 
