@@ -517,6 +517,41 @@ def test_agenerate_from_caller_loop(service):
     assert [r.output_token_ids for r in a + b] == [r.output_token_ids for r in client.generate(prompts, sp)]
 
 
+def test_a_client_on_the_callers_loop(service):
+    """Client(loop=running loop) (the front door's): agenerate and streams run on the caller's loop itself, with
+    the same answers as a client on its own thread; the blocking calls refuse to run there instead of hanging;
+    aclose aborts what is left and leaves the caller's loop running."""
+    svc, client = service
+    prompts = _prompts(3, 20, seed=61)
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    want = [r.output_token_ids for r in client.generate(prompts, sp)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        on_loop = await asyncio.to_thread(make_client, svc.cfg, svc.router, svc.actors, loop=loop)
+        assert on_loop._thread is None
+        got = await on_loop.agenerate(prompts, sp)
+        streamed = [t async for t in on_loop.stream(prompts[0], sp)]
+        with pytest.raises(RuntimeError, match="Client.generate blocks"):
+            on_loop.generate(prompts, sp)
+        with pytest.raises(RuntimeError, match="Client.close blocks"):
+            on_loop.close()
+        # the blocking calls work from another thread while the loop runs
+        again = await asyncio.to_thread(on_loop.generate, prompts[:1], sp)
+        left = asyncio.ensure_future(on_loop.agenerate([prompts[1]], SamplingParams(max_tokens=500,
+                                                                                     ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        await on_loop.aclose()
+        assert left.cancelled() or left.done()
+        assert loop.is_running()
+        return got, streamed, again
+
+    got, streamed, again = asyncio.run(main())
+    assert [r.output_token_ids for r in got] == want and streamed == want[0]
+    assert again[0].output_token_ids == want[0]
+    _router_idle(svc, 10.0)
+
+
 def test_service_and_client_error_paths(service, tiny_qwen3):
     svc, _ = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)

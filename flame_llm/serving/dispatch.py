@@ -136,6 +136,13 @@ class Dispatcher:
         if ps:
             self.router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0) for p in ps])
 
+    async def settle_sends(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for the batches in flight to be answered (aborted requests answer at once): their
+        completions reach the router before the client goes."""
+        tasks = set(self._tasks).union(*(b.tasks for b in self.batchers.values()))
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
