@@ -632,6 +632,48 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     assert ray.get(svc.router.stats.remote())["counters"]["dropped"] > dropped
 
 
+def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
+    """Issue 18 item 2: a shard's restart takes seconds on CPU; requests sent meanwhile went to it (its prefix's
+    owner, or the least loaded) and waited out the restart for their first token while the other shard was up.
+    Now a shard the client saw die is left out of routing until it is back (the router's avoid list): new
+    batches and streams, even on a prefix the dead shard owned, are served by the live shard during the restart."""
+    svc, _ = service
+    client = make_client(svc.cfg, svc.router, svc.actors)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        doc = _prompts(1, 300, seed=71)[0]
+        (first,) = client.generate([doc + [1, 2]], sp)
+        dead, live = first.shard, 1 - first.shard
+        victim = svc.actors[dead]
+        out = {}
+        burst = threading.Thread(target=lambda: out.update(res=client.generate(
+            _prompts(4, 8, seed=72, prefix=doc), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))))
+        burst.start()
+        deadline = time.monotonic() + 60
+        while ray.get(victim.stats.remote())["inflight_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        ray.kill(victim, no_restart=False)
+        watch = client.dispatch.shards
+        while dead not in watch.restarting:  # the client saw it die and waits for its restart
+            assert time.monotonic() < deadline and burst.is_alive()
+            time.sleep(0.01)
+
+        async def stream(prompt):
+            return [c async for c in client.stream_chunks(prompt, sp)][-1].result
+
+        during = client.generate(_prompts(3, 8, seed=73, prefix=doc), sp)
+        streamed = asyncio.run(stream(doc + [9, 9, 9]))
+        assert dead in watch.restarting, "the requests were served only after the restart (they waited for it)"
+        assert [r.error for r in during + [streamed]] == [None] * 4
+        assert {r.shard for r in during + [streamed]} == {live}
+        burst.join(timeout=180)
+        assert [r.error for r in out["res"]] == [None] * 4  # the burst waited for the restart and completed
+        assert dead not in watch.restarting
+    finally:
+        client.close()
+
+
 def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(service):
     """A dead step loop would fail every later request: the actor exits, Ray restarts it on its
     device, and the client resubmits the batch (a separate client, so other tests' counters hold)."""

@@ -69,6 +69,8 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             result = r
             break
         if decision.action is Action.FAIL:
+            if lost is not None:  # the stream ends here, but new requests avoid the shard while it restarts
+                d.watch_loss(shard, lost)
             result = failed_result(p, decision.error)
             break
         await d.apply(shard, p, decision, r, lost)

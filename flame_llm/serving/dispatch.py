@@ -262,6 +262,11 @@ class Dispatcher:
         self.shards.lose_shard(shard, e)
         return False
 
+    def watch_loss(self, shard: int, e: BaseException) -> None:
+        """The shard died under a request that is not sent again (a stream past its first token): its restart is
+        still waited for, so new requests avoid it meanwhile."""
+        self._spawn(self.after_loss(shard, e))
+
     async def apply(self, shard: int, p: Pending, d: Decision, r: Result | None, lost: BaseException | None) -> None:
         """Carry out a RETRY, REROUTE or RESTART decision for one request that is then sent again by its
         caller (a stream): the wait, the shard avoided, or the shard's restart awaited."""

@@ -1,6 +1,6 @@
 """Where the client's requests go: one router call per formed batch (router/actor.py), made again when it was lost
 with a restarting router, leaving out the shards the client's ShardWatch routes around (draining, lost, and while
-others serve).
+others serve: restarting).
 
 With ClientConfig.local_routing a stream need not wait for the router: on a one-shard service it goes to that
 shard, and otherwise, when its prefix is one the router placed before (the client remembers the router's answers:
@@ -38,9 +38,13 @@ class ClientRouting:
         self.placed: OrderedDict[int, int] = OrderedDict()  # prefix block hash -> shard, as the router answered
 
     def avoid_now(self) -> list[int]:
-        """The shards to leave out now: those avoided (draining, lost). With every shard avoided, none: the answer
-        says which shard the requests cannot reach."""
+        """The shards to leave out now: those avoided (draining, lost) and, while another shard is left, those
+        restarting (a request sent there waits out the restart). With every shard avoided, none: the answer says
+        which shard the requests cannot reach."""
         hard = self.watch.avoid
+        soft = set(hard) | self.watch.restarting
+        if len(soft) < len(self.shards):
+            return sorted(soft)
         return sorted(hard) if len(hard) < len(self.shards) else []
 
     def drop_shard(self, shard: int) -> None:

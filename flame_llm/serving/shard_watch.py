@@ -1,7 +1,8 @@
 """What a client knows of its shards' lives: their incarnations, the shards it routes around and why, and the
 waits for a restarted shard. Lives on the client's event loop.
 
-A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait). A
+A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait); while
+it restarts, new requests go to the other shards when there are any (`restarting`). A
 shard that answers as a new incarnation has a cold engine: the router drops its prefixes. A shard that is
 draining, or that did not come back, is avoided: routing leaves it out, and a watcher probes its health
 until it serves again. A shard whose node is gone cannot come back where it was (Ray says so with
@@ -31,6 +32,7 @@ class ShardWatch:
         self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
         self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
         self.on_drop = on_drop  # shard -> None: its prefixes were dropped at the router (restarted or lost)
+        self.restarting: set[int] = set()  # shards that died and are waited for: new requests go elsewhere
         self.incarnation = {s: h.incarnation for s, h in zip(actors, health, strict=True)}
         self.avoid: dict[int, ErrorInfo] = {}  # shard -> why requests are routed around it
         self._recovering: dict[int, asyncio.Future] = {}
@@ -64,7 +66,13 @@ class ShardWatch:
         fut = self._recovering.get(shard)
         if fut is None:
             fut = self._recovering[shard] = asyncio.ensure_future(self._restart_once(shard))
-            fut.add_done_callback(lambda _: self._recovering.pop(shard, None))
+            self.restarting.add(shard)
+
+            def over(_) -> None:
+                self._recovering.pop(shard, None)
+                self.restarting.discard(shard)
+
+            fut.add_done_callback(over)
         return await asyncio.shield(fut)
 
     async def stop(self) -> None:
