@@ -160,8 +160,10 @@ class EngineActor:
     @ray.method(num_returns="streaming")
     async def stream(self, payload: bytes, caller: str | None = None, client: str | None = None):
         """A Ray streaming generator over a payload of one request: lists of new token ids as the engine samples
-        them, then the result payload (bytes, as `submit` answers). Aborting the request (`abort`), its
+        them, then the result payload (bytes, as `submit` answers; its timings add arrived_at and first_chunk_at,
+        time.time() when the payload arrived and the first chunk left). Aborting the request (`abort`), its
         caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
+        arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
         items = self._decode(payload)
         if not isinstance(items, Result) and len(items) != 1:
             items = self._result(None, error=ErrorInfo(ErrorCode.BAD_REQUEST, "a stream payload holds exactly one "
@@ -174,6 +176,7 @@ class EngineActor:
         task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
                                                                   chunks.put_nowait, client))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
+        first_chunk_at = None
         try:
             done = False
             while not done and (chunk := await chunks.get()) is not None:
@@ -183,8 +186,14 @@ class EngineActor:
                         done = True
                         break
                     chunk = chunk + more
+                if first_chunk_at is None:
+                    first_chunk_at = time.time()
                 yield chunk
-            yield self._encode([task.result()])
+            res = task.result()
+            res.timings["arrived_at"] = arrived_at
+            if first_chunk_at is not None:
+                res.timings["first_chunk_at"] = first_chunk_at
+            yield self._encode([res])
         finally:
             task.cancel()
 

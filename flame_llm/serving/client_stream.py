@@ -9,6 +9,7 @@ ends it with the error. Cancelling the task that runs it (the caller stopped rea
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,19 +40,24 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
     """Serve one prepared request `p` (not failed at entry) through dispatcher `d` on its loop, handing each token
     chunk to `push`; its Result (output_token_ids: what was streamed)."""
     rid, streamed = p.request.id, []
+    split: dict[str, float] = {}  # the last attempt's route_s, credit_wait_s, sent_at, first_chunk_at_client
     while True:
+        t0 = time.perf_counter()
         shard = d.routing.place_stream(p)
         if shard is None:
             (shard,) = await d.route_shards([p])
+        split["route_s"] = time.perf_counter() - t0
         if not isinstance(shard, int):  # the router is down, or no shard is left to serve it
             result = p.future.result()
             break
         payload = d.encode([p])
         r, lost = None, None
         try:
+            t0 = time.perf_counter()
             took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
+            split["credit_wait_s"] = time.perf_counter() - t0
             try:
-                r = await _one_stream(d, shard, payload, rid, streamed, push)
+                r = await _one_stream(d, shard, payload, rid, streamed, push, split)
             finally:
                 if took:
                     d.give_credit(shard)
@@ -76,18 +82,22 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         await d.apply(shard, p, decision, r, lost)
     result.id = rid
     result.output_token_ids = list(streamed) if streamed else list(result.output_token_ids)
-    result.timings["attempts"] = p.attempts + 1
+    result.timings.update(split, attempts=p.attempts + 1)
     return result
 
 
 async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
-                      push: Callable[[StreamChunk], None]) -> Result:
-    """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard."""
+                      push: Callable[[StreamChunk], None], split: dict[str, float]) -> Result:
+    """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard.
+    split gets sent_at and first_chunk_at_client (time.time(): the Ray hop's ends, beside the actor's own)."""
+    split["sent_at"] = time.time()
     gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
     try:
         async for ref in gen:
             item = await ref
             if isinstance(item, list):
+                if "first_chunk_at_client" not in split:
+                    split["first_chunk_at_client"] = time.time()
                 streamed.extend(item)
                 push(StreamChunk(item))
                 continue
