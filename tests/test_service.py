@@ -436,7 +436,7 @@ def test_the_router_estimates_a_huge_max_tokens_as_what_fits(service):
     huge = SamplingParams(temperature=0.0, max_tokens=10**9, ignore_eos=True)
     loop = asyncio.new_event_loop()
     try:
-        p = client._prepare(_prompts(1, 20, seed=41)[0], huge, loop)
+        p = client.requests.prepare(_prompts(1, 20, seed=41)[0], huge, loop)
     finally:
         loop.close()
     assert p.est_decode == ENGINE["max_model_len"] - 20

@@ -12,34 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
-import math
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import ray
 
-from flame_llm.limits import max_output_tokens
-from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import (
     DEFAULT_ZSTD_LEVEL,
     EngineLimits,
     ErrorCode,
     ErrorInfo,
-    Request,
-    RequestError,
     Result,
 )
-from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
+from flame_llm.serving.batcher import ClientCounters, Pending
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
+from flame_llm.serving.prompts import RequestMaker
 from flame_llm.serving.service import Service, attach, find_service, resolve_namespace, start_service
 from flame_llm.serving.service_config import ClientConfig, ServiceConfig
 
@@ -61,8 +54,7 @@ class Client:
         self.max_payload_bytes = self.limits.max_payload_bytes
         self.model_dir, self.service = model_dir, service
         self.client_id = uuid.uuid4().hex[:8]
-        self._ids = (f"{self.client_id}-{i}" for i in itertools.count())
-        self._tokenizer = None
+        self.requests = RequestMaker(self.limits, model_revision, model_dir, self.client_id, config.overload_deadline_s)
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
         self.dispatch = Dispatcher(router, dict(actors), model_revision, config, zstd_level, health,
@@ -234,34 +226,11 @@ class Client:
 
     async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None]) -> None:
         t0 = time.perf_counter()
-        p = self._prepare(prompt, sp, asyncio.get_running_loop())
+        p = self.requests.prepare(prompt, sp, asyncio.get_running_loop())
         self.counters.streams += 1
         result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
         result.timings["client_s"] = time.perf_counter() - t0
         push(StreamChunk([], result))
-
-    def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop,
-                 deadline_s: float | None = None) -> Pending:
-        """A request for `prompt`, checked against the shards' limits; its future already holds the error
-        result when it cannot be sent. deadline_s: its overload deadline, from now (None: the config's)."""
-        if deadline_s is None:
-            deadline_s = self.config.overload_deadline_s
-        p = Pending(Request(next(self._ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future(),
-                    deadline=time.monotonic() + deadline_s if math.isfinite(deadline_s) else math.inf)
-        try:
-            tokens = p.request.prompt_token_ids = self._tokens(prompt)
-            p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))
-            self.limits.check_prompt(tokens)
-            if p.wire_bytes + BATCH_OVERHEAD > self.max_payload_bytes:
-                raise RequestError(ErrorCode.OVER_BUDGET, f"request needs {p.wire_bytes} decoded bytes; "
-                                   f"max_payload_bytes is {self.max_payload_bytes}", "prompt")
-        except RequestError as e:
-            p.future.set_result(failed_result(p, e.info()))
-            return p
-        p.chain = prefix_chain(tokens, self.model_revision)
-        p.est_work = estimate_prefill_work(len(tokens))
-        p.est_decode = max_output_tokens(len(tokens), sp.max_tokens, self.limits.max_model_len)
-        return p
 
     async def _generate(self, prompts: list, sampling_params, use_tqdm: bool, deadline_s: float | None,
                         on_result: Callable[[int, Result], None] | None = None) -> list[Result]:
@@ -286,14 +255,15 @@ class Client:
                 return
             r = fut.result()
             r.timings["client_s"] = time.perf_counter() - t0  # this request's time in the call
-            if self._tokenizer is not None and r.error is None:
-                r.text = self._tokenizer.decode(r.output_token_ids)
+            tok = self.requests.tokenizer
+            if tok is not None and r.error is None:
+                r.text = tok.decode(r.output_token_ids)
             if bar is not None:
                 bar.update(1)
             if on_result is not None:
                 on_result(i, r)
 
-        pend = [self._prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
+        pend = [self.requests.prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
                                                                                     strict=True)]
         for i, p in enumerate(pend):
             p.future.add_done_callback(lambda f, i=i: landed(i, f))
@@ -323,29 +293,6 @@ class Client:
 
     def _failed(self, e: BaseException) -> Result:
         return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}"))
-
-    def _tokens(self, prompt) -> np.ndarray:
-        """The prompt as uint32 token ids; RequestError (bad_prompt) when it cannot be one."""
-        if isinstance(prompt, str):
-            return np.asarray(self._tokenize(prompt), dtype=np.uint32)
-        arr = prompt if isinstance(prompt, np.ndarray) else np.asarray(prompt)
-        if arr.ndim != 1 or arr.size and arr.dtype.kind not in "iu":
-            raise RequestError(ErrorCode.BAD_PROMPT, "prompt must be text or a flat sequence of token ids; "
-                                                     f"got dtype {arr.dtype}, shape {arr.shape}", "prompt")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
-            raise RequestError(ErrorCode.BAD_PROMPT, "token ids must be in [0, 2**32); got min "
-                                                     f"{int(arr.min())}, max {int(arr.max())}", "prompt")
-        return arr.astype(np.uint32, copy=False)
-
-    def _tokenize(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except Exception as e:
-                raise ValueError(f"prompts are text but the model dir {self.model_dir!r} has no usable "
-                                 f"tokenizer ({type(e).__name__}); pass token ids instead") from None
-        return self._tokenizer.encode(text)
 
 
 def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,

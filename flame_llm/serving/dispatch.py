@@ -22,9 +22,8 @@ from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher, fai
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.routing import ClientRouting
-from flame_llm.serving.service import SHARD_PREFIX
 from flame_llm.serving.service_config import ClientConfig
-from flame_llm.serving.shard_watch import ShardWatch
+from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
 
 log = logging.getLogger(__name__)
 SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
@@ -43,7 +42,7 @@ class Dispatcher:
         # client's turn in the shards' fair admission
         self.caller, self.client_id = ray.get_runtime_context().get_job_id(), client_id
         self.shards = ShardWatch(actors, router, health, config.restart_timeout_s, self.counters,
-                                 lookup=self.lookup_shard, on_drop=lambda s: self.routing.drop_shard(s))
+                                 lookup=shard_by_name(namespace), on_drop=lambda s: self.routing.drop_shard(s))
         policy, max_entries = "cumulative", 100_000
         if config.local_routing and len(actors) > 1:  # a known prefix is placed by the client only under cumulative
             _, rc = ray.get(router.config.remote())
@@ -68,13 +67,6 @@ class Dispatcher:
             self.actors[shard].abort.remote(request_ids)
         except Exception as e:  # noqa: BLE001 - the shard is gone; so are its requests
             log.debug("abort on shard %d failed: %s", shard, e)
-
-    def lookup_shard(self, shard: int) -> ray.actor.ActorHandle | None:
-        """The shard's actor by name (a replacement placed after its node was lost has a new handle)."""
-        try:
-            return ray.get_actor(f"{SHARD_PREFIX}{shard}", namespace=self.namespace)
-        except ValueError:
-            return None
 
     async def route(self, batch: list[Pending]) -> None:
         """Route the requests and hand each to its shard's batcher (the failed ones get their result)."""

@@ -19,9 +19,22 @@ from ray.exceptions import ActorUnschedulableError, RayError
 
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, ShardHealth
 from flame_llm.serving.batcher import ClientCounters
+from flame_llm.serving.service import SHARD_PREFIX
 
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
+
+
+def shard_by_name(namespace: str) -> Callable[[int], ray.actor.ActorHandle | None]:
+    """shard -> its actor by name in `namespace` now (a replacement placed after its node was lost has a new
+    handle), or None."""
+    def lookup(shard: int) -> ray.actor.ActorHandle | None:
+        try:
+            return ray.get_actor(f"{SHARD_PREFIX}{shard}", namespace=namespace)
+        except ValueError:
+            return None
+
+    return lookup
 
 
 class ShardWatch:
