@@ -117,6 +117,7 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
     """A node going down drains its shard first (the client avoids it) and then loses it: the loss still tells
     the router to drop the shard's prefixes (they were skipped when the shard was already avoided)."""
     import asyncio
+    from types import SimpleNamespace
 
     from flame_llm.protocol.types import ErrorCode, ErrorInfo
     from flame_llm.serving.shard_watch import ShardWatch
@@ -126,7 +127,7 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
         lost = ray.get(r.route.remote(_items([11])))[0]
 
         async def main():
-            watch = ShardWatch({0: None, 1: None}, r, [{"incarnation": 0}] * 2, 1.0, {})
+            watch = ShardWatch({0: None, 1: None}, r, [SimpleNamespace(incarnation=0)] * 2, 1.0, {})
             watch.avoid_shard(lost, ErrorInfo(ErrorCode.DRAINING, "draining"))
             watch.lose_shard(lost, RayActorError())
             assert watch.avoid[lost].code is ErrorCode.SHARD_UNAVAILABLE
@@ -138,5 +139,24 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert ray.get(r.stats.remote())["counters"]["dropped"] == 4  # the document's four 256-token blocks
+    finally:
+        ray.kill(r)
+
+
+def test_a_placement_told_without_waiting_is_counted(local_ray):
+    """Router.place (a client placed a stream itself): fired without waiting, then completed, it leaves the
+    router's counts as a routed request would; a bad placement raises in the caller of ray.get."""
+    r = start_router(2, RouterConfig("cumulative"), name=f"router-{uuid.uuid4().hex[:8]}", namespace=NS)
+    try:
+        (item,) = _items([21])
+        r.place.remote([item], [1])  # fire and forget, as the client does
+        st = ray.get(r.stats.remote())  # the actor runs one call at a time, in order from one caller
+        assert st["counters"]["placed"] == 1 and st["shards"][1]["routed"] == 1
+        assert st["shards"][1]["outstanding_work"] > 0
+        assert ray.get(r.route.remote(_items([21]))) == [1]  # the placed prefix is the shard's now
+        r.complete.remote([(1, item[1], item[2], 2048, 0)] * 2)
+        assert [s["outstanding_work"] for s in ray.get(r.stats.remote())["shards"]] == [0.0, 0.0]
+        with pytest.raises(ValueError, match="shard must be an integer in"):
+            ray.get(r.place.remote([item], [5]))
     finally:
         ray.kill(r)
