@@ -635,6 +635,27 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     assert ray.get(svc.router.stats.remote())["counters"]["dropped"] > dropped
 
 
+def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(service):
+    """A dead step loop would fail every later request: the actor exits, Ray restarts it on its
+    device, and the client resubmits the batch (a separate client, so other tests' counters hold)."""
+    svc, _ = service
+    client = Client.for_service(svc)
+    try:
+        old = [ray.get(a.health.remote()) for a in svc.actors.values()]
+        for a in svc.actors.values():
+            ray.get(a.debug_break_engine.remote())
+        res = client.generate(_prompts(6, 30, seed=21), SamplingParams(temperature=0.0, max_tokens=4))
+        assert [r.error for r in res] == [None] * 6 and len({r.id for r in res}) == 6
+        assert all(len(r.output_token_ids) == 4 for r in res)
+        new = [ray.get(a.health.remote()) for a in svc.actors.values()]
+        assert {r.shard for r in res} == {0, 1}  # six unseen prefixes balance: both broken shards served
+        for o, n in zip(old, new):
+            assert not n.engine_failed and n.device == o.device and n.incarnation != o.incarnation
+        assert client.counters.restarts_seen >= 1
+    finally:
+        client.close()
+
+
 def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
     """Issue 18 item 2: a shard's restart takes seconds on CPU; requests sent meanwhile went to it (its prefix's
     owner, or the least loaded) and waited out the restart for their first token while the other shard was up.
@@ -673,27 +694,6 @@ def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
         burst.join(timeout=180)
         assert [r.error for r in out["res"]] == [None] * 4  # the burst waited for the restart and completed
         assert dead not in watch.restarting
-    finally:
-        client.close()
-
-
-def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(service):
-    """A dead step loop would fail every later request: the actor exits, Ray restarts it on its
-    device, and the client resubmits the batch (a separate client, so other tests' counters hold)."""
-    svc, _ = service
-    client = Client.for_service(svc)
-    try:
-        old = [ray.get(a.health.remote()) for a in svc.actors.values()]
-        for a in svc.actors.values():
-            ray.get(a.debug_break_engine.remote())
-        res = client.generate(_prompts(6, 30, seed=21), SamplingParams(temperature=0.0, max_tokens=4))
-        assert [r.error for r in res] == [None] * 6 and len({r.id for r in res}) == 6
-        assert all(len(r.output_token_ids) == 4 for r in res)
-        new = [ray.get(a.health.remote()) for a in svc.actors.values()]
-        assert {r.shard for r in res} == {0, 1}  # six unseen prefixes balance: both broken shards served
-        for o, n in zip(old, new):
-            assert not n.engine_failed and n.device == o.device and n.incarnation != o.incarnation
-        assert client.counters.restarts_seen >= 1
     finally:
         client.close()
 
