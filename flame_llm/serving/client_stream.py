@@ -44,6 +44,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
     while True:
         t0 = time.perf_counter()
         shard = d.routing.place_stream(p)
+        untold = [p] if shard is not None else []  # placed here: the router is told after the first token
         if shard is None:
             (shard,) = await d.route_shards([p])
         split["route_s"] = time.perf_counter() - t0
@@ -57,13 +58,15 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
             split["credit_wait_s"] = time.perf_counter() - t0
             try:
-                r = await _one_stream(d, shard, payload, rid, streamed, push, split)
+                r = await _one_stream(d, shard, payload, rid, streamed, push, split, untold)
             finally:
                 if took:
                     d.give_credit(shard)
         except SHARD_LOST as e:
             lost = e
         finally:
+            if untold:  # before the completion or forget below
+                d.routing.tell(untold.pop(), shard)
             if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered there
                 d.forget(shard, [p])
         if r is not None:
@@ -87,9 +90,10 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
 
 
 async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
-                      push: Callable[[StreamChunk], None], split: dict[str, float]) -> Result:
+                      push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
     """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard.
-    split gets sent_at and first_chunk_at_client (time.time(): the Ray hop's ends, beside the actor's own)."""
+    split gets sent_at and first_chunk_at_client (time.time(): the Ray hop's ends, beside the actor's own).
+    untold: the request when the router is still to be told of its placement (done after the first chunk)."""
     split["sent_at"] = time.time()
     gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
     try:
@@ -100,6 +104,8 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, strea
                     split["first_chunk_at_client"] = time.time()
                 streamed.extend(item)
                 push(StreamChunk(item))
+                if untold:
+                    d.routing.tell(untold.pop(), shard)
                 continue
             (r,) = d.decode(item)
             return r

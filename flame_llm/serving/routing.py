@@ -53,7 +53,8 @@ class ClientRouting:
             self.placed = OrderedDict((h, s) for h, s in self.placed.items() if s != shard)
 
     def place_stream(self, p: Pending) -> int | None:
-        """The shard a stream goes to without asking the router (the router is told), or None: ask it."""
+        """The shard a stream goes to without asking the router (the caller then tells it: `tell`), or None: ask
+        it."""
         if not self.local:
             return None
         avoid = self.avoid_now()
@@ -65,13 +66,13 @@ class ClientRouting:
         p.shard = s
         self._learn(p.chain, s)
         self.counters.local_routes += 1
-        # told once the caller's task yields, i.e. after the stream's own call is on its way (submitting a Ray call
-        # costs ~0.5 ms); still before anything that could complete the request there
-        asyncio.get_running_loop().call_soon(self._tell, RouteItem(p.chain, p.est_work, p.est_decode), s)
         return s
 
-    def _tell(self, item: RouteItem, shard: int) -> None:
-        self.router.place.remote([item], [shard])
+    def tell(self, p: Pending, shard: int) -> None:
+        """Tell the router of a stream placed here (place_stream), before its completion or forget reaches it. The
+        caller does it once the stream's first token is back: submitting a Ray call is ~0.5 ms of this process's
+        time, and the router's run competes for the CPUs while the shard makes that token."""
+        self.router.place.remote([RouteItem(p.chain, p.est_work, p.est_decode)], [shard])
 
     async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
         """One router call for the batch: each request's shard (p.shard is set), or None when its caller gave up
