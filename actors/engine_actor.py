@@ -14,7 +14,6 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 
 import ray
 
@@ -24,9 +23,8 @@ from actors.host import EngineHost
 from actors.inflight import Inflight
 from actors.metrics import shard_histograms
 from actors.pinning import ShardPlacement
+from actors.shard_options import ShardOptions
 from flame_llm.protocol.types import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    DEFAULT_ZSTD_LEVEL,
     EngineLimits,
     ErrorCode,
     ErrorInfo,
@@ -36,35 +34,12 @@ from flame_llm.protocol.types import (
     ShardHealth,
     WireError,
 )
-from flame_llm.protocol.wire import MAX_LEVEL, MIN_LEVEL, decode_requests, decoded_size, encode_results
-from flame_llm.validate import check_bool, check_int, check_number
+from flame_llm.protocol.wire import decode_requests, decoded_size, encode_results
 
 log = logging.getLogger(__name__)
 
 CONTROL_GROUP = "control"
 CONCURRENCY_GROUPS = {CONTROL_GROUP: 4}
-
-
-@dataclass(slots=True)
-class ShardOptions:
-    """What every engine actor runs with besides its model (the service YAML's `shard` section)."""
-    torch_threads: int = 1  # intra-op threads of a CPU shard
-    # admission bounds; the token bound is above a shard's half of the seed reuse trace (1.06M tokens)
-    max_inflight_tokens: int = 1 << 22  # prompt + max output tokens of the requests admitted
-    max_inflight_requests: int = 1024  # requests admitted
-    max_queued_requests: int = 4096  # requests waiting for admission (per caller when fair); past it: overloaded
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
-    zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
-    result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
-    fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
-
-    def __post_init__(self) -> None:
-        for name, low, high in (("torch_threads", 1, 1 << 10), ("max_inflight_tokens", 1, 1 << 40),
-                                ("max_inflight_requests", 1, 1 << 30), ("max_queued_requests", 0, 1 << 30),
-                                ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", MIN_LEVEL, MAX_LEVEL)):
-            check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
-        check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
-        check_bool("fair_admission", self.fair_admission, where="shard field")
 
 
 class EngineActor:
@@ -160,8 +135,10 @@ class EngineActor:
     @ray.method(num_returns="streaming")
     async def stream(self, payload: bytes, caller: str | None = None, client: str | None = None):
         """A Ray streaming generator over a payload of one request: lists of new token ids as the engine samples
-        them, then the result payload (bytes, as `submit` answers). Aborting the request (`abort`), its
+        them, then the result payload (bytes, as `submit` answers; its timings add arrived_at and first_chunk_at,
+        time.time() when the payload arrived and the first chunk left). Aborting the request (`abort`), its
         caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
+        arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
         items = self._decode(payload)
         if not isinstance(items, Result) and len(items) != 1:
             items = self._result(None, error=ErrorInfo(ErrorCode.BAD_REQUEST, "a stream payload holds exactly one "
@@ -174,6 +151,7 @@ class EngineActor:
         task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
                                                                   chunks.put_nowait, client))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
+        first_chunk_at = None
         try:
             done = False
             while not done and (chunk := await chunks.get()) is not None:
@@ -183,8 +161,14 @@ class EngineActor:
                         done = True
                         break
                     chunk = chunk + more
+                if first_chunk_at is None:
+                    first_chunk_at = time.time()
                 yield chunk
-            yield self._encode([task.result()])
+            res = task.result()
+            res.timings["arrived_at"] = arrived_at
+            if first_chunk_at is not None:
+                res.timings["first_chunk_at"] = first_chunk_at
+            yield self._encode([res])
         finally:
             task.cancel()
 

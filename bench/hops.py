@@ -14,7 +14,9 @@ The engine's own figures come back in the stream's result (queue_s: admission wa
 its first token). Per hop (p50 of TTFT differences): engine TTFT; actor admission; the Ray streaming hop (actor
 TTFT - engine TTFT - admission); the client layer (client - actor: router call, credit, loop hand-offs); the front
 door (door - client: HTTP, the door actor, its hand-off from the client loop, SSE); total overhead (door -
-serve-http). Inter-token gaps per path (p50 / p99) and tokens per chunk (chunk merging).
+serve-http). Inter-token gaps per path (p50 / p99) and tokens per chunk (chunk merging). The client path's TTFT is
+also split by the time.time() stamps its stream result carries (client_stream's route_s, credit_wait_s, sent_at,
+first_chunk_at_client; the engine actor's arrived_at, first_chunk_at): the Ray hop's two directions apart.
 
     RAY_ADDRESS= python -m bench.hops --requests 40 --output-tokens 32 --out hops.json
 """
@@ -75,15 +77,17 @@ class Paths:
         return {"ttft": out.ttft_s, "chunks": out.chunk_s, "tokens": out.output_tokens}
 
     async def client_stream(self, prompt) -> dict:
-        t0 = time.perf_counter()
-        chunks, tokens = [], 0
+        t0, wall0 = time.perf_counter(), time.time()
+        chunks, tokens, first_at, timings = [], 0, None, {}
         async for c in self.client.stream_chunks(prompt, self.sp):
             if c.token_ids:
                 chunks.append(time.perf_counter() - t0)
+                first_at = first_at or time.time()
                 tokens += len(c.token_ids)
             if c.result is not None:
-                assert c.result["error"] is None, c.result["error"]
-        return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens}
+                assert c.result.error is None, c.result.error
+                timings = c.result.timings
+        return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens, "split": split_of(timings, wall0, first_at)}
 
     async def actor_stream(self, prompt) -> dict:
         from flame_llm.protocol.wire import decode_results
@@ -126,7 +130,7 @@ class Paths:
     async def client_once(self, prompt) -> float:
         t0 = time.perf_counter()
         (r,) = await self.client.agenerate([prompt], self.sp1)
-        assert r["error"] is None, r["error"]
+        assert r.error is None, r.error
         return time.perf_counter() - t0
 
     async def actor_once(self, prompt) -> float:
@@ -134,6 +138,29 @@ class Paths:
         t0 = time.perf_counter()
         await self.actor.submit.remote(payload, None)
         return time.perf_counter() - t0
+
+
+SPLIT = {  # the client path's TTFT in pieces, from the stream result's time.time() stamps (one host clock)
+    "client: prepare, hand-off to the client loop (sent_at - call - route - credit)": "pre",
+    "router call or local placement (route_s)": "route_s",
+    "flow-control credit wait (credit_wait_s)": "credit_wait_s",
+    "Ray request hop: stream call to the actor method running (arrived_at - sent_at)": "request_hop",
+    "actor: decode, admission, engine to the first chunk (first_chunk_at - arrived_at)": "actor",
+    "Ray return hop: first chunk to the client loop (first_chunk_at_client - first_chunk_at)": "return_hop",
+    "client loop to the caller (caller's first chunk - first_chunk_at_client)": "to_caller",
+}
+
+
+def split_of(t: dict, call_at: float, caller_first_at: float | None) -> dict | None:
+    """The SPLIT pieces of one streamed request (seconds), or None when its result lacks a stamp."""
+    need = ("route_s", "credit_wait_s", "sent_at", "arrived_at", "first_chunk_at", "first_chunk_at_client")
+    if caller_first_at is None or any(k not in t for k in need):
+        return None
+    return {"pre": t["sent_at"] - call_at - t["route_s"] - t["credit_wait_s"], "route_s": t["route_s"],
+            "credit_wait_s": t["credit_wait_s"], "request_hop": t["arrived_at"] - t["sent_at"],
+            "actor": t["first_chunk_at"] - t["arrived_at"],
+            "return_hop": t["first_chunk_at_client"] - t["first_chunk_at"],
+            "to_caller": caller_first_at - t["first_chunk_at_client"]}
 
 
 async def measure(p: Paths, n: int, prompt_tokens: int, vocab: int, warmup: int, gap_s: float) -> dict:
@@ -174,6 +201,9 @@ def summarize(samples: dict) -> dict:
     act = samples["actor"]
     out["engine_ttft_ms"] = pct(x["engine_ttft"] for x in act if x["engine_ttft"] is not None)
     out["admission_ms"] = pct(x["queue"] for x in act if x["queue"] is not None)
+    splits = [x["split"] for x in samples["client"] if x.get("split")]
+    if splits:
+        out["client_split_ms"] = {name: pct(s[k] for s in splits) for name, k in SPLIT.items()}
     out["router_call_ms"] = pct(x["router"] for x in samples["rpc"])
     out["ray_call_ms"] = pct(x["ray"] for x in samples["rpc"])
     out["once_ms"] = {k.removeprefix("once-"): pct(x["e2e"] if isinstance(x, dict) else x for x in samples[k])
@@ -213,6 +243,9 @@ def table(r: dict) -> str:
                     ("flame's engine TTFT, 1-token answers via the door", "engine_ttft_door_ms")):
         if r.get(k):
             lines.append(f"| {name} (p50 / p99) | {r[k]['p50']:.2f} / {r[k]['p99']:.2f} |")
+    if r.get("client_split_ms"):
+        lines += ["", "| the client path's TTFT split (time.time() stamps) | p50 / p99 ms |", "|---|---|"]
+        lines += [f"| {k} | {v['p50']:.2f} / {v['p99']:.2f} |" for k, v in r["client_split_ms"].items()]
     g = r["goals"]
     lines += ["", f"TTFT p50 overhead of the door over serve-http: {g['ttft_p50_overhead_ms']:.2f} ms (goal <= 3); "
               f"inter-token p99 door / serve-http: {g['itl_p99_ratio']:.2f}x (goal <= 1.2)"]

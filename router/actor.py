@@ -30,6 +30,10 @@ class Router:
         """Shard per RouteItem (prefix chain, est_prefill_work, est_decode_tokens), in order, none in avoid."""
         return self._policy.route_batch(items, avoid)
 
+    def place(self, items: list[RouteItem], shards: list[int]) -> None:
+        """Requests the client placed itself, items[i] on shards[i] (RouterPolicy.place_batch)."""
+        self._policy.place_batch(items, shards)
+
     def complete(self, completions: list[Completion]) -> None:
         """One Completion per finished request."""
         self._policy.complete_many(completions)

@@ -14,6 +14,10 @@ Policies:
   then it spills to the least-loaded shard. An unseen prefix goes to the least-loaded shard.
 - round_robin: plain alternation, ignoring prefixes (the baseline of the affinity A/B).
 
+A client may place a request itself (place_batch: a stream whose prefix it learned from earlier answers, or any
+request of a one-shard service) and tell the router after the fact, without waiting: the placement is
+registered and counted exactly as a routed request's, so outstanding work and cumulative work stay right.
+
 A caller may name shards to avoid (draining, or lost): a prefix they own moves to the least-loaded shard
 of the others, and unseen prefixes go only to the others.
 
@@ -70,7 +74,8 @@ class RouterPolicy:
         self._cached_tokens = [0] * num_shards
         self._actual_work = [0.0] * num_shards  # prefill work from the cached counts results report
         self._next_rr = 0
-        self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0}
+        self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0,
+                         "placed": 0}
 
     def route_batch(self, items: Sequence[RouteItem], avoid: Collection[int] = ()) -> list[int]:
         """Shard per request of one formed batch, in order, never one in `avoid`. Validates the whole batch
@@ -81,16 +86,8 @@ class RouterPolicy:
         allowed = [s for s in range(self.num_shards) if s not in avoid]
         if not allowed:
             raise ValueError(f"avoid must leave at least one shard; got {sorted(avoid)} of {self.num_shards}")
-        for i, item in enumerate(items):
-            if len(item) != 3:
-                raise ValueError(f"item {i} must be (chain, est_prefill_work, est_decode_tokens); got {item!r:.80}")
-            chain, work, dec = item
-            if len(chain) == 0:
-                raise ValueError(f"item {i}: chain must hold at least 1 hash; got 0")
-            if not work >= 0 or not dec >= 0:
-                raise ValueError(f"item {i}: est_prefill_work and est_decode_tokens must be >= 0; "
-                                 f"got {work!r}, {dec!r}")
-        out, cum, owner, counters = self._outstanding, self._cumulative, self._owner, self.counters
+        self._check_items(items)
+        out, cum, counters = self._outstanding, self._cumulative, self.counters
         n = self.num_shards
         shards = []
         for chain, work, dec in items:
@@ -112,23 +109,58 @@ class RouterPolicy:
                 else:
                     s = known
                     counters["hit"] += 1
-                for h in chain:  # refresh what is known, register the rest to s (and when it moved, the avoided
-                    if h not in owner:  # shards' blocks; a healthy shard keeps what it has cached)
-                        owner[h] = s
-                    else:
-                        if moved and owner[h] in avoid:
-                            owner[h] = s
-                        owner.move_to_end(h)
-                while len(owner) > self.max_entries:
-                    owner.popitem(last=False)
-                    counters["evicted"] += 1
-            load = work + self.decode_cost * dec
-            out[s] += load
-            self._total_outstanding += load
-            cum[s] += work
-            self._routed[s] += 1
+                self._register(chain, s, avoid if moved else ())
+            self._charge(s, work, dec)
             shards.append(s)
         return shards
+
+    def place_batch(self, items: Sequence[RouteItem], shards: Sequence[int]) -> None:
+        """Requests a client placed itself (items[i] on shards[i]): registered and charged as routed ones are (a
+        prefix a healthy shard owns stays with it; the rest of the chain goes to the shard given)."""
+        if len(items) != len(shards):
+            raise ValueError(f"place_batch needs one shard per item; got {len(shards)} for {len(items)}")
+        for s in shards:
+            self._check_shard(s)
+        self._check_items(items)
+        for (chain, work, dec), s in zip(items, shards, strict=True):
+            if self.policy != "round_robin":
+                self._register(chain, s, ())
+            self._charge(s, work, dec)
+            self.counters["placed"] += 1
+
+    @staticmethod
+    def _check_items(items: Sequence[RouteItem]) -> None:
+        for i, item in enumerate(items):
+            if len(item) != 3:
+                raise ValueError(f"item {i} must be (chain, est_prefill_work, est_decode_tokens); got {item!r:.80}")
+            chain, work, dec = item
+            if len(chain) == 0:
+                raise ValueError(f"item {i}: chain must hold at least 1 hash; got 0")
+            if not work >= 0 or not dec >= 0:
+                raise ValueError(f"item {i}: est_prefill_work and est_decode_tokens must be >= 0; "
+                                 f"got {work!r}, {dec!r}")
+
+    def _register(self, chain: Sequence[int], s: int, moved_from: Collection[int]) -> None:
+        """Refresh what is known, register the rest to s (and the blocks of the shards in moved_from; a healthy
+        shard keeps what it has cached)."""
+        owner = self._owner
+        for h in chain:
+            if h not in owner:
+                owner[h] = s
+            else:
+                if owner[h] in moved_from:
+                    owner[h] = s
+                owner.move_to_end(h)
+        while len(owner) > self.max_entries:
+            owner.popitem(last=False)
+            self.counters["evicted"] += 1
+
+    def _charge(self, s: int, work: float, dec: int) -> None:
+        load = work + self.decode_cost * dec
+        self._outstanding[s] += load
+        self._total_outstanding += load
+        self._cumulative[s] += work
+        self._routed[s] += 1
 
     def _should_spill(self, owner: int, work: float) -> bool:
         """The owner is over spill_factor x the mean outstanding work, and its gap to the least-loaded

@@ -143,3 +143,22 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
         assert ray.get(r.stats.remote())["counters"]["dropped"] == 4  # the document's four 256-token blocks
     finally:
         ray.kill(r)
+
+
+def test_a_placement_told_without_waiting_is_counted(local_ray):
+    """Router.place (a client placed a stream itself): fired without waiting, then completed, it leaves the
+    router's counts as a routed request would; a bad placement raises in the caller of ray.get."""
+    r = start_router(2, RouterConfig("cumulative"), name=f"router-{uuid.uuid4().hex[:8]}", namespace=NS)
+    try:
+        (item,) = _items([21])
+        r.place.remote([item], [1])  # fire and forget, as the client does
+        st = ray.get(r.stats.remote())  # the actor runs one call at a time, in order from one caller
+        assert st["counters"]["placed"] == 1 and st["shards"][1]["routed"] == 1
+        assert st["shards"][1]["outstanding_work"] > 0
+        assert ray.get(r.route.remote(_items([21]))) == [1]  # the placed prefix is the shard's now
+        r.complete.remote([(1, item[1], item[2], 2048, 0)] * 2)
+        assert [s["outstanding_work"] for s in ray.get(r.stats.remote())["shards"]] == [0.0, 0.0]
+        with pytest.raises(ValueError, match="shard must be an integer in"):
+            ray.get(r.place.remote([item], [5]))
+    finally:
+        ray.kill(r)

@@ -5,6 +5,8 @@ from flame_llm.prefix import hash_block, revision_seed
 from flame_llm.protocol.routing_key import (
     ATTN_CROSSOVER_TOKENS,
     DECODE_TOKEN_COST,
+    Completion,
+    RouteItem,
     estimate_prefill_work,
     prefix_chain,
 )
@@ -281,4 +283,38 @@ def test_round_robin_alternates_ignoring_prefixes():
 def test_stats_shape():
     st = RouterPolicy(2, RouterConfig("load_guarded", spill_factor=1.5)).stats()
     assert st["policy"] == "load_guarded" and st["spill_factor"] == 1.5 and len(st["shards"]) == 2
-    assert set(st["counters"]) == {"hit", "new", "spill", "moved", "round_robin", "evicted", "dropped"}
+    assert set(st["counters"]) == {"hit", "new", "spill", "moved", "round_robin", "evicted", "dropped",
+                                   "placed"}
+
+
+def test_a_placement_told_after_the_fact_counts_as_a_routed_request():
+    """A client that placed a request itself (place_batch) leaves the policy as route_batch would have: the
+    prefix registered to that shard, its work outstanding until completed, its cumulative work charged."""
+    routed, placed = RouterPolicy(2), RouterPolicy(2)
+    first = RouteItem([1, 2], 100.0, 4)
+    again = RouteItem([1, 2, 3], 100.0, 4)
+    (s,) = routed.route_batch([first])
+    placed.route_batch([first])
+    assert routed.route_batch([again]) == [s]
+    placed.place_batch([again], [s])
+    a, b = routed.stats()["shards"], placed.stats()["shards"]
+    for key in ("outstanding_work", "cumulative_work", "routed"):
+        assert [x[key] for x in a] == [x[key] for x in b]
+    assert placed.counters["placed"] == 1 and placed._owner[3] == s  # the chain's new block is registered
+    # an unseen prefix placed by the client (a one-shard client) is registered too: the router answers it next
+    placed.place_batch([RouteItem([9], 10.0, 1)], [1])
+    assert placed.route_batch([RouteItem([9, 10], 10.0, 1)]) == [1]
+    placed.complete_many([Completion(s, 100.0, 4, 200, 100)])
+    left = a[s]["outstanding_work"] - (100.0 + 4 * placed.decode_cost)
+    assert placed.stats()["shards"][s]["outstanding_work"] == left
+
+
+def test_place_batch_checks_its_input_and_changes_nothing_on_a_bad_item():
+    p = RouterPolicy(2)
+    with pytest.raises(ValueError, match="one shard per item"):
+        p.place_batch([RouteItem([1], 1.0, 1)], [])
+    with pytest.raises(ValueError, match="shard must be an integer in"):
+        p.place_batch([RouteItem([1], 1.0, 1)], [2])
+    with pytest.raises(ValueError, match="item 1: chain must hold"):
+        p.place_batch([RouteItem([1], 1.0, 1), RouteItem([], 1.0, 1)], [0, 0])
+    assert p.stats()["entries"] == 0 and p.counters["placed"] == 0

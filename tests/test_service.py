@@ -387,6 +387,46 @@ def test_a_stream_left_early_leaves_no_outstanding_work_at_the_router(service):
     _wait_idle(svc, 5.0)
 
 
+def _router_idle(svc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(s["outstanding_work"] > 0 for s in ray.get(svc.router.stats.remote())["shards"]):
+        assert time.monotonic() < deadline, ray.get(svc.router.stats.remote())["shards"]
+        time.sleep(0.05)
+
+
+def test_a_stream_with_a_known_prefix_goes_without_a_router_call(service):
+    """Issue 18 item 2 (local routing): a stream whose prefix the router placed before goes to that shard at once,
+    the router told without waiting (its outstanding work comes back to zero, its `placed` count grows); an
+    unseen prefix still asks the router. With ClientConfig.local_routing off every stream asks, as before."""
+    svc, _ = service
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def stream(client, prompt):
+        return [c async for c in client.stream_chunks(prompt, sp)][-1].result
+
+    for local, seed in ((True, 51), (False, 52)):
+        doc = _prompts(1, 300, seed=seed)[0]
+        client = make_client(svc.cfg, svc.router, svc.actors, local_routing=local)
+        try:
+            (first,) = client.generate([doc + [5, 6]], sp)  # the router places the document
+            calls = client.counters.route_calls
+            placed = ray.get(svc.router.stats.remote())["counters"]["placed"]
+            r = asyncio.run(stream(client, doc + [7, 8, 9]))
+            assert r.error is None and len(r.output_token_ids) == 4
+            assert r.shard == first.shard and r.cached_tokens >= 256  # on the document's shard, its cache used
+            t = r.timings  # the hop split's stamps (bench/hops.py), one host clock: in the order they happen
+            assert t["route_s"] >= 0 and t["credit_wait_s"] >= 0
+            assert t["sent_at"] <= t["arrived_at"] <= t["first_chunk_at"] <= t["first_chunk_at_client"]
+            c = client.counters
+            assert (c.route_calls - calls, c.local_routes) == ((0, 1) if local else (1, 0))
+            assert ray.get(svc.router.stats.remote())["counters"]["placed"] - placed == (1 if local else 0)
+            r = asyncio.run(stream(client, _prompts(1, 300, seed=seed + 10)[0]))  # unseen: the router places it
+            assert r.error is None and c.route_calls - calls == (1 if local else 2)
+        finally:
+            client.close()
+    _router_idle(svc, 10.0)
+
+
 def test_the_router_estimates_a_huge_max_tokens_as_what_fits(service):
     """A request asking for 10**9 tokens is routed with the output it can produce (up to max_model_len), the
     same rule admission charges (flame_llm.limits.max_output_tokens), not with 10**9 decode tokens."""
@@ -396,7 +436,7 @@ def test_the_router_estimates_a_huge_max_tokens_as_what_fits(service):
     huge = SamplingParams(temperature=0.0, max_tokens=10**9, ignore_eos=True)
     loop = asyncio.new_event_loop()
     try:
-        p = client._prepare(_prompts(1, 20, seed=41)[0], huge, loop)
+        p = client.requests.prepare(_prompts(1, 20, seed=41)[0], huge, loop)
     finally:
         loop.close()
     assert p.est_decode == ENGINE["max_model_len"] - 20
@@ -478,6 +518,41 @@ def test_agenerate_from_caller_loop(service):
 
     a, b = asyncio.run(main())
     assert [r.output_token_ids for r in a + b] == [r.output_token_ids for r in client.generate(prompts, sp)]
+
+
+def test_a_client_on_the_callers_loop(service):
+    """Client(loop=running loop) (the front door's): agenerate and streams run on the caller's loop itself, with
+    the same answers as a client on its own thread; the blocking calls refuse to run there instead of hanging;
+    aclose aborts what is left and leaves the caller's loop running."""
+    svc, client = service
+    prompts = _prompts(3, 20, seed=61)
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    want = [r.output_token_ids for r in client.generate(prompts, sp)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        on_loop = await asyncio.to_thread(make_client, svc.cfg, svc.router, svc.actors, loop=loop)
+        assert on_loop._thread is None
+        got = await on_loop.agenerate(prompts, sp)
+        streamed = [t async for t in on_loop.stream(prompts[0], sp)]
+        with pytest.raises(RuntimeError, match="Client.generate blocks"):
+            on_loop.generate(prompts, sp)
+        with pytest.raises(RuntimeError, match="Client.close blocks"):
+            on_loop.close()
+        # the blocking calls work from another thread while the loop runs
+        again = await asyncio.to_thread(on_loop.generate, prompts[:1], sp)
+        left = asyncio.ensure_future(on_loop.agenerate([prompts[1]], SamplingParams(max_tokens=500,
+                                                                                     ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        await on_loop.aclose()
+        assert left.cancelled() or left.done()
+        assert loop.is_running()
+        return got, streamed, again
+
+    got, streamed, again = asyncio.run(main())
+    assert [r.output_token_ids for r in got] == want and streamed == want[0]
+    assert again[0].output_token_ids == want[0]
+    _router_idle(svc, 10.0)
 
 
 def test_service_and_client_error_paths(service, tiny_qwen3):
@@ -581,13 +656,55 @@ def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(servic
         client.close()
 
 
+def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
+    """Issue 18 item 2: a shard's restart takes seconds on CPU; requests sent meanwhile went to it (its prefix's
+    owner, or the least loaded) and waited out the restart for their first token while the other shard was up.
+    Now a shard the client saw die is left out of routing until it is back (the router's avoid list): new
+    batches and streams, even on a prefix the dead shard owned, are served by the live shard during the restart."""
+    svc, _ = service
+    client = make_client(svc.cfg, svc.router, svc.actors)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        doc = _prompts(1, 300, seed=71)[0]
+        (first,) = client.generate([doc + [1, 2]], sp)
+        dead, live = first.shard, 1 - first.shard
+        victim = svc.actors[dead]
+        out = {}
+        burst = threading.Thread(target=lambda: out.update(res=client.generate(
+            _prompts(4, 8, seed=72, prefix=doc), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))))
+        burst.start()
+        deadline = time.monotonic() + 60
+        while ray.get(victim.stats.remote())["inflight_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        ray.kill(victim, no_restart=False)
+        watch = client.dispatch.shards
+        while dead not in watch.restarting:  # the client saw it die and waits for its restart
+            assert time.monotonic() < deadline and burst.is_alive()
+            time.sleep(0.01)
+
+        async def stream(prompt):
+            return [c async for c in client.stream_chunks(prompt, sp)][-1].result
+
+        during = client.generate(_prompts(3, 8, seed=73, prefix=doc), sp)
+        streamed = asyncio.run(stream(doc + [9, 9, 9]))
+        assert dead in watch.restarting, "the requests were served only after the restart (they waited for it)"
+        assert [r.error for r in during + [streamed]] == [None] * 4
+        assert {r.shard for r in during + [streamed]} == {live}
+        burst.join(timeout=180)
+        assert [r.error for r in out["res"]] == [None] * 4  # the burst waited for the restart and completed
+        assert dead not in watch.restarting
+    finally:
+        client.close()
+
+
 def test_a_router_call_lost_with_a_restarting_router_is_made_again(service):
     svc, _ = service
 
     class LosesFirstCall:  # the router died under the first call; the restarted one answers the next
         def __init__(self, real):
             self.real, self.complete, self.drop_shard, self.lost = real, real.complete, real.drop_shard, 0
-            self.route = self
+            self.config, self.place, self.route = real.config, real.place, self
 
         async def remote(self, items, avoid):
             self.lost += 1

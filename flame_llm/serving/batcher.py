@@ -7,7 +7,7 @@ import asyncio
 import math
 from dataclasses import asdict, dataclass
 
-from flame_llm.protocol.types import Request
+from flame_llm.protocol.types import ErrorInfo, Request, Result
 from flame_llm.protocol.wire import BATCH_OVERHEAD
 
 
@@ -25,6 +25,10 @@ class Pending:
     deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
 
 
+def failed_result(p: Pending, error: ErrorInfo) -> Result:
+    return Result(p.request.id, prompt_tokens=len(p.request.prompt_token_ids), shard=p.shard, error=error)
+
+
 @dataclass(slots=True)
 class ClientCounters:
     """One client's running totals, owned by its Dispatcher (Client.counters, ShardWatch see the same object)."""
@@ -33,6 +37,7 @@ class ClientCounters:
     streams: int = 0
     aborts_sent: int = 0
     route_calls: int = 0
+    local_routes: int = 0  # streams placed without a router call (ClientConfig.local_routing)
     route_retries: int = 0
     retries: int = 0  # requests sent again (overloaded, draining or dead shard)
     restarts_seen: int = 0

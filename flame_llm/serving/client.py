@@ -4,50 +4,47 @@ returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_
 streams one request's tokens (client_stream.py). A result whose error is retryable does not reach the caller
 while the retry policy (retry.py) says to send it again.
 
-All client work runs on one private event loop thread, so `generate` (sync) and `agenerate` (from
-any asyncio loop) share the batchers and concurrent callers' requests coalesce into batches."""
+All client work runs on one event loop, so `generate` (sync) and `agenerate` (from any asyncio loop) share the
+batchers and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
+loop given as `loop=` (an asyncio server such as the front door: its calls and streams then run on that loop with
+no hand-off between threads; `generate` must then be called from another thread, `aclose` from that loop)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
-import math
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import ray
 
-from flame_llm.limits import max_output_tokens
-from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import (
     DEFAULT_ZSTD_LEVEL,
     EngineLimits,
     ErrorCode,
     ErrorInfo,
-    Request,
-    RequestError,
     Result,
 )
-from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import ClientCounters, Pending
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
-from flame_llm.serving.dispatch import Dispatcher, failed_result
+from flame_llm.serving.dispatch import Dispatcher
+from flame_llm.serving.prompts import RequestMaker
 from flame_llm.serving.service import Service, attach, find_service, resolve_namespace, start_service
 from flame_llm.serving.service_config import ClientConfig, ServiceConfig
 
 log = logging.getLogger(__name__)
+ABANDON_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
 
 
 class Client:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str,
                  config: ClientConfig | None = None, zstd_level: int = DEFAULT_ZSTD_LEVEL,
-                 model_dir: str | None = None, service=None, namespace: str | None = None):
+                 model_dir: str | None = None, service=None, namespace: str | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None):
         assert actors, "a service has at least one shard"
         config = config or ClientConfig()
         self.config, self.max_retries = config, config.max_retries
@@ -57,16 +54,18 @@ class Client:
         self.max_payload_bytes = self.limits.max_payload_bytes
         self.model_dir, self.service = model_dir, service
         self.client_id = uuid.uuid4().hex[:8]
-        self._ids = (f"{self.client_id}-{i}" for i in itertools.count())
-        self._tokenizer = None
+        self.requests = RequestMaker(self.limits, model_revision, model_dir, self.client_id, config.overload_deadline_s)
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
         self.dispatch = Dispatcher(router, dict(actors), model_revision, config, zstd_level, health,
                                    self.max_payload_bytes, self.namespace, self.client_id)
         self.router, self.actors = router, self.dispatch.actors
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
-        self._thread.start()
+        self._thread = None
+        self._loop = loop
+        if loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
+            self._thread.start()
 
     @classmethod
     def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:
@@ -92,6 +91,7 @@ class Client:
         """Each prompt's Result, in input order; use_tqdm: a progress bar advanced per result as it lands.
         overload_deadline_s: how long a request may be retried on overloaded shards before `overloaded` is its
         result (None: ClientConfig.overload_deadline_s)."""
+        self._not_on_loop("generate")
         fut = asyncio.run_coroutine_threadsafe(
             self._call(self._generate(prompts, sampling_params, use_tqdm, overload_deadline_s)), self._loop)
         try:
@@ -103,6 +103,8 @@ class Client:
     async def agenerate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
                         overload_deadline_s: float | None = None) -> list[Result]:
         """As generate, awaited from any asyncio loop; cancelling it aborts its requests on the shards."""
+        if self._on_loop():
+            return await self._call(self._generate(prompts, sampling_params, False, overload_deadline_s))
         fut = asyncio.run_coroutine_threadsafe(
             self._call(self._generate(prompts, sampling_params, False, overload_deadline_s)), self._loop)
         return await asyncio.wrap_future(fut)
@@ -112,6 +114,7 @@ class Client:
                      ) -> Iterator[tuple[int, Result]]:
         """`for index, result in client.as_completed(prompts, sp)`: each prompt's Result as it lands (index: the
         prompt's position). Leaving the loop early aborts the requests not yet answered."""
+        self._not_on_loop("as_completed")
         landed: queue.SimpleQueue = queue.SimpleQueue()
         fut = asyncio.run_coroutine_threadsafe(self._call(self._generate(
             prompts, sampling_params, use_tqdm, overload_deadline_s, lambda i, r: landed.put((i, r)))), self._loop)
@@ -134,7 +137,12 @@ class Client:
         def push(chunk: StreamChunk) -> None:
             caller_loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
-        fut = asyncio.run_coroutine_threadsafe(self._call(self._stream(prompt, sampling_params, push)), self._loop)
+        if caller_loop is self._loop:  # the client runs on the caller's loop: no hand-off between threads
+            push = chunks.put_nowait
+            fut = caller_loop.create_task(self._call(self._stream(prompt, sampling_params, push)))
+        else:
+            fut = asyncio.run_coroutine_threadsafe(self._call(self._stream(prompt, sampling_params, push)),
+                                                   self._loop)
         fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
                               or push(StreamChunk([], self._failed(f.exception()))))
         try:
@@ -157,14 +165,39 @@ class Client:
 
     def close(self) -> None:
         """Abort this client's unfinished requests on the shards and stop its loop (and its service, if it
-        started one)."""
+        started one). A client on the caller's loop: call it from another thread, or `await aclose()`."""
+        self._not_on_loop("close")
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(self._abandon_all(), self._loop).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+            if self._thread is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=5)
+        self._stop_service()
+
+    async def aclose(self) -> None:
+        """close(), awaited on the loop the client runs on (given as `loop=`)."""
+        if not self._on_loop():
+            await asyncio.to_thread(self.close)
+            return
+        await self._abandon_all()
+        if self.service is not None:
+            await asyncio.to_thread(self._stop_service)
+
+    def _stop_service(self) -> None:
         if self.service is not None:
             self.service.stop()
             self.service = None
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _not_on_loop(self, what: str) -> None:
+        if self._thread is None and self._on_loop():
+            raise RuntimeError(f"Client.{what} blocks: on the loop the client runs on, use agenerate, stream or "
+                               "aclose")
 
     def __enter__(self) -> Client:
         return self
@@ -188,38 +221,16 @@ class Client:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.dispatch.settle_sends(ABANDON_WAIT_S)
         await self.dispatch.shards.stop()
 
     async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None]) -> None:
         t0 = time.perf_counter()
-        p = self._prepare(prompt, sp, asyncio.get_running_loop())
+        p = self.requests.prepare(prompt, sp, asyncio.get_running_loop())
         self.counters.streams += 1
         result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
         result.timings["client_s"] = time.perf_counter() - t0
         push(StreamChunk([], result))
-
-    def _prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop,
-                 deadline_s: float | None = None) -> Pending:
-        """A request for `prompt`, checked against the shards' limits; its future already holds the error
-        result when it cannot be sent. deadline_s: its overload deadline, from now (None: the config's)."""
-        if deadline_s is None:
-            deadline_s = self.config.overload_deadline_s
-        p = Pending(Request(next(self._ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future(),
-                    deadline=time.monotonic() + deadline_s if math.isfinite(deadline_s) else math.inf)
-        try:
-            tokens = p.request.prompt_token_ids = self._tokens(prompt)
-            p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))
-            self.limits.check_prompt(tokens)
-            if p.wire_bytes + BATCH_OVERHEAD > self.max_payload_bytes:
-                raise RequestError(ErrorCode.OVER_BUDGET, f"request needs {p.wire_bytes} decoded bytes; "
-                                   f"max_payload_bytes is {self.max_payload_bytes}", "prompt")
-        except RequestError as e:
-            p.future.set_result(failed_result(p, e.info()))
-            return p
-        p.chain = prefix_chain(tokens, self.model_revision)
-        p.est_work = estimate_prefill_work(len(tokens))
-        p.est_decode = max_output_tokens(len(tokens), sp.max_tokens, self.limits.max_model_len)
-        return p
 
     async def _generate(self, prompts: list, sampling_params, use_tqdm: bool, deadline_s: float | None,
                         on_result: Callable[[int, Result], None] | None = None) -> list[Result]:
@@ -244,14 +255,15 @@ class Client:
                 return
             r = fut.result()
             r.timings["client_s"] = time.perf_counter() - t0  # this request's time in the call
-            if self._tokenizer is not None and r.error is None:
-                r.text = self._tokenizer.decode(r.output_token_ids)
+            tok = self.requests.tokenizer
+            if tok is not None and r.error is None:
+                r.text = tok.decode(r.output_token_ids)
             if bar is not None:
                 bar.update(1)
             if on_result is not None:
                 on_result(i, r)
 
-        pend = [self._prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
+        pend = [self.requests.prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
                                                                                     strict=True)]
         for i, p in enumerate(pend):
             p.future.add_done_callback(lambda f, i=i: landed(i, f))
@@ -282,35 +294,13 @@ class Client:
     def _failed(self, e: BaseException) -> Result:
         return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}"))
 
-    def _tokens(self, prompt) -> np.ndarray:
-        """The prompt as uint32 token ids; RequestError (bad_prompt) when it cannot be one."""
-        if isinstance(prompt, str):
-            return np.asarray(self._tokenize(prompt), dtype=np.uint32)
-        arr = prompt if isinstance(prompt, np.ndarray) else np.asarray(prompt)
-        if arr.ndim != 1 or arr.size and arr.dtype.kind not in "iu":
-            raise RequestError(ErrorCode.BAD_PROMPT, "prompt must be text or a flat sequence of token ids; "
-                                                     f"got dtype {arr.dtype}, shape {arr.shape}", "prompt")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
-            raise RequestError(ErrorCode.BAD_PROMPT, "token ids must be in [0, 2**32); got min "
-                                                     f"{int(arr.min())}, max {int(arr.max())}", "prompt")
-        return arr.astype(np.uint32, copy=False)
-
-    def _tokenize(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except Exception as e:
-                raise ValueError(f"prompts are text but the model dir {self.model_dir!r} has no usable "
-                                 f"tokenizer ({type(e).__name__}); pass token ids instead") from None
-        return self._tokenizer.encode(text)
-
 
 def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
-                service: Service | None = None, namespace: str | None = None, **overrides) -> Client:
+                service: Service | None = None, namespace: str | None = None,
+                loop: asyncio.AbstractEventLoop | None = None, **overrides) -> Client:
     """A client for the router and shards given, with cfg's client section (defaults without cfg) and
     `overrides` of its fields; the shards' health gives the model revision and limits. With `service`,
-    closing the client stops that service."""
+    closing the client stops that service. loop: run it on that loop (Client's `loop`)."""
     health = ray.get([a.health.remote() for a in actors.values()])
     revisions = {h.model_revision for h in health}
     if len(revisions) != 1:
@@ -319,7 +309,7 @@ def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors
     zstd_level = cfg.shard.zstd_level if cfg is not None else DEFAULT_ZSTD_LEVEL
     namespace = namespace or (cfg.ray.namespace if cfg is not None else None)
     return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0].model, service=service,
-                  namespace=namespace)
+                  namespace=namespace, loop=loop)
 
 
 def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:

@@ -1,6 +1,7 @@
-"""One streamed request of the client (Client.stream, Client.stream_chunks): routed by the router's `route` call
-like a batch, encoded by the wire codec as a batch of one, served by the shard's `stream` method (a Ray
-streaming generator: token chunks as the engine samples them, then the result payload).
+"""One streamed request of the client (Client.stream, Client.stream_chunks): placed at once when the client knows
+its prefix's shard (routing.py, ClientConfig.local_routing), else routed by the router's `route` call like a batch;
+encoded by the wire codec as a batch of one, served by the shard's `stream` method (a Ray streaming generator:
+token chunks as the engine samples them, then the result payload).
 
 What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out by the
 Dispatcher: until its first token arrives a stream is retried as a batch request is; after that a failure
@@ -8,13 +9,14 @@ ends it with the error. Cancelling the task that runs it (the caller stopped rea
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from flame_llm.protocol.routing_key import Completion
 from flame_llm.protocol.types import Result
-from flame_llm.serving.batcher import Pending
-from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher, failed_result
+from flame_llm.serving.batcher import Pending, failed_result
+from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher
 from flame_llm.serving.retry import Action, decide
 
 
@@ -38,23 +40,33 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
     """Serve one prepared request `p` (not failed at entry) through dispatcher `d` on its loop, handing each token
     chunk to `push`; its Result (output_token_ids: what was streamed)."""
     rid, streamed = p.request.id, []
+    split: dict[str, float] = {}  # the last attempt's route_s, credit_wait_s, sent_at, first_chunk_at_client
     while True:
-        (shard,) = await d.route_shards([p])
+        t0 = time.perf_counter()
+        shard = d.routing.place_stream(p)
+        untold = [p] if shard is not None else []  # placed here: the router is told after the first token
+        if shard is None:
+            (shard,) = await d.route_shards([p])
+        split["route_s"] = time.perf_counter() - t0
         if not isinstance(shard, int):  # the router is down, or no shard is left to serve it
             result = p.future.result()
             break
         payload = d.encode([p])
         r, lost = None, None
         try:
+            t0 = time.perf_counter()
             took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
+            split["credit_wait_s"] = time.perf_counter() - t0
             try:
-                r = await _one_stream(d, shard, payload, rid, streamed, push)
+                r = await _one_stream(d, shard, payload, rid, streamed, push, split, untold)
             finally:
                 if took:
                     d.give_credit(shard)
         except SHARD_LOST as e:
             lost = e
         finally:
+            if untold:  # before the completion or forget below
+                d.routing.tell(untold.pop(), shard)
             if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered there
                 d.forget(shard, [p])
         if r is not None:
@@ -66,25 +78,34 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             result = r
             break
         if decision.action is Action.FAIL:
+            if lost is not None:  # the stream ends here, but new requests avoid the shard while it restarts
+                d.watch_loss(shard, lost)
             result = failed_result(p, decision.error)
             break
         await d.apply(shard, p, decision, r, lost)
     result.id = rid
     result.output_token_ids = list(streamed) if streamed else list(result.output_token_ids)
-    result.timings["attempts"] = p.attempts + 1
+    result.timings.update(split, attempts=p.attempts + 1)
     return result
 
 
 async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
-                      push: Callable[[StreamChunk], None]) -> Result:
-    """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard."""
+                      push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
+    """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard.
+    split gets sent_at and first_chunk_at_client (time.time(): the Ray hop's ends, beside the actor's own).
+    untold: the request when the router is still to be told of its placement (done after the first chunk)."""
+    split["sent_at"] = time.time()
     gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
     try:
         async for ref in gen:
             item = await ref
             if isinstance(item, list):
+                if "first_chunk_at_client" not in split:
+                    split["first_chunk_at_client"] = time.time()
                 streamed.extend(item)
                 push(StreamChunk(item))
+                if untold:
+                    d.routing.tell(untold.pop(), shard)
                 continue
             (r,) = d.decode(item)
             return r

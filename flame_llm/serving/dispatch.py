@@ -15,23 +15,18 @@ import time
 import ray
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
-from flame_llm.protocol.routing_key import Completion, RouteItem
+from flame_llm.protocol.routing_key import Completion
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result, ShardHealth
 from flame_llm.protocol.wire import decode_results, decoded_size, encode_requests
-from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher
+from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher, failed_result
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.retry import Action, Decision, decide
-from flame_llm.serving.service import SHARD_PREFIX
+from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.service_config import ClientConfig
-from flame_llm.serving.shard_watch import ShardWatch
+from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
 
 log = logging.getLogger(__name__)
-ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router is made again
 SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
-
-
-def failed_result(p: Pending, error: ErrorInfo) -> Result:
-    return Result(p.request.id, prompt_tokens=len(p.request.prompt_token_ids), shard=p.shard, error=error)
 
 
 class Dispatcher:
@@ -47,7 +42,13 @@ class Dispatcher:
         # client's turn in the shards' fair admission
         self.caller, self.client_id = ray.get_runtime_context().get_job_id(), client_id
         self.shards = ShardWatch(actors, router, health, config.restart_timeout_s, self.counters,
-                                 lookup=self.lookup_shard)
+                                 lookup=shard_by_name(namespace), on_drop=lambda s: self.routing.drop_shard(s))
+        policy, max_entries = "cumulative", 100_000
+        if config.local_routing and len(actors) > 1:  # a known prefix is placed by the client only under cumulative
+            _, rc = ray.get(router.config.remote())
+            policy, max_entries = rc.policy, rc.max_entries
+        self.routing = ClientRouting(router, list(actors), self.shards, self.counters, config.restart_timeout_s,
+                                     self.forget, config.local_routing, policy, max_entries)
         self.batchers = {s: ShardBatcher(s, self.send, config.max_batch_prompts, config.batch_window_ms / 1000.0,
                                          max_payload_bytes) for s in actors}
         capacity = {s: h.admission_capacity if config.flow_control else None
@@ -67,13 +68,6 @@ class Dispatcher:
         except Exception as e:  # noqa: BLE001 - the shard is gone; so are its requests
             log.debug("abort on shard %d failed: %s", shard, e)
 
-    def lookup_shard(self, shard: int) -> ray.actor.ActorHandle | None:
-        """The shard's actor by name (a replacement placed after its node was lost has a new handle)."""
-        try:
-            return ray.get_actor(f"{SHARD_PREFIX}{shard}", namespace=self.namespace)
-        except ValueError:
-            return None
-
     async def route(self, batch: list[Pending]) -> None:
         """Route the requests and hand each to its shard's batcher (the failed ones get their result)."""
         shards = await self.route_shards(batch)
@@ -85,49 +79,7 @@ class Dispatcher:
                 self.batchers[s].flush("formed")
 
     async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
-        """One router call for the batch: each request's shard (p.shard is set), or None when its caller gave up
-        meanwhile, or the error it got (set as its result): the router is down, or no shard is left for it."""
-        self.counters.route_calls += 1
-        t0 = time.perf_counter()
-        # with every shard avoided, route as usual: the answer says which shard the requests cannot reach
-        avoid = sorted(self.shards.avoid) if len(self.shards.avoid) < len(self.actors) else []
-        try:
-            shards = await self.route_call([RouteItem(p.chain, p.est_work, p.est_decode) for p in batch], avoid)
-        except Exception as e:  # the router is down: every request of the batch gets the error
-            err = ErrorInfo(ErrorCode.ROUTER_ERROR, f"{type(e).__name__}: {e}")
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_result(failed_result(p, err))
-            return [err] * len(batch)
-        assert len(shards) == len(batch), "the router answers every request"
-        self.counters.route_s += time.perf_counter() - t0
-        out: list[int | ErrorInfo | None] = []
-        for p, s in zip(batch, shards, strict=True):
-            p.shard = s
-            why = self.shards.avoid.get(s)
-            if p.future.done():  # abandoned while its route was asked for
-                out.append(None)
-            elif why is not None:  # no shard is left to serve it
-                p.future.set_result(failed_result(p, why))
-                out.append(why)
-            else:
-                out.append(s)
-                continue
-            self.forget(s, [p])
-        return out
-
-    async def route_call(self, items: list[RouteItem], avoid: list[int]) -> list[int]:
-        """One routing call, made again when it was lost with a restarting router."""
-        deadline = time.monotonic() + self.restart_timeout_s
-        for attempt in range(1, ROUTE_ATTEMPTS):
-            try:
-                return await self.router.route.remote(items, avoid)
-            except RayActorError:
-                if time.monotonic() >= deadline:
-                    raise
-                self.counters.route_retries += 1
-                await asyncio.sleep(0.1 * attempt)
-        return await self.router.route.remote(items, avoid)
+        return await self.routing.route_shards(batch)
 
     def encode(self, batch: list[Pending]) -> bytes:
         t0 = time.perf_counter()
@@ -175,6 +127,13 @@ class Dispatcher:
         count of the shard's outstanding work."""
         if ps:
             self.router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0) for p in ps])
+
+    async def settle_sends(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for the batches in flight to be answered (aborted requests answer at once): their
+        completions reach the router before the client goes."""
+        tasks = set(self._tasks).union(*(b.tasks for b in self.batchers.values()))
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -294,6 +253,11 @@ class Dispatcher:
             return True
         self.shards.lose_shard(shard, e)
         return False
+
+    def watch_loss(self, shard: int, e: BaseException) -> None:
+        """The shard died under a request that is not sent again (a stream past its first token): its restart is
+        still waited for, so new requests avoid it meanwhile."""
+        self._spawn(self.after_loss(shard, e))
 
     async def apply(self, shard: int, p: Pending, d: Decision, r: Result | None, lost: BaseException | None) -> None:
         """Carry out a RETRY, REROUTE or RESTART decision for one request that is then sent again by its

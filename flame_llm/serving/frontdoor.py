@@ -89,18 +89,21 @@ class FrontDoor:
     def __init__(self, namespace: str, http: HttpConfig) -> None:
         self.namespace, self.http, self.client, self.runner, self.address = namespace, http, None, None, ""
 
-    def _connect(self):
+    def _connect(self, loop: asyncio.AbstractEventLoop):
         from flame_llm.serving.client import make_client
         from flame_llm.serving.service import find_service
 
         router, actors = find_service(self.namespace)
-        self.client = make_client(None, router, actors, namespace=self.namespace)
+        # the client runs on this actor's loop, the HTTP server's: a stream's chunks reach the response with no
+        # hand-off between threads
+        self.client = make_client(None, router, actors, namespace=self.namespace, loop=loop)
         return ClientBackend(self.client, self.http.served_model_name)
 
     async def start(self) -> str:
         from flame_llm.serving.http_app import build_app, start
 
-        backend = await asyncio.to_thread(self._connect)  # blocking Ray calls stay off the actor's loop
+        # blocking Ray calls stay off the actor's loop
+        backend = await asyncio.to_thread(self._connect, asyncio.get_running_loop())
         self.runner, self.address = await start(build_app(backend, self.http, backend.observe), self.http)
         log.info("front door listening on %s", self.address)
         return self.address
@@ -110,7 +113,7 @@ class FrontDoor:
             await self.runner.cleanup()
             self.runner = None
         if self.client is not None:
-            await asyncio.to_thread(self.client.close)
+            await self.client.aclose()
 
 
 def start_frontdoor(namespace: str, http: HttpConfig, lifetime: str | None = None) -> tuple[ray.actor.ActorHandle,

@@ -44,6 +44,7 @@ class ClientConfig:
     flow_control: bool = True  # at most a shard's admission capacity unanswered there (false: rejections retried)
     results_as_finished: bool = True  # each result as it finishes on its shard (false: a batch's results at once)
     overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
+    local_routing: bool = True  # a stream with a prefix the router placed before goes without a router call
 
     def __post_init__(self) -> None:
         w = "client field"
@@ -55,6 +56,7 @@ class ClientConfig:
         check_bool("flow_control", self.flow_control, where=w)
         check_bool("results_as_finished", self.results_as_finished, where=w)
         check_number("overload_deadline_s", self.overload_deadline_s, 0, where=w)
+        check_bool("local_routing", self.local_routing, where=w)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """What a client knows of its shards' lives: their incarnations, the shards it routes around and why, and the
 waits for a restarted shard. Lives on the client's event loop.
 
-A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait). A
+A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait); while
+it restarts, new requests go to the other shards when there are any (`restarting`). A
 shard that answers as a new incarnation has a cold engine: the router drops its prefixes. A shard that is
 draining, or that did not come back, is avoided: routing leaves it out, and a watcher probes its health
 until it serves again. A shard whose node is gone cannot come back where it was (Ray says so with
@@ -18,17 +19,33 @@ from ray.exceptions import ActorUnschedulableError, RayError
 
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, ShardHealth
 from flame_llm.serving.batcher import ClientCounters
+from flame_llm.serving.service import SHARD_PREFIX
 
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
 
 
+def shard_by_name(namespace: str) -> Callable[[int], ray.actor.ActorHandle | None]:
+    """shard -> its actor by name in `namespace` now (a replacement placed after its node was lost has a new
+    handle), or None."""
+    def lookup(shard: int) -> ray.actor.ActorHandle | None:
+        try:
+            return ray.get_actor(f"{SHARD_PREFIX}{shard}", namespace=namespace)
+        except ValueError:
+            return None
+
+    return lookup
+
+
 class ShardWatch:
     def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle,
                  health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
-                 lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None) -> None:
+                 lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None,
+                 on_drop: Callable[[int], None] | None = None) -> None:
         self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
         self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
+        self.on_drop = on_drop  # shard -> None: its prefixes were dropped at the router (restarted or lost)
+        self.restarting: set[int] = set()  # shards that died and are waited for: new requests go elsewhere
         self.incarnation = {s: h.incarnation for s, h in zip(actors, health, strict=True)}
         self.avoid: dict[int, ErrorInfo] = {}  # shard -> why requests are routed around it
         self._recovering: dict[int, asyncio.Future] = {}
@@ -47,6 +64,8 @@ class ShardWatch:
         # once per loss: a shard avoided only because it was draining (as a node going down does) is lost now
         if prior is None or prior.code is not ErrorCode.SHARD_UNAVAILABLE:
             self.router.drop_shard.remote(shard)
+            if self.on_drop is not None:
+                self.on_drop(shard)
         why = "cannot be placed again (its node is gone)" if isinstance(e, ActorUnschedulableError) else \
             f"did not come back within {self.restart_timeout_s}s"
         self.avoid_shard(shard, ErrorInfo(ErrorCode.SHARD_UNAVAILABLE, f"shard {shard} died and {why}: "
@@ -60,7 +79,13 @@ class ShardWatch:
         fut = self._recovering.get(shard)
         if fut is None:
             fut = self._recovering[shard] = asyncio.ensure_future(self._restart_once(shard))
-            fut.add_done_callback(lambda _: self._recovering.pop(shard, None))
+            self.restarting.add(shard)
+
+            def over(_) -> None:
+                self._recovering.pop(shard, None)
+                self.restarting.discard(shard)
+
+            fut.add_done_callback(over)
         return await asyncio.shield(fut)
 
     async def stop(self) -> None:
@@ -84,6 +109,8 @@ class ShardWatch:
         if h.incarnation != self.incarnation[shard]:
             self.incarnation[shard] = h.incarnation
             self.counters.restarts_seen += 1
+            if self.on_drop is not None:
+                self.on_drop(shard)
             await self.router.drop_shard.remote(shard)
         return h
 

@@ -1,0 +1,30 @@
+"""What every engine actor runs with besides its model: the service YAML's `shard` section."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_ZSTD_LEVEL
+from flame_llm.protocol.wire import MAX_LEVEL, MIN_LEVEL
+from flame_llm.validate import check_bool, check_int, check_number
+
+
+@dataclass(slots=True)
+class ShardOptions:
+    """What every engine actor runs with besides its model (the service YAML's `shard` section)."""
+    torch_threads: int = 1  # intra-op threads of a CPU shard
+    # admission bounds; the token bound is above a shard's half of the seed reuse trace (1.06M tokens)
+    max_inflight_tokens: int = 1 << 22  # prompt + max output tokens of the requests admitted
+    max_inflight_requests: int = 1024  # requests admitted
+    max_queued_requests: int = 4096  # requests waiting for admission (per caller when fair); past it: overloaded
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
+    zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
+    result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
+    fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("torch_threads", 1, 1 << 10), ("max_inflight_tokens", 1, 1 << 40),
+                                ("max_inflight_requests", 1, 1 << 30), ("max_queued_requests", 0, 1 << 30),
+                                ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", MIN_LEVEL, MAX_LEVEL)):
+            check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
+        check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
+        check_bool("fair_admission", self.fair_admission, where="shard field")

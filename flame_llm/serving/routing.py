@@ -1,0 +1,131 @@
+"""Where the client's requests go: one router call per formed batch (router/actor.py), made again when it was lost
+with a restarting router, leaving out the shards the client's ShardWatch routes around (draining, lost, and while
+others serve: restarting).
+
+With ClientConfig.local_routing a stream need not wait for the router: on a one-shard service it goes to that
+shard, and otherwise, when its prefix is one the router placed before (the client remembers the router's answers:
+prefix block hash -> shard, an LRU), to that shard at once. The router is told without waiting (its `place`), so
+its outstanding-work counts and prefix map stay as if it had routed the stream. Only the `cumulative` policy
+places a known prefix on its owner whatever the load, so only there (and on one shard) does a client place
+anything itself; the router alone places unseen prefixes, and every request of a batch (one call per batch)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+from ray.exceptions import RayActorError
+
+from flame_llm.protocol.routing_key import RouteItem
+from flame_llm.protocol.types import ErrorCode, ErrorInfo
+from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
+from flame_llm.serving.shard_watch import ShardWatch
+
+ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router is made again
+
+
+class ClientRouting:
+    def __init__(self, router, shards: list[int], watch: ShardWatch, counters: ClientCounters,
+                 restart_timeout_s: float, forget, local: bool = False, policy: str = "cumulative",
+                 max_entries: int = 100_000) -> None:
+        """forget(shard, pendings): routed requests that will not be sent there (their work leaves the router's
+        count). local: ClientConfig.local_routing; policy and max_entries: the router's."""
+        self.router, self.shards, self.watch, self.counters = router, list(shards), watch, counters
+        self.restart_timeout_s, self.forget = restart_timeout_s, forget
+        self.local = local and (len(self.shards) == 1 or policy == "cumulative")
+        self.single = self.shards[0] if len(self.shards) == 1 else None
+        self.max_entries = max_entries
+        self.placed: OrderedDict[int, int] = OrderedDict()  # prefix block hash -> shard, as the router answered
+
+    def avoid_now(self) -> list[int]:
+        """The shards to leave out now: those avoided (draining, lost) and, while another shard is left, those
+        restarting (a request sent there waits out the restart). With every shard avoided, none: the answer says
+        which shard the requests cannot reach."""
+        hard = self.watch.avoid
+        soft = set(hard) | self.watch.restarting
+        if len(soft) < len(self.shards):
+            return sorted(soft)
+        return sorted(hard) if len(hard) < len(self.shards) else []
+
+    def drop_shard(self, shard: int) -> None:
+        """The shard restarted or was lost: its prefixes are no longer placed there."""
+        if self.placed:
+            self.placed = OrderedDict((h, s) for h, s in self.placed.items() if s != shard)
+
+    def place_stream(self, p: Pending) -> int | None:
+        """The shard a stream goes to without asking the router (the caller then tells it: `tell`), or None: ask
+        it."""
+        if not self.local:
+            return None
+        avoid = self.avoid_now()
+        s = self.single
+        if s is None:
+            s = next((self.placed[h] for h in reversed(p.chain) if h in self.placed), None)
+        if s is None or s in avoid or s in self.watch.avoid:
+            return None
+        p.shard = s
+        self._learn(p.chain, s)
+        self.counters.local_routes += 1
+        return s
+
+    def tell(self, p: Pending, shard: int) -> None:
+        """Tell the router of a stream placed here (place_stream), before its completion or forget reaches it. The
+        caller does it once the stream's first token is back: submitting a Ray call is ~0.5 ms of this process's
+        time, and the router's run competes for the CPUs while the shard makes that token."""
+        self.router.place.remote([RouteItem(p.chain, p.est_work, p.est_decode)], [shard])
+
+    async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
+        """One router call for the batch: each request's shard (p.shard is set), or None when its caller gave up
+        meanwhile, or the error it got (set as its result): the router is down, or no shard is left for it."""
+        self.counters.route_calls += 1
+        t0 = time.perf_counter()
+        try:
+            shards = await self.route_call([RouteItem(p.chain, p.est_work, p.est_decode) for p in batch],
+                                           self.avoid_now())
+        except Exception as e:  # the router is down: every request of the batch gets the error
+            err = ErrorInfo(ErrorCode.ROUTER_ERROR, f"{type(e).__name__}: {e}")
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_result(failed_result(p, err))
+            return [err] * len(batch)
+        assert len(shards) == len(batch), "the router answers every request"
+        self.counters.route_s += time.perf_counter() - t0
+        out: list[int | ErrorInfo | None] = []
+        for p, s in zip(batch, shards, strict=True):
+            p.shard = s
+            why = self.watch.avoid.get(s)
+            if p.future.done():  # abandoned while its route was asked for
+                out.append(None)
+            elif why is not None:  # no shard is left to serve it
+                p.future.set_result(failed_result(p, why))
+                out.append(why)
+            else:
+                out.append(s)
+                if self.local:
+                    self._learn(p.chain, s)
+                continue
+            self.forget(s, [p])
+        return out
+
+    async def route_call(self, items: list[RouteItem], avoid: list[int]) -> list[int]:
+        """One routing call, made again when it was lost with a restarting router."""
+        deadline = time.monotonic() + self.restart_timeout_s
+        for attempt in range(1, ROUTE_ATTEMPTS):
+            try:
+                return await self.router.route.remote(items, avoid)
+            except RayActorError:
+                if time.monotonic() >= deadline:
+                    raise
+                self.counters.route_retries += 1
+                await asyncio.sleep(0.1 * attempt)
+        return await self.router.route.remote(items, avoid)
+
+    def _learn(self, chain: list[int], shard: int) -> None:
+        if self.single is not None:
+            return
+        placed = self.placed
+        for h in chain:
+            placed[h] = shard
+            placed.move_to_end(h)
+        while len(placed) > self.max_entries:
+            placed.popitem(last=False)
