@@ -213,9 +213,9 @@ class EngineActor:
         t_admit = time.perf_counter()
         try:
             if emit is None:
-                out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id)
+                out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id, checked=True)
             else:
-                async for x in self.engine.stream_chunks(item.prompt_token_ids, sp, item.id):
+                async for x in self.engine.stream_chunks(item.prompt_token_ids, sp, item.id, checked=True):
                     if isinstance(x, list):
                         emit(x)
                     else:

@@ -63,6 +63,23 @@ def test_async_engine_checks_a_request_once(tiny_llama, counted):
     assert counted == {"to_token_ids": 1, "check_request": 1, "validate": 1}
 
 
+def test_a_request_checked_at_its_process_boundary_is_not_checked_again(tiny_llama, counted):
+    """The engine actor and serve-http check a prompt and its sampling at their boundary (the wire decoder, the
+    HTTP parser) and pass checked=True: the engine then checks only what no boundary knows, the KV-pool fit."""
+    import numpy as np
+
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    counted["validate"] = 0
+    eng = AsyncEngine.from_args(tiny_llama, block_size=16, device="cpu", num_kvcache_blocks=4)
+    try:
+        out = asyncio.run(eng.generate(np.array([5, 6, 7], dtype=np.uint32), sp, checked=True))
+        assert out.output_token_ids and counted == {"to_token_ids": 0, "check_request": 0, "validate": 0}
+        with pytest.raises(ValueError, match="KV blocks"):  # 3 + 100 tokens need 7 blocks of 16; the pool has 4
+            asyncio.run(eng.generate([5, 6, 7], SamplingParams(max_tokens=100), checked=True))
+    finally:
+        eng.shutdown()
+
+
 def test_llm_generate_and_add_request_check_each_request_once(tiny_llama, counted):
     llm = LLM(tiny_llama, block_size=16, device="cpu")
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from flame_llm.config import Config
 from flame_llm.engine.llm_engine import LLMEngine
 from flame_llm.engine.sequence import Sequence
@@ -62,13 +64,17 @@ class AsyncEngine:
         return cls(Config.from_kwargs(model, **kwargs))
 
     def _submit(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None,
-                stream: bool) -> tuple[str, _Pending]:
+                stream: bool, checked: bool = False) -> tuple[str, _Pending]:
         if self._error is not None:
             raise RuntimeError(f"engine loop failed: {self._error!r}")
         if self._stopped:
             raise RuntimeError("engine is shut down")
-        ids = self.engine.to_token_ids(prompt)  # the one check of this request in this process
-        self.engine.check_request(ids, params)
+        if checked:  # this process's boundary checked ids, length and sampling: only the engine's own limit is left
+            ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+            self.engine.check_fits(len(ids), params)
+        else:  # the one check of this request in this process
+            ids = self.engine.to_token_ids(prompt)
+            self.engine.check_request(ids, params)
         loop = asyncio.get_running_loop()
         pending = _Pending(loop, loop.create_future(), ids, params, asyncio.Queue() if stream else None)
         with self._cond:
@@ -82,8 +88,10 @@ class AsyncEngine:
         return request_id, pending
 
     async def generate(self, prompt_token_ids: str | Seq[int], sampling_params: SamplingParams,
-                       request_id: str | None = None) -> RequestOutput:
-        rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=False)
+                       request_id: str | None = None, checked: bool = False) -> RequestOutput:
+        """The request's RequestOutput once it finishes. `checked`: the caller's boundary has checked the prompt
+        (in-vocabulary ids within max_prompt_tokens) and the sampling params; only the KV-pool fit is checked here."""
+        rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=False, checked=checked)
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -99,12 +107,13 @@ class AsyncEngine:
                     yield tok
 
     async def stream_chunks(self, prompt_token_ids: str | Seq[int], sampling_params: SamplingParams,
-                            request_id: str | None = None) -> AsyncIterator[list[int] | RequestOutput]:
+                            request_id: str | None = None, checked: bool = False
+                            ) -> AsyncIterator[list[int] | RequestOutput]:
         """The request's new token ids as lists (every id waiting is taken at once, so a slow reader gets fewer,
         larger chunks), then its RequestOutput (finish reason, cached tokens). A failure of the request or of
         the engine loop is raised after the tokens it had. Closing the iterator early (or cancelling the task
         reading it) aborts the request."""
-        rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=True)
+        rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=True, checked=checked)
         try:
             done = False
             while not done:

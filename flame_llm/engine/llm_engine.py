@@ -87,7 +87,12 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids has {n} tokens; the limit is {limit} (max_model_len {max_len}, "
                              "and a prompt must leave room for one output token)")
         sp.validate()
-        bs = self.config.cache_config.block_size
+        self.check_fits(n, sp)
+
+    def check_fits(self, n: int, sp: SamplingParams) -> None:
+        """The engine's own limit, which no boundary before it knows: a request of `n` prompt tokens fits the KV
+        pool with the output it may produce. ValueError naming the need and the pool."""
+        max_len, bs = self.config.model_config.max_model_len, self.config.cache_config.block_size
         need = (n + max_output_tokens(n, sp.max_tokens, max_len) + bs - 1) // bs
         if need > self.block_manager.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt {n} + max_tokens {sp.max_tokens}); "

@@ -50,7 +50,7 @@ class EngineBackend:
         rid, t0 = next(self._ids), time.perf_counter()
         self.counters["requests"] += 1
         try:
-            out = await self.engine.generate(prompt, sp, request_id=rid)
+            out = await self.engine.generate(prompt, sp, request_id=rid, checked=True)  # generate() checked it
         except ValueError as e:  # the engine's own checks (the KV pool), or this request failed alone
             self.counters["errors"] += 1
             return self._result(rid, prompt, error=ErrorInfo(ErrorCode.INVALID_REQUEST, str(e)))
