@@ -140,3 +140,24 @@ def test_unfair_gate_rejects_everyone_at_max_queued():
 
     asyncio.run(main())
 
+
+# ---- as_finished: one timer per group, no task per result ----
+
+def test_as_finished_creates_no_task_per_result():
+    from actors.as_finished import as_finished
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        async def after(i):
+            await asyncio.sleep(0.002 * i)
+            return i
+        tasks = [asyncio.ensure_future(after(i)) for i in range(20)]
+        created = []
+        loop.set_task_factory(lambda lp, coro, **kw: created.append(coro) or asyncio.Task(coro, loop=lp, **kw))
+        groups = [g async for g in as_finished(tasks, 5.0)]
+        loop.set_task_factory(None)
+        return groups, len(created)
+
+    groups, created = asyncio.run(main())
+    assert groups == [list(range(20))] and created == 0
