@@ -17,7 +17,7 @@ async def _settle():
 
 
 def _try(gate, caller, cost=10):
-    """One acquire of `caller`: its task (admitted or waiting), or None when rejected."""
+    """One acquire of `caller`, as a task (done at once when admitted or rejected)."""
     t = asyncio.ensure_future(gate.acquire(cost, caller))
     return t
 
