@@ -268,7 +268,7 @@ def test_a_second_callers_request_waits_its_turn_instead_of_failing():
         a = _fill_caller(gate, "A", 4)  # A holds both slots and both of its queue places
         await _settle()
         assert gate.requests == 2 and gate.queued == 2
-        with pytest.raises(Overloaded, match="full for this caller"):  # A past its own capacity
+        with pytest.raises(Overloaded, match="full for this caller"):  # the queue is full and A holds all of it
             await gate.acquire(10, "A")
         b = asyncio.ensure_future(gate.acquire(10, "B"))  # not rejected: B has a capacity of its own
         b.add_done_callback(lambda _: order.append("B"))
