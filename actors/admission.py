@@ -8,14 +8,17 @@ free slots at that pace. The first rejection gets the time until the head gets i
 promised the next slot after that, one slot interval later (a slot clock), so a batch's rejected
 requests come back spread at the rate slots free, each jittered within its interval. Hints are bounded
 to [HINT_MIN_S, HINT_MAX_S] (those cut to the maximum spread over its last JITTER fraction).
-`wait_for_room` lets a caller wait for a free queue slot instead of a timer.
 
 Fair (the default): callers (a client: its Ray job and client id) wait in their own FIFO queues, and each
 free slot goes to the next caller in turn (round robin), so one client's burst cannot keep another's request
-out. Each caller may hold its own capacity, max_requests in flight + max_queued waiting, before it is
-rejected; at most MAX_QUEUED_CALLERS callers wait at once. Memory: at most
-MAX_QUEUED_CALLERS x (max_requests + max_queued) waiting requests. Not fair (fair=False): one FIFO queue
-of at most max_queued requests for everyone, as before.
+out. The queue is shared and bounded by max_queued as before; once it holds max_queued requests, a caller at
+or above its fair share of it (max(1, max_queued // callers waiting)) is rejected, and a caller below its share
+may still wait, but only while the queue is past max_queued by fewer requests than there are callers waiting:
+each waiting caller may push it past by one. At most max_queued callers wait at once (each could have had one
+place in a queue of max_queued), so at most 2 x max_queued requests wait (the bound of fair=False: max_queued).
+Not fair (fair=False): one FIFO queue of at most max_queued requests for everyone, as before.
+A cancelled wait lets the next request in when it fits (in both modes; before, in one FIFO, a cancelled
+head too big for the free tokens left the smaller requests behind it waiting for the next release).
 """
 from __future__ import annotations
 
@@ -35,7 +38,6 @@ JITTER = 0.1  # hints cut to HINT_MAX_S are spread over its last 10%
 RATE_WINDOW = 256  # releases the drain rate is measured over
 RATE_HORIZON_S = 30.0  # ... no older than this (but the last two)
 MIN_AREA_S = 1e-3  # request-seconds: a hold time over less is measured as over this
-MAX_QUEUED_CALLERS = 256  # callers with requests waiting at once (fair gate); past it a new caller is rejected
 
 
 def request_cost(prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
@@ -65,7 +67,6 @@ class Admission:
         self._queues: dict[Hashable, deque[tuple[int, asyncio.Future]]] = {}
         self._queued = 0
         self._held: dict[Hashable, int] = {}  # caller -> its requests in flight
-        self._room_waiters: deque[asyncio.Future] = deque()
         self.admitted = 0
         self.rejected = 0
         self.waited = 0
@@ -96,12 +97,20 @@ class Admission:
             return "" if self._queued < self.max_queued else \
                 f"admission queue is full ({self._queued} waiting, max_queued_requests={self.max_queued})"
         q = self._queues.get(key)
-        if q is None and len(self._queues) >= MAX_QUEUED_CALLERS:
-            return f"admission queue is full ({len(self._queues)} callers waiting, the most at once)"
-        waiting, held = len(q) if q else 0, self._held.get(key, 0)
-        if waiting + held >= self.max_requests + self.max_queued:
-            return (f"admission queue is full for this caller ({waiting} waiting, {held} in flight; "
-                    f"max_inflight_requests={self.max_requests} + max_queued_requests={self.max_queued})")
+        waiting = len(q) if q else 0
+        callers = len(self._queues) + (q is None)  # waiting callers, this one counted
+        if q is None and callers > self.max_queued:
+            return (f"admission queue is full ({len(self._queues)} callers waiting, the most at once: "
+                    f"max_queued_requests={self.max_queued})")
+        if self._queued < self.max_queued:
+            return ""
+        share = max(1, self.max_queued // callers)
+        if waiting >= share:
+            return (f"admission queue is full for this caller ({waiting} waiting, its share of "
+                    f"max_queued_requests={self.max_queued} with {callers} callers waiting: {share})")
+        if self._queued - self.max_queued >= callers:  # each waiting caller may pass the bound by one
+            return (f"admission queue is full ({self._queued} waiting, max_queued_requests={self.max_queued} "
+                    f"+ one per caller waiting: {callers})")
         return ""
 
     def _fits(self, cost: int) -> bool:
@@ -122,14 +131,10 @@ class Admission:
         self.admitted += 1
         self._held[key] = self._held.get(key, 0) + 1
 
-    def has_room(self, cost: int = 0, caller: Hashable = None) -> bool:
-        """A request of `cost` tokens from `caller` arriving now would be admitted or queued, not rejected."""
-        return (not self._queued and self._fits(cost)) or not self._full_for(self._key(caller))
-
     async def acquire(self, cost: int, caller: Hashable = None) -> None:
         """Reserve `cost` tokens and one request slot for `caller`; wait in the caller's FIFO queue (served
-        in turn with the other callers') when over the bounds; raise Overloaded when the caller's capacity
-        is taken (see the module docstring)."""
+        in turn with the other callers') when over the bounds; raise Overloaded when the queue is full for
+        this caller (see the module docstring)."""
         key = self._key(caller)
         if not self._queued and self._fits(cost):
             self._take(cost, key)
@@ -158,7 +163,6 @@ class Admission:
                 self._queued -= 1
                 self.queued_tokens -= cost
                 self._grant()  # a head too big for the free tokens may have gone: the next may fit
-                self._wake_room_waiters()
             raise
 
     def release(self, cost: int, caller: Hashable = None) -> None:
@@ -175,7 +179,6 @@ class Admission:
         if len(self._releases) > RATE_WINDOW:
             self._released_tokens -= self._releases.popleft()[1]
         self._grant()
-        self._wake_room_waiters()
 
     def _grant(self) -> None:
         """Admit waiting requests while the one whose turn it is fits; its caller's turn then passes."""
@@ -238,34 +241,6 @@ class Admission:
         if hint > HINT_MAX_S:  # cut hints must not all come back at one instant either
             hint = HINT_MAX_S * (1.0 - self._rng.uniform(0.0, JITTER))
         return max(hint, HINT_MIN_S), position
-
-    # ---- waiting for room instead of a timer --------------------------------------------------------
-    async def wait_for_room(self, timeout_s: float) -> bool:
-        """Wait until a request arriving now would be queued or admitted (True), at most timeout_s
-        (False). Waiters are woken in order, one per free queue slot, so they do not all come at once.
-        (The anonymous caller's room: this gate's one queue when it is not fair.)"""
-        if self.has_room() and not self._room_waiters:
-            return True
-        fut = asyncio.get_running_loop().create_future()
-        self._room_waiters.append(fut)
-        try:
-            await asyncio.wait_for(fut, timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            if fut in self._room_waiters:
-                self._room_waiters.remove(fut)
-
-    def _wake_room_waiters(self) -> None:
-        free = self.max_queued - self._queued
-        if not self._queued and self._fits(0):
-            free = max(free, 1)
-        while free > 0 and self._room_waiters:
-            fut = self._room_waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                free -= 1
 
     def stats(self) -> dict:
         return {"inflight_tokens": self.tokens, "inflight_requests": self.requests, "queued": self._queued,
