@@ -803,8 +803,9 @@ def test_a_cancelled_agenerate_and_a_killed_client_process_abort_their_requests(
     assert _wait_idle(svc, 3.0) < 3.0
     aborted = sum(ray.get(a.stats.remote())["aborted_dead_caller"] for a in svc.actors.values())
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    address = ray.get_runtime_context().gcs_address  # this cluster's, not "auto": another may run on the machine
     script = ("import ray, sys\nfrom flame_llm import SamplingParams\nfrom flame_llm.serving.client import Client\n"
-              "c = Client.connect('test-service')\nprint('connected', flush=True)\n"
+              f"c = Client.connect('test-service', address={address!r})\nprint('connected', flush=True)\n"
               "c.generate([[5, 6, 7, k] for k in range(6)], SamplingParams(temperature=0.0, max_tokens=480, "
               "ignore_eos=True))\n")
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
