@@ -20,7 +20,8 @@ class Pending:
     wire_bytes: int
     future: asyncio.Future
     shard: int = -1
-    attempts: int = 0
+    attempts: int = 0  # sends after the first, of any kind
+    overloads: int = 0  # of those, resends after an overloaded answer: not counted against max_retries
     est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
     deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
 

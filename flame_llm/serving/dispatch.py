@@ -265,6 +265,7 @@ class Dispatcher:
         p.attempts += 1
         self.counters.retries += 1
         if d.action is Action.RETRY:
+            p.overloads += 1
             await asyncio.sleep(d.delay_s)
         elif d.action is Action.REROUTE:
             self.shards.avoid_shard(shard, r.error)
@@ -281,7 +282,9 @@ class Dispatcher:
             await self.route(ps)
 
     def retry(self, p: Pending, delay_s: float) -> None:
+        """Send an overloaded request to its shard again after delay_s (not counted against max_retries)."""
         p.attempts += 1
+        p.overloads += 1
         self.counters.retries += 1
         asyncio.get_running_loop().call_later(delay_s, self._retry_now, p)
 
