@@ -105,7 +105,7 @@ def test_overload_retries_leave_max_retries_for_draining_and_deaths():
     from flame_llm.serving.dispatch import Dispatcher
 
     d = Dispatcher.__new__(Dispatcher)  # the retry bookkeeping only: no router, no shards
-    d.counters, d.max_retries = ClientCounters(), 3
+    d.counters, d.max_retries, d._retrying = ClientCounters(), 3, {}
 
     async def run(resend) -> Pending:
         p = _pending()
@@ -129,5 +129,7 @@ def test_overload_retries_leave_max_retries_for_draining_and_deaths():
             p.attempts += 3  # three reroutes or restarts: now the retries are spent
             spent = decide(p, d.max_retries, lost=RuntimeError("died"), shard=0)
             assert spent.action is Action.FAIL and "4 times" in spent.error.message
+        for handle, _ in d._retrying.values():
+            handle.cancel()
 
     asyncio.run(main())

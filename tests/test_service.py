@@ -842,3 +842,36 @@ def test_abort_before_arrival_and_the_stream_method_on_the_wire(service):
     two = encode_requests([Request("a", [1], SamplingParams()), Request("b", [2], SamplingParams())], rev)
     (bad,) = decode_results(ray.get(list(actor.stream.remote(two))[0]))
     assert bad.error.code == "bad_request" and "exactly one request" in bad.error.message
+
+
+def test_close_leaves_no_task_timer_or_router_work_behind(service):
+    """Closing a client while its requests are in flight, queued and waiting out overloaded hints: nothing of it is
+    left on its loop (before, sends, routing and resend timers outlived close: 'Task was destroyed but it is
+    pending') and the router's outstanding work comes back to zero (the unanswered requests are forgotten)."""
+    from flame_llm.serving.client import Client
+
+    svc, _ = service
+    _router_idle(svc, 10.0)
+    client = Client.for_service(svc, flow_control=False)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    done = threading.Event()
+
+    def call():
+        try:
+            client.generate(_prompts(48, 16, seed=91), long)
+        except BaseException:  # noqa: BLE001 - cancelled by close
+            pass
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not client.counters.retries:  # resends wait out their overloaded hints
+        assert time.monotonic() < deadline, client.counters
+        time.sleep(0.01)
+    client.close()
+    assert done.wait(10)
+    loop = client._loop
+    assert not loop.is_running()
+    assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+    assert [h for h in loop._scheduled if not h.cancelled()] == []
+    _router_idle(svc, 10.0)

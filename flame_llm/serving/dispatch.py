@@ -56,6 +56,7 @@ class Dispatcher:
         self.credit = Credit(capacity, config.max_batch_prompts, max_payload_bytes, self.shards.avoid,
                              self.counters, self._send_part, self._held_back)
         self._tasks: set[asyncio.Task] = set()
+        self._retrying: dict[int, tuple[asyncio.TimerHandle, Pending]] = {}  # id(p) -> its resend timer, p
 
     @property
     def outstanding(self) -> dict[int, int]:
@@ -135,6 +136,36 @@ class Dispatcher:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
 
+    async def close(self) -> None:
+        """What is left when the client goes (after settle_sends): resend timers and batch windows are cancelled,
+        requests held or queued unsent leave the router's count, and the tasks still running (sends whose answers
+        did not come, routing again, restart waits) are cancelled and awaited: a cancelled send forgets and
+        aborts what it had in flight."""
+        for handle, p in self._retrying.values():
+            handle.cancel()
+            self.forget(p.shard, [p])
+        self._retrying.clear()
+        for s, b in self.batchers.items():
+            if b.timer is not None:
+                b.timer.cancel()
+                b.timer = None
+            self.forget(s, b.items)
+            b.items = []
+        for s, held in self.credit.held.items():
+            self.forget(s, [p for p in held if isinstance(p, Pending)])
+            for item in held:
+                if isinstance(item, asyncio.Future):
+                    item.cancel()
+            held.clear()
+        for _ in range(3):  # a cancelled task may start another (routing again): a few rounds
+            tasks = set(self._tasks).union(*(b.tasks for b in self.batchers.values()))
+            if not tasks:
+                break
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.shards.stop()
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -146,19 +177,31 @@ class Dispatcher:
         """Send the batch; `credit`: the units of the shard's credit it holds, given back as its results land
         (all of them when it ends)."""
         held = [credit]
+        waiting = {p.request.id: p for p in batch}  # sent and not yet answered (nor handed on: lost shard)
         try:
-            await self._send_batch(shard, batch, held)
+            await self._send_batch(shard, batch, held, waiting)
+        except asyncio.CancelledError:  # the client closes: the shard need not serve them, the router not count them
+            left = list(waiting.values())
+            self.forget(shard, left)
+            if left:
+                self.abort_on(shard, [p.request.id for p in left])
+            raise
         except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
             log.exception("shard %d: batch of %d failed", shard, len(batch))
-            unanswered = [p for p in batch if not p.future.done()]
-            for p in unanswered:
-                p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")))
-            self.forget(shard, unanswered)
+            left = list(waiting.values())  # abandoned ones too: the router counts them until told
+            for p in left:
+                if not p.future.done():
+                    p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR,
+                                                                   f"{type(e).__name__}: {e}")))
+            self.forget(shard, left)
+            if left:  # the shard may still be serving them
+                self.abort_on(shard, [p.request.id for p in left])
         finally:
             if held[0]:
                 self.give_credit(shard, held[0])
 
-    async def _send_batch(self, shard: int, batch: list[Pending], held: list[int]) -> None:
+    async def _send_batch(self, shard: int, batch: list[Pending], held: list[int], waiting: dict[str, Pending]
+                          ) -> None:
         self.counters.batches += 1
         t0 = time.perf_counter()
         payload = self.encode(batch)
@@ -168,14 +211,15 @@ class Dispatcher:
             try:
                 results = self.decode(await self.actors[shard].submit.remote(payload, self.caller, self.client_id))
             except SHARD_LOST as e:
+                waiting.clear()
                 await self.shard_lost(shard, batch, e)
                 return
+            waiting.clear()
             if len(results) != len(batch):  # the actor could not read the batch: one record for all
                 assert len(results) == 1 and results[0].id is None, "one result per request or one batch error"
                 results = [_for(p, results[0]) for p in batch]
             await self.settle(shard, list(zip(batch, results, strict=True)), sent)
             return
-        waiting = {p.request.id: p for p in batch}
         gen = self.actors[shard].submit_streaming.remote(payload, self.caller, self.client_id)
         try:
             async for ref in gen:
@@ -191,10 +235,14 @@ class Dispatcher:
                     self.give_credit(shard, n)
                 await self.settle(shard, pairs, sent)
         except SHARD_LOST as e:
-            await self.shard_lost(shard, list(waiting.values()), e)
+            lost = list(waiting.values())
+            waiting.clear()
+            await self.shard_lost(shard, lost, e)
             return
         if waiting:  # the generator ended without their results: the actor died under it
-            await self.shard_lost(shard, list(waiting.values()), RayActorError())
+            lost = list(waiting.values())
+            waiting.clear()
+            await self.shard_lost(shard, lost, RayActorError())
 
     async def settle(self, shard: int, pairs: list[tuple[Pending, Result]], sent: tuple[float, float]) -> None:
         """Each answered request's result goes to its caller, or the request is retried as the policy says.
@@ -286,9 +334,10 @@ class Dispatcher:
         p.attempts += 1
         p.overloads += 1
         self.counters.retries += 1
-        asyncio.get_running_loop().call_later(delay_s, self._retry_now, p)
+        self._retrying[id(p)] = (asyncio.get_running_loop().call_later(delay_s, self._retry_now, p), p)
 
     def _retry_now(self, p: Pending) -> None:
+        self._retrying.pop(id(p), None)
         if p.future.done():  # abandoned during its retry delay
             self.forget(p.shard, [p])
         else:

@@ -89,7 +89,8 @@ class ShardWatch:
         return await asyncio.shield(fut)
 
     async def stop(self) -> None:
-        tasks = list(self._watchers.values())
+        """The client goes: its watchers and restart waits end."""
+        tasks = list(self._watchers.values()) + list(self._recovering.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
