@@ -27,6 +27,7 @@ from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
 
 log = logging.getLogger(__name__)
 SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
+ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
 
 class Dispatcher:
@@ -157,6 +158,8 @@ class Dispatcher:
                 if isinstance(item, asyncio.Future):
                     item.cancel()
             held.clear()
+        if self.routing.calls:  # router calls whose callers left: their answers are forgotten as they come
+            await asyncio.wait(set(self.routing.calls), timeout=ROUTER_CALL_WAIT_S)
         for _ in range(3):  # a cancelled task may start another (routing again): a few rounds
             tasks = set(self._tasks).union(*(b.tasks for b in self.batchers.values()))
             if not tasks:
@@ -165,6 +168,8 @@ class Dispatcher:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.shards.stop()
+        for t in list(self.routing.calls):
+            t.cancel()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
