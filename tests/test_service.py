@@ -875,3 +875,31 @@ def test_close_leaves_no_task_timer_or_router_work_behind(service):
     assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
     assert [h for h in loop._scheduled if not h.cancelled()] == []
     _router_idle(svc, 10.0)
+
+
+def test_a_watcher_outlives_a_router_that_does_not_answer(service):
+    """An avoided shard seen back as a new incarnation is served again even when the router's drop_shard call fails
+    (a restarting router): before, its RayActorError ended the watcher and the shard stayed avoided for good."""
+    from flame_llm.protocol.types import ErrorCode, ErrorInfo
+    from flame_llm.serving.batcher import ClientCounters
+    from flame_llm.serving.shard_watch import ShardWatch
+    from router.actor import start_router
+    from router.policy import RouterConfig
+
+    svc, _ = service
+    dead = start_router(2, RouterConfig("cumulative"), name="dead-router", namespace="test-service")
+    ray.kill(dead, no_restart=True)
+    health = ray.get([a.health.remote() for a in svc.actors.values()])
+
+    async def main():
+        watch = ShardWatch(dict(svc.actors), dead, health, 5.0, ClientCounters())
+        watch.incarnation[0] = -1  # shard 0 answers as a new incarnation: its prefixes are dropped at the router
+        watch.avoid_shard(0, ErrorInfo(ErrorCode.DRAINING, "draining"))
+        deadline = time.monotonic() + 10
+        while 0 in watch.avoid:
+            assert time.monotonic() < deadline and watch._watchers, "the watcher ended with the shard avoided"
+            await asyncio.sleep(0.05)
+        assert watch.counters.restarts_seen == 1
+        await watch.stop()
+
+    asyncio.run(main())
