@@ -63,3 +63,32 @@ def test_a_caller_cancelled_during_the_router_call_leaves_no_work_counted(router
             break
         ray.get(router.stats.remote())
     assert _outstanding(router) == [0.0, 0.0]
+
+
+def test_completions_go_in_one_router_call_per_loop_tick(router):
+    """Completions buffered by the Dispatcher: one `complete` call per loop tick, or per 256 waiting (one call per
+    result payload before), all of them reaching the router."""
+    from flame_llm.serving.dispatch import COMPLETIONS_PER_CALL, Dispatcher
+
+    d = Dispatcher.__new__(Dispatcher)  # its completion buffer only
+    d.router, d.counters, d._completions = router, ClientCounters(), []
+    before = sum(s["completed"] for s in ray.get(router.stats.remote())["shards"])
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ps = [Pending(Request(f"r{i}", np.zeros(4, dtype=np.uint32), SamplingParams()), [], 1.0, 0,
+                      loop.create_future()) for i in range(600)]
+        for p in ps[:10]:  # ten results of one tick: one call, after the tick
+            d.forget(1, [p])
+        assert d.counters.complete_calls == 0
+        await asyncio.sleep(0)
+        assert d.counters.complete_calls == 1
+        d.forget(0, ps[10:10 + COMPLETIONS_PER_CALL - 1])  # one short of a full call: it waits for the tick
+        assert d.counters.complete_calls == 1
+        d.forget(0, ps[9 + COMPLETIONS_PER_CALL:])  # now full: sent at once
+        assert d.counters.complete_calls == 2 and not d._completions
+        await asyncio.sleep(0)
+        assert d.counters.complete_calls == 2
+
+    asyncio.run(main())
+    assert sum(s["completed"] for s in ray.get(router.stats.remote())["shards"]) - before == 600

@@ -38,6 +38,7 @@ class ClientCounters:
     streams: int = 0
     aborts_sent: int = 0
     route_calls: int = 0
+    complete_calls: int = 0  # router `complete` calls (completions go in one call per loop tick)
     local_routes: int = 0  # streams placed without a router call (ClientConfig.local_routing)
     route_retries: int = 0
     retries: int = 0  # requests sent again (overloaded, draining or dead shard)

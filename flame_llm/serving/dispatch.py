@@ -27,6 +27,7 @@ from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
 
 log = logging.getLogger(__name__)
 SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
+COMPLETIONS_PER_CALL = 256  # router completions buffered: sent once per loop tick, or when this many wait
 ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
 
@@ -57,6 +58,7 @@ class Dispatcher:
         self.credit = Credit(capacity, config.max_batch_prompts, max_payload_bytes, self.shards.avoid,
                              self.counters, self._send_part, self._held_back)
         self._tasks: set[asyncio.Task] = set()
+        self._completions: list[Completion] = []  # for the router's next complete call
         self._retrying: dict[int, tuple[asyncio.TimerHandle, Pending]] = {}  # id(p) -> its resend timer, p
 
     @property
@@ -127,8 +129,29 @@ class Dispatcher:
     def forget(self, shard: int, ps: list[Pending]) -> None:
         """Routed requests that will not be answered by the shard: their estimated work leaves the router's
         count of the shard's outstanding work."""
-        if ps:
-            self.router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0) for p in ps])
+        self.complete([completion(shard, p) for p in ps])
+
+    def complete(self, cs: list[Completion]) -> None:
+        """Completions for the router: sent in one call per loop tick (one per result payload before), or at
+        once when COMPLETIONS_PER_CALL wait."""
+        if not cs:
+            return
+        if not self._completions:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush_completions)
+            except RuntimeError:  # not on a loop: nothing would flush them later
+                self._completions.extend(cs)
+                self.flush_completions()
+                return
+        self._completions.extend(cs)
+        if len(self._completions) >= COMPLETIONS_PER_CALL:
+            self.flush_completions()
+
+    def flush_completions(self) -> None:
+        cs, self._completions = self._completions, []
+        if cs:
+            self.counters.complete_calls += 1
+            self.router.complete.remote(cs)
 
     async def settle_sends(self, timeout_s: float) -> None:
         """Wait up to timeout_s for the batches in flight to be answered (aborted requests answer at once): their
@@ -170,6 +193,7 @@ class Dispatcher:
         await self.shards.stop()
         for t in list(self.routing.calls):
             t.cancel()
+        self.flush_completions()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -257,7 +281,7 @@ class Dispatcher:
         for p, r in pairs:
             assert r.id in (p.request.id, None), "a result answers its request"
             if p.future.done():  # abandoned by its caller (and aborted on the shard)
-                completions.append(Completion(shard, p.est_work, p.est_decode, 0, 0))
+                completions.append(completion(shard, p))
                 continue
             d = decide(p, self.max_retries, r, shard=shard, now=now)
             if d.action is Action.RETRY:  # the same shard, once its queue has room
@@ -265,18 +289,15 @@ class Dispatcher:
                 continue
             if d.action is Action.REROUTE:  # draining: another shard serves it
                 reroute.append(p)
-                completions.append(Completion(shard, p.est_work, p.est_decode, 0, 0))
+                completions.append(completion(shard, p))
                 self.shards.avoid_shard(shard, r.error)
                 continue
             r.id = p.request.id
             r.timings.update(encode_s=sent[1] - sent[0], roundtrip_s=t_done - sent[1], attempts=p.attempts + 1,
                              done_at=t_done)
-            ok = r.error is None
-            completions.append(Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0,
-                                          r.cached_tokens if ok else 0))
+            completions.append(completion(shard, p, r))
             p.future.set_result(r)
-        if completions:
-            self.router.complete.remote(completions)
+        self.complete(completions)
         if reroute:
             await self.route_again(reroute)
 
@@ -347,6 +368,13 @@ class Dispatcher:
             self.forget(p.shard, [p])
         else:
             self.batchers[p.shard].add(p)
+
+
+def completion(shard: int, p: Pending, r: Result | None = None) -> Completion:
+    """The router's Completion of p on the shard: `r`, the shard's answer (its prompt and cached tokens count when
+    it succeeded), or None: not served there (its estimated work only leaves the count)."""
+    ok = r is not None and r.error is None
+    return Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0, r.cached_tokens if ok else 0)
 
 
 def _for(p: Pending, r: Result) -> Result:
