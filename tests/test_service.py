@@ -904,3 +904,33 @@ def test_a_watcher_outlives_a_router_that_does_not_answer(service):
         await watch.stop()
 
     asyncio.run(main())
+
+
+def test_an_unreadable_result_payload_aborts_the_rest_of_its_batch_on_the_shard(service):
+    """An unexpected error while a batch's results stream in (here: a payload the client cannot decode) fails its
+    unanswered requests at the caller, takes their work back at the router and aborts them on the shard; before,
+    the shard went on serving them for nobody."""
+    from flame_llm.serving.client import Client
+
+    svc, _ = service
+    _wait_idle(svc, 30.0)
+    for s in svc.actors:
+        ray.get(svc.router.drop_shard.remote(s))
+    client = Client.for_service(svc, flush_formed=True)
+    assert client.config.results_as_finished
+
+    def unreadable(reply):
+        raise ValueError("unreadable result payload")
+
+    client.dispatch.decode = unreadable
+    try:
+        sps = [SamplingParams(temperature=0.0, max_tokens=2)] + [
+            SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)] * 3
+        prompt = [7, 8, 9, 10]  # one prefix: the four go to one shard, in one batch
+        res = client.generate([prompt] * 4, sps)
+        assert {r.error.code for r in res} == {"client_error"}
+        assert client.counters.aborts_sent >= 3
+        assert _wait_idle(svc, 5.0) < 5.0  # not the 480 tokens each
+        _router_idle(svc, 10.0)
+    finally:
+        client.close()
