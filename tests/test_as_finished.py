@@ -96,3 +96,40 @@ def test_a_lost_shard_is_waited_for_unless_tokens_were_streamed_or_retries_are_s
 def test_a_streamed_request_is_never_sent_again():
     assert decide(_pending(), 3, _answer(ErrorCode.DRAINING), streamed=True).action is Action.DONE
     assert decide(_pending(), 3, _answer(ErrorCode.OVERLOADED, 0.1), streamed=True).action is Action.DONE
+
+
+def test_overload_retries_leave_max_retries_for_draining_and_deaths():
+    """21 overloaded answers, each resent by the Dispatcher (batches: retry; streams: apply), then draining: still
+    rerouted; a death then: still waited for (the overload resends are not retries)."""
+    from flame_llm.serving.batcher import ClientCounters
+    from flame_llm.serving.dispatch import Dispatcher
+
+    d = Dispatcher.__new__(Dispatcher)  # the retry bookkeeping only: no router, no shards
+    d.counters, d.max_retries, d._retrying = ClientCounters(), 3, {}
+
+    async def run(resend) -> Pending:
+        p = _pending()
+        p.future = asyncio.get_running_loop().create_future()
+        for _ in range(21):
+            dec = decide(p, d.max_retries, _answer(ErrorCode.OVERLOADED, 0.0))
+            assert dec.action is Action.RETRY
+            await resend(p, dec)
+        return p
+
+    def batch_resend(p, dec):
+        d.retry(p, 3600.0)  # the timer never fires in this test
+        return asyncio.sleep(0)
+
+    async def main():
+        for resend in (batch_resend, lambda p, dec: d.apply(0, p, dec, None, None)):
+            p = await run(resend)
+            assert p.attempts == 21 and d.max_retries == 3
+            assert decide(p, d.max_retries, _answer(ErrorCode.DRAINING)).action is Action.REROUTE
+            assert decide(p, d.max_retries, lost=RuntimeError("died"), shard=0).action is Action.RESTART
+            p.attempts += 3  # three reroutes or restarts: now the retries are spent
+            spent = decide(p, d.max_retries, lost=RuntimeError("died"), shard=0)
+            assert spent.action is Action.FAIL and "4 times" in spent.error.message
+        for handle, _ in d._retrying.values():
+            handle.cancel()
+
+    asyncio.run(main())

@@ -843,3 +843,95 @@ def test_abort_before_arrival_and_the_stream_method_on_the_wire(service):
     two = encode_requests([Request("a", [1], SamplingParams()), Request("b", [2], SamplingParams())], rev)
     (bad,) = decode_results(ray.get(list(actor.stream.remote(two))[0]))
     assert bad.error.code == "bad_request" and "exactly one request" in bad.error.message
+
+
+def test_close_leaves_no_task_timer_or_router_work_behind(service):
+    """Closing a client while its requests are in flight, queued and waiting out overloaded hints: nothing of it is
+    left on its loop (before, sends, routing and resend timers outlived close: 'Task was destroyed but it is
+    pending') and the router's outstanding work comes back to zero (the unanswered requests are forgotten)."""
+    from flame_llm.serving.client import Client
+
+    svc, _ = service
+    for s in svc.actors:  # work earlier tests left counted (a killed shard's, ...): from zero here
+        ray.get(svc.router.drop_shard.remote(s))
+    client = Client.for_service(svc, flow_control=False)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    done = threading.Event()
+
+    def call():
+        try:
+            client.generate(_prompts(48, 16, seed=91), long)
+        except BaseException:  # noqa: BLE001 - cancelled by close
+            pass
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not client.counters.retries:  # resends wait out their overloaded hints
+        assert time.monotonic() < deadline, client.counters
+        time.sleep(0.01)
+    client.close()
+    assert done.wait(10)
+    loop = client._loop
+    assert not loop.is_running()
+    assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+    assert [h for h in loop._scheduled if not h.cancelled()] == []
+    _router_idle(svc, 10.0)
+
+
+def test_a_watcher_outlives_a_router_that_does_not_answer(service):
+    """An avoided shard seen back as a new incarnation is served again even when the router's drop_shard call fails
+    (a restarting router): before, its RayActorError ended the watcher and the shard stayed avoided for good."""
+    from flame_llm.protocol.types import ErrorCode, ErrorInfo
+    from flame_llm.serving.batcher import ClientCounters
+    from flame_llm.serving.shard_watch import ShardWatch
+    from router.actor import start_router
+    from router.policy import RouterConfig
+
+    svc, _ = service
+    dead = start_router(2, RouterConfig("cumulative"), name="dead-router", namespace="test-service")
+    ray.kill(dead, no_restart=True)
+    health = ray.get([a.health.remote() for a in svc.actors.values()])
+
+    async def main():
+        watch = ShardWatch(dict(svc.actors), dead, health, 5.0, ClientCounters())
+        watch.incarnation[0] = -1  # shard 0 answers as a new incarnation: its prefixes are dropped at the router
+        watch.avoid_shard(0, ErrorInfo(ErrorCode.DRAINING, "draining"))
+        deadline = time.monotonic() + 10
+        while 0 in watch.avoid:
+            assert time.monotonic() < deadline and watch._watchers, "the watcher ended with the shard avoided"
+            await asyncio.sleep(0.05)
+        assert watch.counters.restarts_seen == 1
+        await watch.stop()
+
+    asyncio.run(main())
+
+
+def test_an_unreadable_result_payload_aborts_the_rest_of_its_batch_on_the_shard(service):
+    """An unexpected error while a batch's results stream in (here: a payload the client cannot decode) fails its
+    unanswered requests at the caller, takes their work back at the router and aborts them on the shard; before,
+    the shard went on serving them for nobody."""
+    from flame_llm.serving.client import Client
+
+    svc, _ = service
+    _wait_idle(svc, 30.0)
+    for s in svc.actors:
+        ray.get(svc.router.drop_shard.remote(s))
+    client = Client.for_service(svc, flush_formed=True)
+    assert client.config.results_as_finished
+
+    def unreadable(reply):
+        raise ValueError("unreadable result payload")
+
+    client.dispatch.decode = unreadable
+    try:
+        sps = [SamplingParams(temperature=0.0, max_tokens=2)] + [
+            SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)] * 3
+        prompt = [7, 8, 9, 10]  # one prefix: the four go to one shard, in one batch
+        res = client.generate([prompt] * 4, sps)
+        assert {r.error.code for r in res} == {"client_error"}
+        assert client.counters.aborts_sent >= 3
+        assert _wait_idle(svc, 5.0) < 5.0  # not the 480 tokens each
+        _router_idle(svc, 10.0)
+    finally:
+        client.close()

@@ -20,7 +20,8 @@ class Pending:
     wire_bytes: int
     future: asyncio.Future
     shard: int = -1
-    attempts: int = 0
+    attempts: int = 0  # sends after the first, of any kind
+    overloads: int = 0  # of those, resends after an overloaded answer: not counted against max_retries
     est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
     deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
 
@@ -37,6 +38,7 @@ class ClientCounters:
     streams: int = 0
     aborts_sent: int = 0
     route_calls: int = 0
+    complete_calls: int = 0  # router `complete` calls (completions go in one call per loop tick)
     local_routes: int = 0  # streams placed without a router call (ClientConfig.local_routing)
     route_retries: int = 0
     retries: int = 0  # requests sent again (overloaded, draining or dead shard)

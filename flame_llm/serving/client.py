@@ -222,7 +222,7 @@ class Client:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.dispatch.settle_sends(ABANDON_WAIT_S)
-        await self.dispatch.shards.stop()
+        await self.dispatch.close()
 
     async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None]) -> None:
         t0 = time.perf_counter()

@@ -13,10 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flame_llm.protocol.routing_key import Completion
 from flame_llm.protocol.types import Result
 from flame_llm.serving.batcher import Pending, failed_result
-from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher
+from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher, completion
 from flame_llm.serving.retry import Action, decide
 
 
@@ -70,9 +69,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered there
                 d.forget(shard, [p])
         if r is not None:
-            ok = r.error is None
-            d.router.complete.remote([Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0,
-                                                 r.cached_tokens if ok else 0)])
+            d.complete([completion(shard, p, r)])
         decision = decide(p, d.max_retries, r, lost, shard, streamed=bool(streamed))
         if decision.action is Action.DONE:
             result = r

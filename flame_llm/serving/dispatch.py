@@ -27,6 +27,8 @@ from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
 
 log = logging.getLogger(__name__)
 SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
+COMPLETIONS_PER_CALL = 256  # router completions buffered: sent once per loop tick, or when this many wait
+ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
 
 class Dispatcher:
@@ -56,6 +58,8 @@ class Dispatcher:
         self.credit = Credit(capacity, config.max_batch_prompts, max_payload_bytes, self.shards.avoid,
                              self.counters, self._send_part, self._held_back)
         self._tasks: set[asyncio.Task] = set()
+        self._completions: list[Completion] = []  # for the router's next complete call
+        self._retrying: dict[int, tuple[asyncio.TimerHandle, Pending]] = {}  # id(p) -> its resend timer, p
 
     @property
     def outstanding(self) -> dict[int, int]:
@@ -125,8 +129,29 @@ class Dispatcher:
     def forget(self, shard: int, ps: list[Pending]) -> None:
         """Routed requests that will not be answered by the shard: their estimated work leaves the router's
         count of the shard's outstanding work."""
-        if ps:
-            self.router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0) for p in ps])
+        self.complete([completion(shard, p) for p in ps])
+
+    def complete(self, cs: list[Completion]) -> None:
+        """Completions for the router: sent in one call per loop tick (one per result payload before), or at
+        once when COMPLETIONS_PER_CALL wait."""
+        if not cs:
+            return
+        if not self._completions:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush_completions)
+            except RuntimeError:  # not on a loop: nothing would flush them later
+                self._completions.extend(cs)
+                self.flush_completions()
+                return
+        self._completions.extend(cs)
+        if len(self._completions) >= COMPLETIONS_PER_CALL:
+            self.flush_completions()
+
+    def flush_completions(self) -> None:
+        cs, self._completions = self._completions, []
+        if cs:
+            self.counters.complete_calls += 1
+            self.router.complete.remote(cs)
 
     async def settle_sends(self, timeout_s: float) -> None:
         """Wait up to timeout_s for the batches in flight to be answered (aborted requests answer at once): their
@@ -134,6 +159,41 @@ class Dispatcher:
         tasks = set(self._tasks).union(*(b.tasks for b in self.batchers.values()))
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
+
+    async def close(self) -> None:
+        """What is left when the client goes (after settle_sends): resend timers and batch windows are cancelled,
+        requests held or queued unsent leave the router's count, and the tasks still running (sends whose answers
+        did not come, routing again, restart waits) are cancelled and awaited: a cancelled send forgets and
+        aborts what it had in flight."""
+        for handle, p in self._retrying.values():
+            handle.cancel()
+            self.forget(p.shard, [p])
+        self._retrying.clear()
+        for s, b in self.batchers.items():
+            if b.timer is not None:
+                b.timer.cancel()
+                b.timer = None
+            self.forget(s, b.items)
+            b.items = []
+        for s, held in self.credit.held.items():
+            self.forget(s, [p for p in held if isinstance(p, Pending)])
+            for item in held:
+                if isinstance(item, asyncio.Future):
+                    item.cancel()
+            held.clear()
+        if self.routing.calls:  # router calls whose callers left: their answers are forgotten as they come
+            await asyncio.wait(set(self.routing.calls), timeout=ROUTER_CALL_WAIT_S)
+        for _ in range(3):  # a cancelled task may start another (routing again): a few rounds
+            tasks = set(self._tasks).union(*(b.tasks for b in self.batchers.values()))
+            if not tasks:
+                break
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.shards.stop()
+        for t in list(self.routing.calls):
+            t.cancel()
+        self.flush_completions()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -146,19 +206,31 @@ class Dispatcher:
         """Send the batch; `credit`: the units of the shard's credit it holds, given back as its results land
         (all of them when it ends)."""
         held = [credit]
+        waiting = {p.request.id: p for p in batch}  # sent and not yet answered (nor handed on: lost shard)
         try:
-            await self._send_batch(shard, batch, held)
+            await self._send_batch(shard, batch, held, waiting)
+        except asyncio.CancelledError:  # the client closes: the shard need not serve them, the router not count them
+            left = list(waiting.values())
+            self.forget(shard, left)
+            if left:
+                self.abort_on(shard, [p.request.id for p in left])
+            raise
         except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
             log.exception("shard %d: batch of %d failed", shard, len(batch))
-            unanswered = [p for p in batch if not p.future.done()]
-            for p in unanswered:
-                p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")))
-            self.forget(shard, unanswered)
+            left = list(waiting.values())  # abandoned ones too: the router counts them until told
+            for p in left:
+                if not p.future.done():
+                    p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR,
+                                                                   f"{type(e).__name__}: {e}")))
+            self.forget(shard, left)
+            if left:  # the shard may still be serving them
+                self.abort_on(shard, [p.request.id for p in left])
         finally:
             if held[0]:
                 self.give_credit(shard, held[0])
 
-    async def _send_batch(self, shard: int, batch: list[Pending], held: list[int]) -> None:
+    async def _send_batch(self, shard: int, batch: list[Pending], held: list[int], waiting: dict[str, Pending]
+                          ) -> None:
         self.counters.batches += 1
         t0 = time.perf_counter()
         payload = self.encode(batch)
@@ -168,14 +240,15 @@ class Dispatcher:
             try:
                 results = self.decode(await self.actors[shard].submit.remote(payload, self.caller, self.client_id))
             except SHARD_LOST as e:
+                waiting.clear()
                 await self.shard_lost(shard, batch, e)
                 return
+            waiting.clear()
             if len(results) != len(batch):  # the actor could not read the batch: one record for all
                 assert len(results) == 1 and results[0].id is None, "one result per request or one batch error"
                 results = [_for(p, results[0]) for p in batch]
             await self.settle(shard, list(zip(batch, results, strict=True)), sent)
             return
-        waiting = {p.request.id: p for p in batch}
         gen = self.actors[shard].submit_streaming.remote(payload, self.caller, self.client_id)
         try:
             async for ref in gen:
@@ -191,10 +264,14 @@ class Dispatcher:
                     self.give_credit(shard, n)
                 await self.settle(shard, pairs, sent)
         except SHARD_LOST as e:
-            await self.shard_lost(shard, list(waiting.values()), e)
+            lost = list(waiting.values())
+            waiting.clear()
+            await self.shard_lost(shard, lost, e)
             return
         if waiting:  # the generator ended without their results: the actor died under it
-            await self.shard_lost(shard, list(waiting.values()), RayActorError())
+            lost = list(waiting.values())
+            waiting.clear()
+            await self.shard_lost(shard, lost, RayActorError())
 
     async def settle(self, shard: int, pairs: list[tuple[Pending, Result]], sent: tuple[float, float]) -> None:
         """Each answered request's result goes to its caller, or the request is retried as the policy says.
@@ -204,7 +281,7 @@ class Dispatcher:
         for p, r in pairs:
             assert r.id in (p.request.id, None), "a result answers its request"
             if p.future.done():  # abandoned by its caller (and aborted on the shard)
-                completions.append(Completion(shard, p.est_work, p.est_decode, 0, 0))
+                completions.append(completion(shard, p))
                 continue
             d = decide(p, self.max_retries, r, shard=shard, now=now)
             if d.action is Action.RETRY:  # the same shard, once its queue has room
@@ -212,18 +289,15 @@ class Dispatcher:
                 continue
             if d.action is Action.REROUTE:  # draining: another shard serves it
                 reroute.append(p)
-                completions.append(Completion(shard, p.est_work, p.est_decode, 0, 0))
+                completions.append(completion(shard, p))
                 self.shards.avoid_shard(shard, r.error)
                 continue
             r.id = p.request.id
             r.timings.update(encode_s=sent[1] - sent[0], roundtrip_s=t_done - sent[1], attempts=p.attempts + 1,
                              done_at=t_done)
-            ok = r.error is None
-            completions.append(Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0,
-                                          r.cached_tokens if ok else 0))
+            completions.append(completion(shard, p, r))
             p.future.set_result(r)
-        if completions:
-            self.router.complete.remote(completions)
+        self.complete(completions)
         if reroute:
             await self.route_again(reroute)
 
@@ -265,6 +339,7 @@ class Dispatcher:
         p.attempts += 1
         self.counters.retries += 1
         if d.action is Action.RETRY:
+            p.overloads += 1
             await asyncio.sleep(d.delay_s)
         elif d.action is Action.REROUTE:
             self.shards.avoid_shard(shard, r.error)
@@ -281,15 +356,25 @@ class Dispatcher:
             await self.route(ps)
 
     def retry(self, p: Pending, delay_s: float) -> None:
+        """Send an overloaded request to its shard again after delay_s (not counted against max_retries)."""
         p.attempts += 1
+        p.overloads += 1
         self.counters.retries += 1
-        asyncio.get_running_loop().call_later(delay_s, self._retry_now, p)
+        self._retrying[id(p)] = (asyncio.get_running_loop().call_later(delay_s, self._retry_now, p), p)
 
     def _retry_now(self, p: Pending) -> None:
+        self._retrying.pop(id(p), None)
         if p.future.done():  # abandoned during its retry delay
             self.forget(p.shard, [p])
         else:
             self.batchers[p.shard].add(p)
+
+
+def completion(shard: int, p: Pending, r: Result | None = None) -> Completion:
+    """The router's Completion of p on the shard: `r`, the shard's answer (its prompt and cached tokens count when
+    it succeeded), or None: not served there (its estimated work only leaves the count)."""
+    ok = r is not None and r.error is None
+    return Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0, r.cached_tokens if ok else 0)
 
 
 def _for(p: Pending, r: Result) -> Result:

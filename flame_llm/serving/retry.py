@@ -45,10 +45,11 @@ def decide(p: Pending, max_retries: int, result: Result | None = None, lost: Bas
            shard: int = -1, streamed: bool = False, now: float | None = None) -> Decision:
     """What to do with `p` after `result` came back from `shard`, or after the shard died (`lost`, the error it
     died with). `streamed`: tokens of this attempt already reached the caller. `now`: time.monotonic()."""
+    retries = p.attempts - p.overloads  # waiting out an overloaded shard is no retry
     if lost is not None:
-        if streamed or p.attempts >= max_retries:
+        if streamed or retries >= max_retries:
             why = "streaming" if streamed else "serving"
-            times = "" if streamed else f", {p.attempts + 1} times"
+            times = "" if streamed else f", {retries + 1} times"
             return Decision(Action.FAIL, error=ErrorInfo(ErrorCode.SHARD_DIED, f"shard {shard} died while {why} this "
                                                          f"request{times}: {type(lost).__name__}: {lost}"))
         return Decision(Action.RESTART)
@@ -60,4 +61,4 @@ def decide(p: Pending, max_retries: int, result: Result | None = None, lost: Bas
         delay = err.retry_after_s or 0.0
         now = time.monotonic() if now is None else now
         return Decision(Action.RETRY, delay) if now + delay < p.deadline else DONE
-    return Decision(Action.REROUTE) if p.attempts < max_retries else DONE
+    return Decision(Action.REROUTE) if retries < max_retries else DONE

@@ -36,6 +36,7 @@ class ClientRouting:
         self.single = self.shards[0] if len(self.shards) == 1 else None
         self.max_entries = max_entries
         self.placed: OrderedDict[int, int] = OrderedDict()  # prefix block hash -> shard, as the router answered
+        self.calls: set[asyncio.Task] = set()  # router calls running (their callers may have left)
 
     def avoid_now(self) -> list[int]:
         """The shards to leave out now: those avoided (draining, lost) and, while another shard is left, those
@@ -79,9 +80,15 @@ class ClientRouting:
         meanwhile, or the error it got (set as its result): the router is down, or no shard is left for it."""
         self.counters.route_calls += 1
         t0 = time.perf_counter()
+        call = asyncio.ensure_future(self.route_call([RouteItem(p.chain, p.est_work, p.est_decode) for p in batch],
+                                                     self.avoid_now()))
+        self.calls.add(call)
+        call.add_done_callback(self.calls.discard)
         try:
-            shards = await self.route_call([RouteItem(p.chain, p.est_work, p.est_decode) for p in batch],
-                                           self.avoid_now())
+            shards = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the caller left: the router charges the work all the same; take it back
+            call.add_done_callback(lambda c: self._forget_answer(c, batch))
+            raise
         except Exception as e:  # the router is down: every request of the batch gets the error
             err = ErrorInfo(ErrorCode.ROUTER_ERROR, f"{type(e).__name__}: {e}")
             for p in batch:
@@ -106,6 +113,12 @@ class ClientRouting:
                 continue
             self.forget(s, [p])
         return out
+
+    def _forget_answer(self, call: asyncio.Task, batch: list[Pending]) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        for p, s in zip(batch, call.result(), strict=True):
+            self.forget(s, [p])
 
     async def route_call(self, items: list[RouteItem], avoid: list[int]) -> list[int]:
         """One routing call, made again when it was lost with a restarting router."""

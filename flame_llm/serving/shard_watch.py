@@ -89,7 +89,8 @@ class ShardWatch:
         return await asyncio.shield(fut)
 
     async def stop(self) -> None:
-        tasks = list(self._watchers.values())
+        """The client goes: its watchers and restart waits end."""
+        tasks = list(self._watchers.values()) + list(self._recovering.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -111,7 +112,9 @@ class ShardWatch:
             self.counters.restarts_seen += 1
             if self.on_drop is not None:
                 self.on_drop(shard)
-            await self.router.drop_shard.remote(shard)
+            # fire and forget, as lose_shard: awaited, a restarting router's RayActorError ended the watcher and
+            # left the shard avoided for good
+            self.router.drop_shard.remote(shard)
         return h
 
     async def _restart_once(self, shard: int) -> bool:
