@@ -156,12 +156,13 @@ class Admission:
             if fut.done() and not fut.cancelled():
                 self.release(cost, caller)  # granted just as we were cancelled
             else:
-                q = self._queues[key]
-                q.remove(entry)
-                if not q:
-                    del self._queues[key]
-                self._queued -= 1
-                self.queued_tokens -= cost
+                q = self._queues.get(key)
+                if q is not None and entry in q:  # else a _grant that ran first dropped it
+                    q.remove(entry)
+                    if not q:
+                        del self._queues[key]
+                    self._queued -= 1
+                    self.queued_tokens -= cost
                 self._grant()  # a head too big for the free tokens may have gone: the next may fit
             raise
 
@@ -190,6 +191,8 @@ class Admission:
                 self._queues[key] = q  # to the back of the turn
             self._queued -= 1
             self.queued_tokens -= c
+            if fut.cancelled():  # its waiter was cancelled and has not run its cleanup yet: nobody to admit
+                continue
             self._take(c, key)
             fut.set_result(None)
 

@@ -161,3 +161,23 @@ def test_as_finished_creates_no_task_per_result():
 
     groups, created = asyncio.run(main())
     assert groups == [list(range(20))] and created == 0
+
+
+def test_a_waiter_cancelled_before_its_cleanup_runs_is_skipped_by_a_release():
+    """Cancelling a waiting request cancels its future at once, but its cleanup runs a loop turn later: a release
+    in between found the cancelled future at the head and set its result (InvalidStateError in the shard)."""
+    async def main():
+        adm = Admission(1000, 1, 8)
+        await adm.acquire(10, "a")
+        waiter = asyncio.ensure_future(adm.acquire(10, "b"))
+        await asyncio.sleep(0)
+        assert adm.queued == 1
+        waiter.cancel()
+        adm.release(10, "a")  # before the waiter's cleanup ran
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert (adm.queued, adm.requests, adm.tokens, adm.queued_tokens) == (0, 0, 0, 0)
+        await adm.acquire(10, "c")  # the gate still works
+        assert adm.requests == 1
+
+    asyncio.run(main())
