@@ -5,11 +5,11 @@ prints n/a), and this process's own GC pauses (gc.callbacks: the load generator 
 Also the systems' KV capacity in tokens (the eviction workload states it beside the distinct document tokens)."""
 from __future__ import annotations
 
-import gc
 import logging
 import re
-import time
 import urllib.request
+
+from flame_llm.engine.stalls import GcPauses
 
 log = logging.getLogger(__name__)
 
@@ -17,35 +17,14 @@ log = logging.getLogger(__name__)
 # GC pauses over 10 ms and the longest pause so far
 COUNT_KEYS = ("jit_compiles", "attention_jit_compiles", "gc_pauses_over_10ms")
 MAX_KEYS = ("gc_pause_max_s",)
-GC_STALL_S = 0.010
 
 
-class GcWatch:
-    """This process's collections that paused it longer than `threshold_s`, while entered."""
-
-    def __init__(self, threshold_s: float = GC_STALL_S) -> None:
-        self.threshold_s, self.pauses, self.max_s, self.collections = threshold_s, 0, 0.0, 0
-        self._t0 = 0.0
-
-    def _cb(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-            return
-        d = time.perf_counter() - self._t0
-        self.collections += 1
-        self.max_s = max(self.max_s, d)
-        if d > self.threshold_s:
-            self.pauses += 1
-
-    def __enter__(self) -> GcWatch:
-        gc.callbacks.append(self._cb)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._cb)
+class GcWatch(GcPauses):
+    """This process's collections that paused it longer than `threshold_s`, while entered (the engine's counter,
+    read as a load window's figures)."""
 
     def figures(self) -> dict:
-        return {"gc_pauses_over_10ms": self.pauses, "gc_pause_max_s": self.max_s, "collections": self.collections}
+        return {"gc_pauses_over_10ms": self.num_over, "gc_pause_max_s": self.max_s, "collections": self.collections}
 
 
 def merge(stats: list[dict]) -> dict:

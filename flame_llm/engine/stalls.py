@@ -21,6 +21,7 @@ class GcPauses:
         self.threshold_s = threshold_s
         self.num_over = 0
         self.max_s = 0.0
+        self.collections = 0
         self._start = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -28,6 +29,7 @@ class GcPauses:
             self._start = time.perf_counter()
             return
         dt = time.perf_counter() - self._start
+        self.collections += 1
         if dt > self.threshold_s:
             self.num_over += 1
         if dt > self.max_s:
@@ -41,6 +43,12 @@ class GcPauses:
     def uninstall(self) -> None:
         if self in gc.callbacks:
             gc.callbacks.remove(self)
+
+    def __enter__(self) -> GcPauses:  # counts while entered (a load window)
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
 
 _process_gc: GcPauses | None = None
