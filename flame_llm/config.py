@@ -113,6 +113,10 @@ class RunnerConfig:
     # 513 vs 407 TFLOP/s for dense 8K causal) on the fresh K/V; SDPA may build a plan per new length
     fresh_prefill_backend: str = "triton"  # triton backend, fresh-only prefill steps: triton | sdpa | ... | fa4
     gemm_epilogues: str = ""  # ops fused into GEMM epilogues, e.g. "swiglu=triton,residual=cublas"
+    # steps that carry prefill tokens and hold at most this many tokens replay CUDA graphs too (padded to a
+    # token bucket; attention on our Triton kernel with a grid fixed at capture); 0: such steps run eagerly,
+    # ~16 ms of launches for a 32-layer model on the H200 (engine/mixed_graphs.py). No effect on CPU's torch path
+    cuda_graph_mixed_tokens: int = 0  # mixed/prefill steps of at most this many tokens replay CUDA graphs
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)
@@ -121,6 +125,7 @@ class RunnerConfig:
         check_choice("mixed_decode_attention", self.mixed_decode_attention, MIXED_DECODE_ATTENTION, **_F)
         check_choice("fresh_prefill_backend", self.fresh_prefill_backend, FRESH_PREFILL_BACKENDS, **_F)
         parse_gemm_epilogues(self.gemm_epilogues)  # ValueError names the field and the allowed values
+        check_int("cuda_graph_mixed_tokens", self.cuda_graph_mixed_tokens, 0, **_F)
 
 
 @dataclass(slots=True)

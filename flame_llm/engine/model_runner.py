@@ -1,5 +1,5 @@
 """Runs the model for one scheduled step: builds inputs and attention metadata, owns the KV cache,
-samples, and replays CUDA graphs for decode steps.
+samples, and replays CUDA graphs for decode steps (and small steps with prefill tokens: mixed_graphs.py).
 
 `launch` enqueues a scheduled step (SchedulerOutput) on the device and returns a StepHandle at once;
 `StepHandle.output()` waits for its sampled tokens (a ModelRunnerOutput). Under asynchronous scheduling
@@ -17,6 +17,7 @@ import torch
 from flame_llm.config import Config
 from flame_llm.engine.cuda_graphs import DecodeGraphs
 from flame_llm.engine.kv_sizing import cpu_num_blocks, kv_block_bytes, profile_num_blocks
+from flame_llm.engine.mixed_graphs import MixedGraphs
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
@@ -130,8 +131,19 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config.scheduler_config.max_num_seqs, self.max_blocks_per_seq,
                                        mc.max_model_len, self.device)
             self.graphs.capture()
-        logger.info("attention: %s; decode-only steps: %s", _BACKEND_STEPS[self.backend],
-                    "CUDA graphs" if self.use_graphs else "eager")
+        self.mixed: MixedGraphs | None = None
+        if rc.cuda_graph_mixed_tokens and self.backend != "torch" and not rc.enforce_eager:
+            layer = self.attn_layers[0]
+            self.mixed = MixedGraphs(self.model, min(rc.cuda_graph_mixed_tokens,
+                                                     config.scheduler_config.max_num_batched_tokens),
+                                     config.scheduler_config.max_num_seqs, self.max_blocks_per_seq,
+                                     mc.max_model_len, layer.num_heads // layer.num_kv_heads, self.device,
+                                     capture=self.use_graphs)
+            self.mixed.capture(self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None)
+        logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", _BACKEND_STEPS[self.backend],
+                    "CUDA graphs" if self.use_graphs else "eager",
+                    f"CUDA graphs up to {self.mixed.max_tokens} tokens" if self.mixed and self.use_graphs
+                    else "padded, eager" if self.mixed else "eager")
 
     # ---- KV cache -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -216,6 +228,10 @@ class ModelRunner:
             logits = self.graphs.replay(x, self.staging, prev_sampled)  # every row's
             if len(x.sample_idx) < len(seqs):
                 logits = logits[self.staging.put({"idx": np.asarray(x.sample_idx, dtype=np.int64)})["idx"]]
+        elif self.mixed is not None and self.mixed.fits(x):
+            logits = self.mixed.replay(x, self.staging, prev_sampled)  # the sampling rows'
+            if not x.sample_idx:
+                return handle
         else:
             dev = self.upload(x)
             if prev_sampled is not None:

@@ -20,6 +20,9 @@ class AttentionMetadata:
     # a mixed step whose first segments are single tokens (decode-first order): (that many, metadata of those
     # rows as a decode step, metadata of the rest); backends that are better at decode use it
     decode_split: tuple[int, AttentionMetadata, AttentionMetadata] | None = None
+    # a step captured in a CUDA graph whatever its backend: our Triton kernel with this (TileConfig, num_splits)
+    # and a grid fixed by max_seqlen_q (the graph's token bucket) and the segment count (engine/mixed_graphs.py)
+    fixed_launch: tuple | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -177,6 +177,27 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def mixed_launch(max_tokens: int, group: int) -> tuple[TileConfig, int]:
+    """The (tile config, split count) of a CUDA graph that holds steps of up to max_tokens query tokens over
+    any segments (engine/mixed_graphs.py): the config pick_config gives a max_tokens-long segment, and splits
+    that keep a few long decode rows from leaving SMs idle in small graphs (the grid cannot follow the step's
+    real shape), fewer in larger graphs whose split partials would cost more than they save."""
+    cfg = pick_config(AttentionMetadata(None, None, None, None, max_tokens, max_tokens), group)
+    n = min(8, max(1, 1024 // max_tokens))
+    return cfg, 1 << (n.bit_length() - 1)
+
+
+def fixed_launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """store_kv, then our kernel with meta.fixed_launch's config and splits: no host sync, no value-dependent
+    launch, so a step of any shape within the graph's bucket replays the same grid."""
+    cfg, splits = meta.fixed_launch
+    if q.dtype == torch.float32:  # as paged_attention_triton adjusts a picked config (tests)
+        cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention_triton(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
+
+
 def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
                   backend: str) -> torch.Tensor:
     """Causal attention of fresh-only segments on the fresh k/v with torch's fused kernels."""

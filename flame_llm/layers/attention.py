@@ -53,5 +53,8 @@ class Attention(nn.Module):
         meta = get_context()
         if self.k_cache.numel() == 0:  # memory-profile run before the cache exists
             return dense_causal_attention(q, k, v, meta.cu_seqlens_q, self.scale)
+        if meta.fixed_launch is not None:  # a step in a mixed-step CUDA graph: our Triton kernel, any backend
+            from flame_llm.kernels.triton_attention import fixed_launch_attention
+            return fixed_launch_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self._fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
 
