@@ -19,6 +19,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "fa4", "triton", "flash_attn", "torch")
 MIXED_DECODE_ATTENTION = ("triton", "fa4")
 FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen", "fa4")
+# RunnerConfig.cuda_graph_mixed_tokens's default with CUDA graphs: vLLM's largest captured size; on the H200 a step
+# of a 64-token question among 4 decodes took 21.7 ms eager, 6.7 ms replayed (bench/RESULTS.md, mixed-step graphs)
+MIXED_GRAPH_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -115,8 +118,9 @@ class RunnerConfig:
     gemm_epilogues: str = ""  # ops fused into GEMM epilogues, e.g. "swiglu=triton,residual=cublas"
     # steps that carry prefill tokens and hold at most this many tokens replay CUDA graphs too (padded to a
     # token bucket; attention on our Triton kernel with a grid fixed at capture); 0: such steps run eagerly,
-    # ~16 ms of launches for a 32-layer model on the H200 (engine/mixed_graphs.py). No effect on CPU's torch path
-    cuda_graph_mixed_tokens: int = 0  # mixed/prefill steps of at most this many tokens replay CUDA graphs
+    # ~16 ms of launches for a 32-layer model on the H200 (engine/mixed_graphs.py). None: MIXED_GRAPH_TOKENS
+    # where decode steps replay graphs (CUDA, not enforce_eager), else 0. No effect on the torch backend
+    cuda_graph_mixed_tokens: int | None = None  # steps with prefill up to this many tokens replay CUDA graphs
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)
@@ -125,7 +129,7 @@ class RunnerConfig:
         check_choice("mixed_decode_attention", self.mixed_decode_attention, MIXED_DECODE_ATTENTION, **_F)
         check_choice("fresh_prefill_backend", self.fresh_prefill_backend, FRESH_PREFILL_BACKENDS, **_F)
         parse_gemm_epilogues(self.gemm_epilogues)  # ValueError names the field and the allowed values
-        check_int("cuda_graph_mixed_tokens", self.cuda_graph_mixed_tokens, 0, **_F)
+        check_int("cuda_graph_mixed_tokens", self.cuda_graph_mixed_tokens, 0, optional=True, **_F)
 
 
 @dataclass(slots=True)

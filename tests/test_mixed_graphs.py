@@ -80,6 +80,20 @@ def test_token_buckets_and_launches():
     assert mixed_launch(16, 4)[1] == 8 and mixed_launch(512, 4)[1] == 2 and mixed_launch(4096, 4)[1] == 1
 
 
+def test_the_default_is_on_only_where_decode_steps_replay_graphs(tiny_llama):
+    """None (the default): MIXED_GRAPH_TOKENS with CUDA graphs; off where steps run eagerly (CPU), so CPU engines on
+    the Triton kernel keep their step path."""
+    from flame_llm.config import MIXED_GRAPH_TOKENS
+    llm = LLM(tiny_llama, block_size=16, num_kvcache_blocks=128, dtype="float32", attention_backend="triton",
+              max_num_batched_tokens=1024, max_model_len=1024)
+    runner = llm.engine.model_runner
+    assert runner.config.runner_config.cuda_graph_mixed_tokens is None
+    if runner.use_graphs:
+        assert runner.mixed.max_tokens == MIXED_GRAPH_TOKENS
+    else:
+        assert runner.mixed is None
+
+
 def test_the_torch_backend_and_enforce_eager_leave_it_off(tiny_llama):
     llm = LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu", cuda_graph_mixed_tokens=64)
     assert llm.engine.model_runner.backend == "torch" and llm.engine.model_runner.mixed is None

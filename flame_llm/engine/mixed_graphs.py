@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flame_llm.config import MIXED_GRAPH_TOKENS, Config
 from flame_llm.engine.cuda_graphs import capture_graph
 from flame_llm.engine.step_inputs import Staging, StepInputs
 from flame_llm.kernels.metadata import AttentionMetadata, set_context
@@ -27,6 +28,25 @@ def token_buckets(max_tokens: int) -> list[int]:
     """The graphs' token counts: the powers of two from 16 below max_tokens, and max_tokens itself."""
     assert max_tokens >= 1
     return sorted({t for t in TOKEN_BUCKETS if t < max_tokens} | {max_tokens})
+
+
+def build_mixed_graphs(model: torch.nn.Module, config: Config, backend: str, use_graphs: bool,
+                       max_blocks_per_seq: int, layer: torch.nn.Module, device: torch.device,
+                       pool=None) -> MixedGraphs | None:
+    """The runner's mixed-step graphs (captured in `pool` when use_graphs), or None where Config leaves them off:
+    cuda_graph_mixed_tokens 0, the torch backend (no Triton kernel), enforce_eager; None means MIXED_GRAPH_TOKENS
+    where decode steps replay graphs."""
+    rc, sc = config.runner_config, config.scheduler_config
+    tokens = rc.cuda_graph_mixed_tokens
+    if tokens is None:
+        tokens = MIXED_GRAPH_TOKENS if use_graphs else 0
+    if not tokens or backend == "torch" or rc.enforce_eager:
+        return None
+    graphs = MixedGraphs(model, min(tokens, sc.max_num_batched_tokens), sc.max_num_seqs, max_blocks_per_seq,
+                         config.model_config.max_model_len, layer.num_heads // layer.num_kv_heads, device,
+                         capture=use_graphs)
+    graphs.capture(pool)
+    return graphs
 
 
 class MixedGraphs:

@@ -17,7 +17,7 @@ import torch
 from flame_llm.config import Config
 from flame_llm.engine.cuda_graphs import DecodeGraphs
 from flame_llm.engine.kv_sizing import cpu_num_blocks, kv_block_bytes, profile_num_blocks
-from flame_llm.engine.mixed_graphs import MixedGraphs
+from flame_llm.engine.mixed_graphs import MixedGraphs, build_mixed_graphs
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
@@ -132,14 +132,9 @@ class ModelRunner:
                                        mc.max_model_len, self.device)
             self.graphs.capture()
         self.mixed: MixedGraphs | None = None
-        if rc.cuda_graph_mixed_tokens and self.backend != "torch" and not rc.enforce_eager:
-            layer = self.attn_layers[0]
-            self.mixed = MixedGraphs(self.model, min(rc.cuda_graph_mixed_tokens,
-                                                     config.scheduler_config.max_num_batched_tokens),
-                                     config.scheduler_config.max_num_seqs, self.max_blocks_per_seq,
-                                     mc.max_model_len, layer.num_heads // layer.num_kv_heads, self.device,
-                                     capture=self.use_graphs)
-            self.mixed.capture(self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None)
+        self.mixed = build_mixed_graphs(self.model, config, self.backend, self.use_graphs, self.max_blocks_per_seq,
+                                        self.attn_layers[0], self.device,
+                                        self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None)
         logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", _BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager",
                     f"CUDA graphs up to {self.mixed.max_tokens} tokens" if self.mixed and self.use_graphs
