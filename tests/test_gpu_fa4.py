@@ -59,7 +59,9 @@ def test_fa4_engine_first_tokens_match_our_triton_kernel(tiny_llama):
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     firsts = {}
     for backend in ("triton", "fa4"):
-        llm = LLM(tiny_llama, dtype="bfloat16", attention_backend=backend, block_size=16, num_kvcache_blocks=2048)
+        # mixed-step graphs off: their steps run our Triton kernel whatever the backend
+        llm = LLM(tiny_llama, dtype="bfloat16", attention_backend=backend, block_size=16, num_kvcache_blocks=2048,
+                  cuda_graph_mixed_tokens=0)
         assert llm.engine.model_runner.backend == backend
         first = [o.output_token_ids for o in llm.generate(_prompts(24), sp, use_tqdm=False)]
         again = llm.generate(_prompts(24), sp, use_tqdm=False)
@@ -70,7 +72,8 @@ def test_fa4_engine_first_tokens_match_our_triton_kernel(tiny_llama):
 
 def test_fa4_warmup_leaves_nothing_to_compile_while_serving(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", attention_backend="fa4", block_size=16, num_kvcache_blocks=4096,
-              max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True)
+              max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True,
+              cuda_graph_mixed_tokens=0)  # every step with prefill tokens on FA4
     # (the variants may already be in memory from an earlier test: warmup then compiles nothing new)
     prompts = _prompts(48, seed=1)
     prompts += [p[:300] + [7, 8] for p in prompts[:8] if len(p) > 300]  # prefix hits
@@ -78,3 +81,21 @@ def test_fa4_warmup_leaves_nothing_to_compile_while_serving(tiny_llama):
         llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     from flame_llm.kernels.fa4_backend import new_variants
     assert llm.engine.stats()["attention_jit_compiles"] == 0, new_variants()
+
+
+def test_mixed_step_graphs_track_fa4_eager_steps(tiny_llama):
+    """The shipped configuration (fa4 backend, bf16): steps with prefill tokens up to 512 replay graphs on our Triton
+    kernel instead of FA4 eagerly; every prompt's first token (fresh, then a prefix hit) is the same either way."""
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    firsts = {}
+    for mixed in (0, None):
+        llm = LLM(tiny_llama, dtype="bfloat16", attention_backend="fa4", block_size=16, num_kvcache_blocks=2048,
+                  enable_chunked_prefill=True, max_num_batched_tokens=1024, cuda_graph_mixed_tokens=mixed)
+        runner = llm.engine.model_runner
+        assert (runner.mixed is None) == (mixed == 0)
+        first = [o.output_token_ids for o in llm.generate(_prompts(24), sp, use_tqdm=False)]
+        again = [o.output_token_ids for o in llm.generate(_prompts(24), sp, use_tqdm=False)]
+        if runner.mixed is not None:
+            assert runner.mixed.replays > 0
+        firsts[mixed] = (first, again)
+    assert firsts[None] == firsts[0]
