@@ -342,3 +342,19 @@ def test_http_error_codes_are_the_protocols_where_it_has_one():
         e = result_error({"error": {"code": code.value, "message": "m"}})
         assert e.status == (503 if code.retryable else 400 if code in faults else 500), code
         assert e.code == code.value and e.kind == ("invalid_request_error" if e.status == 400 else "server_error")
+
+
+def test_engine_metrics_carry_what_can_stall_a_shard(server):
+    """serve-http's /metrics (and the service's, through the same collector) export the engine's stall counters:
+    kernels compiled after startup, GC pauses over 10 ms, and steps with prefill tokens replayed from graphs."""
+    from flame_llm.serving.metrics import render_engine
+
+    text = render_engine({"device": "cpu"}, {"jit_compiles": 3, "gc_pauses_over_10ms": 2, "mixed_graph_steps": 5},
+                         {"requests": 1}).decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert (got["flame_shard_jit_compiles_total"], got["flame_shard_gc_pauses_over_10ms_total"],
+            got["flame_shard_mixed_graph_steps_total"]) == (3, 2, 5)
+    url, *_ = server
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        live = {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+    assert live["flame_shard_jit_compiles_total"] == 0 and "flame_shard_gc_pauses_over_10ms_total" in live

@@ -141,6 +141,7 @@ class LLMEngine:
                 # stalls: kernel variants compiled after startup (Triton's and FA4's), collector pauses
                 "jit_compiles": triton_kernel_variants() - self._jit_base + attention_jit,
                 "gc_pauses_over_10ms": self._gc.num_over, "gc_pause_max_s": self._gc.max_s,
+                "mixed_graph_steps": runner.mixed.replays if runner.mixed is not None else 0,
                 **(self.spec.stats() if self.spec else {})}
 
     def make_output(self, seq: Sequence) -> RequestOutput:

@@ -65,6 +65,11 @@ class _StatusCollector:
             ("aborted", "requests aborted (their caller gave up or died)"), ("requests", "requests served"),
             ("batches", "request batches received"), ("prompt_tokens", "prompt tokens served"),
             ("cached_tokens", "prompt tokens served from the prefix cache"), ("output_tokens", "tokens generated"))}
+        # what can stall every stream of a shard (issue 18): kernels compiled after startup, long collector pauses
+        stalls = {k: CounterMetricFamily(f"flame_shard_{k}", doc, labels=["shard", "device"]) for k, doc in (
+            ("jit_compiles", "kernel variants compiled after startup"),
+            ("gc_pauses_over_10ms", "garbage-collector pauses over 10 ms in the engine's process"),
+            ("mixed_graph_steps", "steps with prefill tokens replayed from a CUDA graph"))}
         payload = CounterMetricFamily("flame_shard_payload_bytes", "request payload bytes a shard received",
                                       labels=["shard", "device", "kind"])
         hists = {k: HistogramMetricFamily(name, doc, labels=["shard", "device"])
@@ -81,12 +86,15 @@ class _StatusCollector:
                 gauges[k].add_metric(labels, float(f[key]))
             for k in counters:
                 counters[k].add_metric(labels, float(s.get(k, 0)))
+            eng = s.get("engine", {})
+            for k in stalls:
+                stalls[k].add_metric(labels, float(eng.get(k, 0)))
             payload.add_metric([*labels, "raw"], float(f["payload_raw"]))
             payload.add_metric([*labels, "wire"], float(f["payload_wire"]))
             for k, h in s.get("histograms", {}).items():
                 if k in hists:
                     hists[k].add_metric(labels, _cumulative(h), h["sum"])
-        yield from [up, *gauges.values(), *counters.values(), payload, *hists.values()]
+        yield from [up, *gauges.values(), *counters.values(), *stalls.values(), payload, *hists.values()]
         router = self.st["router"]
         decisions = CounterMetricFamily("flame_router_decisions", "routing decisions", labels=["decision"])
         for key, label in DECISIONS.items():
