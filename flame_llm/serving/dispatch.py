@@ -304,9 +304,12 @@ class Dispatcher:
     async def shard_lost(self, shard: int, batch: list[Pending], e: Exception) -> None:
         """The shard died with the batch in flight: wait for its restart and route the batch again (its
         engine is cold and the router dropped its prefixes); when it does not come back, or cannot (its node
-        is gone), the other shards serve it."""
+        is gone), the other shards serve it. The dead shard will not answer them: their work leaves its count at
+        the router now, once (whatever becomes of them: routed again, failed, or abandoned meanwhile); the
+        restart's drop_shard, sent after this, only clears what other clients had there."""
         log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
                     shard, len(batch), type(e).__name__)
+        self.forget(shard, batch)
         restarted = await self.after_loss(shard, e)
         again = []
         for p in batch:
