@@ -91,3 +91,133 @@ def test_a_lost_shard_takes_back_its_work_at_the_router(service, max_retries):
         _settled(svc, before, 10.0)
     finally:
         client.close()
+
+
+async def _cancel_when(client, prompts, sp, ready, what: str):
+    """Start an agenerate on the client's loop, cancel it once ready() holds; the requests' state right after."""
+    task = asyncio.ensure_future(client.agenerate(prompts, sp))
+    deadline = time.monotonic() + 30
+    while not ready():
+        assert time.monotonic() < deadline and not task.done(), f"never {what}"
+        await asyncio.sleep(0.002)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_requests_aborted_in_the_batch_window_are_never_sent(service):
+    """A generate() cancelled while its requests wait out the batch window: they leave the batcher at once (before,
+    the window's flush sent them anyway, and an abort to each shard to refuse them there), their work leaves the
+    router's count, and no payload or abort goes to a shard."""
+    svc = service
+    client = Client.for_service(svc, flow_control=False, flush_formed=False, batch_window_ms=1500.0)
+    d = client.dispatch
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        before, shard_batches = _router_open(svc), _shard_batches(svc)
+
+        async def main():
+            await _cancel_when(client, _prompts(6, 12, seed=3), sp,
+                               lambda: sum(len(b.items) for b in d.batchers.values()) == 6, "queued")
+            return [(len(b.items), b.timer) for b in d.batchers.values()]
+
+        assert _on_loop(client, main()) == [(0, None), (0, None)]
+        time.sleep(2.0)  # past the window
+        assert client.counters.batches == 0 and client.counters.aborts_sent == 0
+        assert _shard_batches(svc) == shard_batches
+        _settled(svc, before, 5.0)
+        assert [r.error for r in client.generate(_prompts(2, 12, seed=4), sp)] == [None] * 2
+    finally:
+        client.close()
+
+
+def test_requests_aborted_while_held_for_credit_leave_at_once(service):
+    """A generate() cancelled while its requests wait for their shards' flow-control credit: they leave the credit
+    queue and the router's count at once (before, they stayed until credit came back), nothing is sent, and the
+    requests behind them are served."""
+    svc = service
+    client = Client.for_service(svc)
+    d = client.dispatch
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        before, shard_batches = _router_open(svc), _shard_batches(svc)
+
+        async def main():
+            full = dict(d.outstanding)
+            for s in d.outstanding:
+                d.outstanding[s] = d.credit.capacity[s]  # no room anywhere: the requests are held
+            await _cancel_when(client, _prompts(6, 12, seed=5), sp,
+                               lambda: sum(len(q) for q in d.credit.held.values()) == 6, "held")
+            held = [len(q) for q in d.credit.held.values()]
+            open_now = await asyncio.to_thread(_router_open, svc)
+            d.outstanding.update(full)
+            return held, open_now
+
+        held, open_now = _on_loop(client, main())
+        assert held == [0, 0]
+        assert [n for n, _ in open_now] == [n for n, _ in before]  # forgotten at once, not when credit came back
+        assert client.counters.batches == 0 and client.counters.aborts_sent == 0
+        assert _shard_batches(svc) == shard_batches
+        _settled(svc, before, 5.0)
+        assert [r.error for r in client.generate(_prompts(2, 12, seed=6), sp)] == [None] * 2
+    finally:
+        client.close()
+
+
+def test_requests_aborted_while_waiting_to_resend_leave_at_once(service):
+    """Without flow control a burst meets full admission queues and its overloaded requests wait out their shards'
+    retry hints at the client. Cancelled then, they leave at once: their resend timers are cancelled and their work
+    leaves the router's count (before, each stayed until its timer fired, and an abort went to its shard)."""
+    svc = service
+    client = Client.for_service(svc, flow_control=False)
+    d = client.dispatch
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    try:
+        before = _router_open(svc)
+
+        async def main():
+            await _cancel_when(client, _prompts(48, 16, seed=7), long, lambda: len(d._retrying) >= 4, "resending")
+            return len(d._retrying), [h for h in client._loop._scheduled if not h.cancelled()
+                                      and getattr(h._callback, "__name__", "") == "_retry_now"]
+
+        assert _on_loop(client, main()) == (0, [])
+        _settled(svc, before, 10.0)  # the ones in flight were aborted on their shards and answered
+        assert [r.error for r in client.generate(_prompts(2, 12, seed=8), SamplingParams(max_tokens=4))] == [None] * 2
+    finally:
+        client.close()
+
+
+def test_a_stream_cancelled_while_waiting_for_credit_leaves_the_credit_queue(service):
+    """A stream cancelled while it waits for a unit of its shard's credit leaves the shard's credit queue at once
+    (before, its cancelled wait stayed queued until credit came back)."""
+    svc = service
+    client = Client.for_service(svc)
+    d = client.dispatch
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def read(prompt):
+        return [c async for c in client.stream_chunks(prompt, sp)]
+
+    async def main():
+        full = dict(d.outstanding)
+        for s in d.outstanding:
+            d.outstanding[s] = d.credit.capacity[s]
+        task = asyncio.ensure_future(read(_prompts(1, 12, seed=9)[0]))
+        deadline = time.monotonic() + 30
+        while not any(d.credit.held.values()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)  # the stream's task runs its cancellation
+        held = [len(q) for q in d.credit.held.values()]
+        d.outstanding.update(full)
+        return held
+
+    try:
+        before = _router_open(svc)
+        assert _on_loop(client, main()) == [0, 0]
+        _settled(svc, before, 5.0)
+    finally:
+        client.close()
