@@ -4,6 +4,7 @@ the client (batch window, flow-control credit, overload resend delay). Each requ
 router's count of its shard exactly once (the router's `routed` and `completed` counts per shard match again), and
 a request nobody waits for any more is never sent."""
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -221,3 +222,51 @@ def test_a_stream_cancelled_while_waiting_for_credit_leaves_the_credit_queue(ser
         _settled(svc, before, 5.0)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("leave", ["cancel", "close"])
+def test_requests_left_while_their_dead_shard_restarts_are_forgotten_once(service, leave):
+    """The caller cancels its generate(), or closes the client, while the client waits for a killed shard's
+    restart to send the lost batch again: the lost requests' work left the router's count when the shard died,
+    and neither the abort nor the close takes it back a second time (the router's routed and completed counts
+    per shard match again, not one more completed than routed)."""
+    svc = service
+    client = Client.for_service(svc)
+    victim = svc.actors[1]
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    try:
+        before = _router_open(svc)
+
+        async def main():
+            task = asyncio.ensure_future(client.agenerate(_prompts(12, 20, seed=10), long))
+            deadline = time.monotonic() + 60
+            while (await asyncio.to_thread(lambda: ray.get(victim.stats.remote())["inflight_requests"])) == 0:
+                assert time.monotonic() < deadline and not task.done()
+            ray.kill(victim, no_restart=False)
+            while 1 not in client.dispatch.shards.restarting:  # the client saw it die and waits for it
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.01)
+            if leave == "cancel":
+                task.cancel()
+            return task
+
+        task = _on_loop(client, main())
+        if leave == "close":
+            client.close()
+        with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+            _on_loop(client, asyncio.wait_for(task, 10)) if leave == "cancel" else task.result()
+        _settled(svc, before, 60.0)  # the restart's drop_shard and the answers of the shard that lived
+    finally:
+        client.close()
+        _wait_back(victim, 120.0)  # for the next test
+
+
+def _wait_back(actor, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.health.remote(), timeout=10)
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "the killed shard did not come back"
+            time.sleep(0.2)
