@@ -83,6 +83,17 @@ class ShardBatcher:
         elif self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(self.window_s, self.flush, "window")
 
+    def drop_abandoned(self) -> list[Pending]:
+        """Take the queued requests whose callers gave up (their futures are done) out of the queue: never sent."""
+        gone = [p for p in self.items if p.future.done()]
+        if gone:
+            self.items = [p for p in self.items if not p.future.done()]
+            self.nbytes = BATCH_OVERHEAD + sum(p.wire_bytes for p in self.items)
+            if not self.items and self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+        return gone
+
     def flush(self, why: str) -> None:
         if self.timer is not None:
             self.timer.cancel()

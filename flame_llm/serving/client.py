@@ -280,14 +280,18 @@ class Client:
                 bar.close()
 
     def _abort(self, pend: list[Pending]) -> None:
-        """The caller gave up on these requests: drop the unanswered ones from their queues and tell their
-        shards to abort them (fire and forget: a shard that is gone has nothing to abort)."""
-        by_shard: dict[int, list[str]] = {}
+        """The caller gave up on these requests: the unanswered ones still queued at the client leave their
+        queues unsent (Dispatcher.abandon); the shards are told to abort the others (fire and forget: a shard
+        that is gone has nothing to abort)."""
+        gone = []
         for p in pend:
             if not p.future.done() or p.future.cancelled():
                 p.future.cancel()
-                if p.shard >= 0:
-                    by_shard.setdefault(p.shard, []).append(p.request.id)
+                gone.append(p)
+        by_shard: dict[int, list[str]] = {}
+        for p in self.dispatch.abandon(gone):
+            if p.shard >= 0:
+                by_shard.setdefault(p.shard, []).append(p.request.id)
         for shard, ids in by_shard.items():
             self.dispatch.abort_on(shard, ids)
 

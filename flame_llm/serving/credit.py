@@ -74,6 +74,17 @@ class Credit:
         if gone or again:
             self.held_back(shard, gone, again)
 
+    def drop_abandoned(self, shard: int) -> list[Pending]:
+        """Take what its caller gave up on out of the shard's credit queue at once (it left only when credit came
+        back before): the held requests whose futures are done, returned (never sent)."""
+        held = self.held[shard]
+        gone = [x for x in held if isinstance(x, Pending) and x.future.done()]
+        if gone:
+            kept = [x for x in held if not (isinstance(x, Pending) and x.future.done())]
+            held.clear()
+            held.extend(kept)
+        return gone
+
     def _send(self, shard: int, part: list[Pending]) -> None:
         self.outstanding[shard] += len(part)
         self.send_part(shard, part)
@@ -95,6 +106,8 @@ class Credit:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # granted, then cancelled: the unit goes back
                 self.give(shard)
+            elif fut in self.held[shard]:  # still in turn: it leaves the queue now
+                self.held[shard].remove(fut)
             raise
         return True
 

@@ -72,6 +72,25 @@ class Dispatcher:
         except Exception as e:  # noqa: BLE001 - the shard is gone; so are its requests
             log.debug("abort on shard %d failed: %s", shard, e)
 
+    def abandon(self, ps: list[Pending]) -> list[Pending]:
+        """The callers gave up on ps (their futures are done): those still queued at the client (batch window,
+        flow-control credit, overload resend delay) leave the queue and the router's count now and are never
+        sent. The others are returned: in flight (to be aborted on their shards), or between shards (being
+        routed, or their shard died: routing or shard_lost forgets them)."""
+        queued: list[Pending] = []
+        for s in {p.shard for p in ps if p.shard >= 0}:
+            gone = self.batchers[s].drop_abandoned() + self.credit.drop_abandoned(s)
+            self.forget(s, gone)
+            queued += gone
+        for p in ps:
+            resend = self._retrying.pop(id(p), None)
+            if resend is not None:
+                resend[0].cancel()
+                self.forget(p.shard, [p])
+                queued.append(p)
+        left = {id(p) for p in queued}
+        return [p for p in ps if id(p) not in left]
+
     async def route(self, batch: list[Pending]) -> None:
         """Route the requests and hand each to its shard's batcher (the failed ones get their result)."""
         shards = await self.route_shards(batch)
@@ -304,9 +323,12 @@ class Dispatcher:
     async def shard_lost(self, shard: int, batch: list[Pending], e: Exception) -> None:
         """The shard died with the batch in flight: wait for its restart and route the batch again (its
         engine is cold and the router dropped its prefixes); when it does not come back, or cannot (its node
-        is gone), the other shards serve it."""
+        is gone), the other shards serve it. The dead shard will not answer them: their work leaves its count at
+        the router now, once (whatever becomes of them: routed again, failed, or abandoned meanwhile); the
+        restart's drop_shard, sent after this, only clears what other clients had there."""
         log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
                     shard, len(batch), type(e).__name__)
+        self.forget(shard, batch)
         restarted = await self.after_loss(shard, e)
         again = []
         for p in batch:
