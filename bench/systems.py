@@ -8,7 +8,8 @@ max_tokens) -> (release perf_counter, records), stats(), stop(); load mode adds 
 Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label
 ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B); "flame-batch" is flame
 with each shard batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18
-item 1).
+item 1); "flame-nomix" and "engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the
+A/B of the mixed-step graphs).
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
 from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
-KINDS = ("flame", "flame-batch", "engine", "vllm", "vllm-seed")
+KINDS = ("flame", "flame-batch", "flame-nomix", "engine", "engine-nomix", "vllm", "vllm-seed")
+# engine fields a system label sets over the run's (the label is the A/B's one flag)
+LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0}}
 VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
 
 
@@ -41,6 +44,7 @@ class SystemConfig:
     vllm_config: str | None  # "default" | "seed" for vllm
     policy: str  # the router policy placing requests
     results_as_finished: bool = True  # flame: each result as it finishes ("flame-batch": a batch's at once)
+    engine: dict = field(default_factory=dict)  # engine fields over the run's (LABEL_ENGINE)
 
 
 def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
@@ -48,9 +52,10 @@ def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
     if base not in KINDS:
         raise ValueError(f"system must be one of {', '.join(KINDS)}, optionally with '-rr' (round-robin "
                          f"placement); got {label!r}")
-    kind = "vllm" if base.startswith("vllm") else "flame" if base.startswith("flame") else base
+    kind = "vllm" if base.startswith("vllm") else "flame" if base.startswith("flame") else "engine"
     cfg = ("seed" if base == "vllm-seed" else "default") if kind == "vllm" else None
-    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy, base != "flame-batch")
+    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy, base != "flame-batch",
+                        dict(LABEL_ENGINE.get(base, {})))
 
 
 @dataclass(slots=True)
@@ -97,7 +102,8 @@ class FlameSystem:
 
         s = self.setup
         cfg = ServiceConfig.from_kwargs(
-            model=s.model, load_format=s.load_format, engine=dict(s.engine), num_shards=len(s.devices),
+            model=s.model, load_format=s.load_format, engine={**s.engine, **self.system.engine},
+            num_shards=len(s.devices),
             cpu_shards=len(s.devices), cpu_per_shard=s.cpu_per_shard, torch_threads=s.torch_threads,
             gpu_uuids=list(s.devices) if s.on_gpu else [], policy=self.system.policy, spill_factor=s.spill_factor,
             address=s.ray_address, namespace=f"bench-{uuid.uuid4().hex[:10]}", startup_timeout_s=s.startup_timeout_s)
@@ -193,7 +199,7 @@ class HttpSystem:
             env["CUDA_VISIBLE_DEVICES"] = device if self.system.kind == "engine" else str(gpu_index(device))
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if self.system.kind == "engine":
-            engine = {**s.engine, "device": "cuda" if s.on_gpu else "cpu"}
+            engine = {**s.engine, **self.system.engine, "device": "cuda" if s.on_gpu else "cpu"}
             cmd = [sys.executable, "-m", "flame_llm.serving.http_server", "--model", s.model, "--port", str(port),
                    "--served-model-name", SERVED_MODEL_NAME, "--load-format", s.load_format,
                    "--engine-json", json.dumps(engine), "--torch-threads", str(s.torch_threads)]

@@ -48,11 +48,16 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").vllm_config == "seed"
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
-    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, engine, vllm, vllm-seed"):
+    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, engine, engine-nomix, "
+                                         "vllm, vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.results_as_finished, batch.policy) == ("flame", False, "round_robin")
     assert parse_system("flame").results_as_finished
+    # the mixed-step graphs' one-flag A/B: the label sets the engine field, nothing else
+    nomix = parse_system("flame-nomix")
+    assert (nomix.kind, nomix.engine, nomix.results_as_finished) == ("flame", {"cuda_graph_mixed_tokens": 0}, True)
+    assert parse_system("engine-nomix-rr").kind == "engine" and parse_system("flame").engine == {}
 
 
 def _records(trace, placement=("cpu-0", "cpu-1")):
@@ -270,6 +275,9 @@ def test_vllm_replicas_get_the_protocol_flags_and_a_pci_index_for_their_uuid(mon
     cmd, env = systems.HttpSystem(parse_system("engine"), _gpu_setup(), "t").command("GPU-a", 8125)
     assert cmd[cmd.index("--gpu-uuid") + 1] == "GPU-a" and env["CUDA_VISIBLE_DEVICES"] == "GPU-a"
     assert json.loads(cmd[cmd.index("--engine-json") + 1])["device"] == "cuda"
+    assert "cuda_graph_mixed_tokens" not in json.loads(cmd[cmd.index("--engine-json") + 1])
+    cmd, _ = systems.HttpSystem(parse_system("engine-nomix"), _gpu_setup(), "t").command("GPU-a", 8126)
+    assert json.loads(cmd[cmd.index("--engine-json") + 1])["cuda_graph_mixed_tokens"] == 0
 
 
 def test_gpu_process_placement_is_verified_by_pid_or_session(monkeypatch):
