@@ -3,7 +3,9 @@ queued requests, ShardHealth.admission_capacity) unanswered there, so a burst wa
 of being rejected and retried. Batches' requests and streams wait in one queue per shard; held requests leave
 in parts of at most a half of the credit (one answered part frees room while the other runs) and at most a
 batch's prompts and payload budget. Credit comes back as results land (per result when they come as they
-finish). Runs on the client's loop."""
+finish). Waiters take turns by user (FairQueue: the HTTP front door's end users, from the request's `user`
+field or API key; a Python client's requests are one user): a user with hundreds waiting holds up another's
+request by one turn, not by its backlog. Runs on the client's loop."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,69 @@ from flame_llm.protocol.wire import BATCH_OVERHEAD
 from flame_llm.serving.batcher import ClientCounters, Pending
 
 CREDIT_PARTS = 2  # a shard's credit leaves in halves: one answered half frees room while the other runs
+
+
+class FairQueue:
+    """Items in per-user FIFO queues, served one user at a time in rotation (a user served goes to the back)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, deque] = {}  # in turn order
+
+    def append(self, item, user: str = "") -> None:
+        self.queues.setdefault(user, deque()).append(item)
+
+    def extend(self, items, user_of: Callable) -> None:
+        for item in items:
+            self.append(item, user_of(item))
+
+    def head(self):
+        return self.queues[next(iter(self.queues))][0]
+
+    def popleft(self):
+        user = next(iter(self.queues))
+        q = self.queues.pop(user)
+        item = q.popleft()
+        if q:
+            self.queues[user] = q  # to the back of the rotation
+        return item
+
+    def remove(self, item) -> None:
+        for user, q in self.queues.items():
+            if item in q:
+                q.remove(item)
+                if not q:
+                    del self.queues[user]
+                return
+        raise ValueError("not queued")
+
+    def drop(self, pred: Callable) -> list:
+        """Remove and return the items pred holds for, keeping the others' order and turns."""
+        out = []
+        for user in list(self.queues):
+            q = self.queues[user]
+            out += [x for x in q if pred(x)]
+            kept = deque(x for x in q if not pred(x))
+            if kept:
+                self.queues[user] = kept
+            else:
+                del self.queues[user]
+        return out
+
+    def clear(self) -> None:
+        self.queues.clear()
+
+    def __iter__(self):
+        for q in list(self.queues.values()):
+            yield from list(q)
+
+    def __contains__(self, item) -> bool:
+        return any(item in q for q in self.queues.values())
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.queues)
 
 
 class Credit:
@@ -28,14 +93,14 @@ class Credit:
         self.max_batch_prompts, self.max_payload_bytes = max_batch_prompts, max_payload_bytes
         self.send_part, self.held_back = send_part, held_back
         self.outstanding = dict.fromkeys(capacity, 0)
-        # per shard, in turn for its credit: held requests, and futures of streams waiting for a unit
-        self.held: dict[int, deque[Pending | asyncio.Future]] = {s: deque() for s in capacity}
+        # per shard, in turn for its credit (by user): held requests, and futures of streams waiting for a unit
+        self.held: dict[int, FairQueue] = {s: FairQueue() for s in capacity}
 
     def enabled(self, shard: int) -> bool:
         return self.capacity.get(shard) is not None
 
     def hold(self, shard: int, batch: list[Pending]) -> None:
-        self.held[shard].extend(batch)
+        self.held[shard].extend(batch, _user)
         self.release(shard)
 
     def release(self, shard: int) -> None:
@@ -47,7 +112,7 @@ class Credit:
         part, nbytes, limit = [], BATCH_OVERHEAD, min(self.chunk[shard], self.max_batch_prompts)
         again, gone = [], []
         while held:
-            item = held[0]
+            item = held.head()
             if not avoided and cap - self.outstanding[shard] - len(part) <= 0:
                 self.counters.credit_waits += 1
                 break
@@ -77,21 +142,15 @@ class Credit:
     def drop_abandoned(self, shard: int) -> list[Pending]:
         """Take what its caller gave up on out of the shard's credit queue at once (it left only when credit came
         back before): the held requests whose futures are done, returned (never sent)."""
-        held = self.held[shard]
-        gone = [x for x in held if isinstance(x, Pending) and x.future.done()]
-        if gone:
-            kept = [x for x in held if not (isinstance(x, Pending) and x.future.done())]
-            held.clear()
-            held.extend(kept)
-        return gone
+        return self.held[shard].drop(lambda x: isinstance(x, Pending) and x.future.done())
 
     def _send(self, shard: int, part: list[Pending]) -> None:
         self.outstanding[shard] += len(part)
         self.send_part(shard, part)
 
-    async def take(self, shard: int) -> bool:
-        """One unit of the shard's credit for a stream, in turn with the requests held before it; False without
-        flow control."""
+    async def take(self, shard: int, user: str = "") -> bool:
+        """One unit of the shard's credit for a stream, in `user`'s turn with the requests held before it; False
+        without flow control."""
         cap = self.capacity.get(shard)
         if cap is None:
             return False
@@ -99,7 +158,7 @@ class Credit:
             self.outstanding[shard] += 1
             return True
         fut = asyncio.get_running_loop().create_future()
-        self.held[shard].append(fut)
+        self.held[shard].append(fut, user)
         self.counters.credit_waits += 1
         try:
             await fut
@@ -116,3 +175,7 @@ class Credit:
         self.outstanding[shard] -= n
         assert self.outstanding[shard] >= 0
         self.release(shard)
+
+
+def _user(p: Pending) -> str:
+    return p.user

@@ -139,8 +139,8 @@ class Dispatcher:
         if again:
             self._spawn(self.route_again(again))
 
-    async def take_credit(self, shard: int) -> bool:
-        return await self.credit.take(shard)
+    async def take_credit(self, shard: int, user: str = "") -> bool:
+        return await self.credit.take(shard, user)
 
     def give_credit(self, shard: int, n: int = 1) -> None:
         self.credit.give(shard, n)
