@@ -124,6 +124,8 @@ def test_a_list_of_prompts_gets_one_choice_each(server):
     ({"prompt": [1, 2], "seed": 2 ** 70}, "seed", "'seed'"),
     # OpenAI's `stop` is strings; ids have their own field, and the message says which
     ({"prompt": [1, 2], "stop": [475]}, "stop", "(stop token ids go in stop_token_ids)"),
+    ({"prompt": [1, 2], "user": 7}, "user", "field 'user' must be a string of at most 256 characters"),
+    ({"prompt": [1, 2], "user": "u" * 257}, "user", "field 'user' must be a string of at most 256 characters"),
 ])
 def test_bad_input_answers_400_naming_the_field(server, body, param, words):
     url, *_ = server

@@ -126,11 +126,14 @@ class Client:
         finally:
             fut.cancel()
 
-    async def stream_chunks(self, prompt, sampling_params: SamplingParams):
+    async def stream_chunks(self, prompt, sampling_params: SamplingParams, user: str = ""):
         """One request's output as it is sampled: StreamChunk(token_ids) as the shard sends them, the last one
         with `result` (its Result, as generate returns it; an error is in its `error`). Routed, encoded and
         checked like generate's requests, retried likewise until its first token. Leaving the loop early
-        (break, cancel, close) aborts the request on its shard."""
+        (break, cancel, close) aborts the request on its shard. `user`: whose turn it takes while it waits for
+        a shard's credit (users take turns; the front door passes its end users)."""
+        if not isinstance(user, str):
+            raise ValueError(f"user must be a string; got {type(user).__name__}")
         caller_loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
 
@@ -139,9 +142,9 @@ class Client:
 
         if caller_loop is self._loop:  # the client runs on the caller's loop: no hand-off between threads
             push = chunks.put_nowait
-            fut = caller_loop.create_task(self._call(self._stream(prompt, sampling_params, push)))
+            fut = caller_loop.create_task(self._call(self._stream(prompt, sampling_params, push, user)))
         else:
-            fut = asyncio.run_coroutine_threadsafe(self._call(self._stream(prompt, sampling_params, push)),
+            fut = asyncio.run_coroutine_threadsafe(self._call(self._stream(prompt, sampling_params, push, user)),
                                                    self._loop)
         fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
                               or push(StreamChunk([], self._failed(f.exception()))))
@@ -154,10 +157,10 @@ class Client:
         finally:
             fut.cancel()
 
-    async def stream(self, prompt, sampling_params: SamplingParams):
+    async def stream(self, prompt, sampling_params: SamplingParams, user: str = ""):
         """`async for token_id in client.stream(prompt, sp)`: the output token ids as the shard samples them.
         A failed request raises StreamError (its Result in `.result`) once the tokens it had are out."""
-        async for chunk in self.stream_chunks(prompt, sampling_params):
+        async for chunk in self.stream_chunks(prompt, sampling_params, user):
             for t in chunk.token_ids:
                 yield t
             if chunk.result is not None and chunk.result.error is not None:
@@ -224,9 +227,10 @@ class Client:
         await self.dispatch.settle_sends(ABANDON_WAIT_S)
         await self.dispatch.close()
 
-    async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None]) -> None:
+    async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None], user: str = "") -> None:
         t0 = time.perf_counter()
         p = self.requests.prepare(prompt, sp, asyncio.get_running_loop())
+        p.user = user
         self.counters.streams += 1
         result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
         result.timings["client_s"] = time.perf_counter() - t0

@@ -5,8 +5,9 @@ stream chunks built from results. One module, so the two servers cannot drift.
 Supported: token-id prompts, text prompts and chat messages when the model has a tokenizer (chat needs its chat
 template), batched prompts, `n`, `max_tokens` (`max_completion_tokens`), `temperature`, `top_p`, `top_k`,
 `seed`, `stop` (strings), `stop_token_ids`, `ignore_eos`, `stream`, `stream_options.include_usage`, and `user`
-(an end-user id, recorded nowhere). Any other field, or a supported one at a value we cannot honour
-(`logprobs`, `echo`, penalties, `logit_bias`, tools, ...), is a 400 naming it: never silently ignored.
+(an end-user id, at most 256 characters: the front door's turns for shard credit go by it, else by API key).
+Any other field, or a supported one at a value we cannot honour (`logprobs`, `echo`, penalties, `logit_bias`,
+tools, ...), is a 400 naming it: never silently ignored.
 A request larger than the server's limits (prompts, or prompt plus output tokens over its choices) is a 413;
 `max_tokens` beyond the room the prompt leaves in max_model_len is a 400, as vLLM answers."""
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flame_llm.serving.openai_errors import result_error as result_error
 from flame_llm.serving.openai_prompts import chat_prompt, completion_prompts, stop_strings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the room left)
+MAX_USER_CHARS = 256  # the `user` field (an end-user id)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
 COMMON_KEYS = {"model", "n", "max_tokens", "stop", "stream", "stream_options", "user", *SAMPLING_KEYS}
 # fields accepted only at the value that means "off" (anything else is a 400 naming the field)
@@ -62,6 +64,7 @@ class ApiRequest:
     include_usage: bool = False
     id: str = ""
     created: int = 0
+    user: str = ""  # the end user the request is for ("" when not given)
 
 
 def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, tokenizer=None,
@@ -141,10 +144,16 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
         raise ApiError(413, f"the request asks for {total} tokens (prompt plus {max_key}, over its "
                             f"{len(sampling)} completions); the limit is {limits.max_tokens} per request "
                             "(max_tokens_per_request)", max_key)
+    user = body.get("user")
+    if user is None:
+        user = ""
+    if not isinstance(user, str) or len(user) > MAX_USER_CHARS:
+        raise ApiError(400, f"field 'user' must be a string of at most {MAX_USER_CHARS} characters; got {short(user)}",
+                       "user")
     expanded = [p for p in prompts for _ in range(n)]
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     return ApiRequest(kind, expanded, sampling, stop, stream, include_usage, f"{prefix}-{uuid.uuid4().hex[:24]}",
-                      int(time.time()))
+                      int(time.time()), user)
 
 
 def _fields(sp: SamplingParams) -> dict:
