@@ -10,7 +10,7 @@ composition, the first call's seconds (JIT), and the median of CUDA-event timing
   gate_up+silu : F.linear(x, W_gate_up) -> silu_mul   vs  swiglu=triton | swiglu=quack
   o+res+norm   : F.linear(o, W_o) -> add_rmsnorm(.., residual)  vs  residual=cublas|triton|quack -> rmsnorm
   down+res+norm: the same with K = 14336
-  attention    : FA4 paged (page 128) vs dense varlen on 8 x 8K fresh, 8 x (64 over 8K cached) (dense on the
+  attention    : FA4 paged (page 128) vs dense varlen on 8 x 8K and 1 x 8K fresh, 8 x (64 over 8K cached) (dense on the
                  gathered K/V: what paging costs) and the no-reuse trace's chunk (8128 fresh + 64 over 8K):
                  paged in one call vs the fresh part dense + the tail paged; TFLOP/s of exact causal FLOPs.
 The table at the end: ms per shape, speedup over today's path (> 1 = faster), max relative error."""
@@ -214,7 +214,14 @@ def attention_cases() -> list[dict]:
         return out
 
     rows += case("8x8K fresh", [0] * 8, [8192] * 8)
+    # one 8K prompt alone (a no-reuse step holds about one): the causal triangle of a single sequence
+    rows += case("1x8K fresh", [0], [8192])
     rows += case("8x(64 over 8K)", [8192] * 8, [64] * 8)
+    # the engine's order in a chunked step: the running sequence's tail first, then the admitted prompt
+    q2, kc2, vc2, _, _, meta2, flops2 = step([8192, 0], [64, 8128], seed=1)
+    ref2 = fa4_paged_attention(q2, kc2, vc2, meta2, scale)
+    rows.append(timed("attention chunk 64 over 8K + 8128 fresh (engine order)", "paged (one call)",
+                      lambda: fa4_paged_attention(q2, kc2, vc2, meta2, scale), ref2, flops2))
     # the no-reuse trace's chunked step: 8128 fresh tokens of one prompt + the 64-token tail of another
     q, kc, vc, k, v, meta, flops = step([0, 8192], [8128, 64])
     whole = fa4_paged_attention(q, kc, vc, meta, scale)
