@@ -270,3 +270,33 @@ def _wait_back(actor, timeout_s: float) -> None:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             assert time.monotonic() < deadline, "the killed shard did not come back"
             time.sleep(0.2)
+
+
+def test_requests_held_for_a_dead_shards_credit_go_to_the_other_shard(service):
+    """A burst held at the client for shard 0's credit when shard 0 dies: those requests are routed to shard 1 at
+    once instead of waiting out shard 0's restart (an engine's whole startup on a GPU) and going back to it. Every
+    request completes, and the held ones are served by shard 1."""
+    svc = service
+    client = Client.for_service(svc)
+    d = client.dispatch
+    victim = svc.actors[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        async def main():
+            task = asyncio.ensure_future(client.agenerate(_prompts(64, 20, seed=20), sp))
+            deadline = time.monotonic() + 60
+            while not any(hasattr(p, "request") for p in d.credit.held[0]):  # requests, not stream waiters
+                assert time.monotonic() < deadline and not task.done(), "nothing was held for shard 0's credit"
+                await asyncio.sleep(0.002)
+            held = {p.request.id for p in d.credit.held[0] if hasattr(p, "request")}
+            ray.kill(victim, no_restart=False)
+            return task, held
+
+        task, held = _on_loop(client, main())
+        res = _on_loop(client, asyncio.wait_for(task, 180), timeout_s=200)
+        assert [r.error for r in res] == [None] * 64
+        served = {r.id: r.shard for r in res}
+        assert held and {served[i] for i in held} == {1}, {i: served[i] for i in held}
+    finally:
+        client.close()
+        _wait_back(victim, 120.0)  # for the next test

@@ -84,11 +84,14 @@ class FairQueue:
 class Credit:
     def __init__(self, capacity: dict[int, int | None], max_batch_prompts: int, max_payload_bytes: int,
                  avoid: dict, counters: ClientCounters, send_part: Callable[[int, list[Pending]], None],
-                 held_back: Callable[[int, list[Pending], list[Pending]], None]) -> None:
-        """capacity: per shard, its credit (None: no flow control there). avoid: the shards routed around now
-        (ShardWatch.avoid). send_part(shard, part) sends requests that got their credit; held_back(shard, gone,
-        again) takes those that leave unsent (abandoned; an avoided shard's, to be routed again)."""
+                 held_back: Callable[[int, list[Pending], list[Pending]], None], restarting: set | None = None
+                 ) -> None:
+        """capacity: per shard, its credit (None: no flow control there). avoid, restarting: the shards routed
+        around now (ShardWatch.avoid, ShardWatch.restarting). send_part(shard, part) sends requests that got their
+        credit; held_back(shard, gone, again) takes those that leave unsent (abandoned; an avoided shard's, to be
+        routed again)."""
         self.capacity, self.avoid, self.counters = capacity, avoid, counters
+        self.restarting = restarting if restarting is not None else set()
         self.chunk = {s: max(1, c // CREDIT_PARTS) for s, c in capacity.items() if c}
         self.max_batch_prompts, self.max_payload_bytes = max_batch_prompts, max_payload_bytes
         self.send_part, self.held_back = send_part, held_back
@@ -108,7 +111,7 @@ class Credit:
         stream is granted its unit (a shard routed around now sends nothing: its held requests are routed
         again, its streams go on and meet the shard's state themselves)."""
         held, cap = self.held[shard], self.capacity[shard]
-        avoided = shard in self.avoid
+        avoided = shard in self.avoid or shard in self.restarting
         part, nbytes, limit = [], BATCH_OVERHEAD, min(self.chunk[shard], self.max_batch_prompts)
         again, gone = [], []
         while held:

@@ -56,7 +56,7 @@ class Dispatcher:
         capacity = {s: h.admission_capacity if config.flow_control else None
                     for s, h in zip(actors, health, strict=True)}
         self.credit = Credit(capacity, config.max_batch_prompts, max_payload_bytes, self.shards.avoid,
-                             self.counters, self._send_part, self._held_back)
+                             self.counters, self._send_part, self._held_back, self.shards.restarting)
         self._tasks: set[asyncio.Task] = set()
         self._completions: list[Completion] = []  # for the router's next complete call
         self._retrying: dict[int, tuple[asyncio.TimerHandle, Pending]] = {}  # id(p) -> its resend timer, p
@@ -344,8 +344,12 @@ class Dispatcher:
         await self.route_again(again)
 
     async def after_loss(self, shard: int, e: BaseException) -> bool:
-        """The shard died: wait for its restart (True); when it does not come back (or cannot), route around it."""
-        if await self.shards.await_restart(shard, e):
+        """The shard died: wait for its restart (True); when it does not come back (or cannot), route around it.
+        Meanwhile the requests held for its credit go to the other shards (a restart takes an engine's startup)."""
+        fut = self.shards.restart(shard, e)
+        if self.credit.enabled(shard):
+            self.credit.release(shard)
+        if fut is not None and await asyncio.shield(fut):
             return True
         self.shards.lose_shard(shard, e)
         return False

@@ -71,11 +71,12 @@ class ShardWatch:
         self.avoid_shard(shard, ErrorInfo(ErrorCode.SHARD_UNAVAILABLE, f"shard {shard} died and {why}: "
                                                                        f"{type(e).__name__}: {e}"))
 
-    async def await_restart(self, shard: int, e: BaseException | None = None) -> bool:
-        """Wait until the shard's actor answers again; False when it did not within restart_timeout_s, or
-        cannot (`e`, the error it failed with, says its node is gone)."""
+    def restart(self, shard: int, e: BaseException | None = None) -> asyncio.Future | None:
+        """The shard's restart wait, begun now (one per restart, shared; await it shielded): True once the actor
+        answers again, False when it did not within restart_timeout_s. The shard is `restarting` from this call
+        on. None when it cannot come back (`e`, the error it failed with, says its node is gone)."""
         if isinstance(e, ActorUnschedulableError):
-            return False
+            return None
         fut = self._recovering.get(shard)
         if fut is None:
             fut = self._recovering[shard] = asyncio.ensure_future(self._restart_once(shard))
@@ -86,7 +87,7 @@ class ShardWatch:
                 self.restarting.discard(shard)
 
             fut.add_done_callback(over)
-        return await asyncio.shield(fut)
+        return fut
 
     async def stop(self) -> None:
         """The client goes: its watchers and restart waits end."""
