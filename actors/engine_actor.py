@@ -23,7 +23,6 @@ from actors.host import EngineHost
 from actors.inflight import Inflight
 from actors.metrics import shard_histograms
 from actors.pinning import ShardPlacement
-from actors.poll_stream import PollStreams, next_polled, open_stream, stream_rest
 from actors.shard_options import ShardOptions
 from flame_llm.protocol.types import (
     EngineLimits,
@@ -66,7 +65,6 @@ class EngineActor:
                          "payload_wire_bytes": 0, "payload_raw_bytes": 0, "result_wire_bytes": 0}
         self.hist = shard_histograms()
         self.inflight = Inflight()
-        self.polls = PollStreams()
         log.info("shard %s on %s (node %s)%s", self.name, self.device, self.node_id,
                  " (restarted)" if self.restarted else "")
 
@@ -141,13 +139,16 @@ class EngineActor:
         time.time() when the payload arrived and the first chunk left). Aborting the request (`abort`), its
         caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
         arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
-        item = self._one_request(payload)
-        if isinstance(item, Result):
-            yield self._encode([item])
+        items = self._decode(payload)
+        if not isinstance(items, Result) and len(items) != 1:
+            items = self._result(None, error=ErrorInfo(ErrorCode.BAD_REQUEST, "a stream payload holds exactly one "
+                                                       f"request; got {len(items)}"))
+        if isinstance(items, Result):
+            yield self._encode([items])
             return
         self.counters["streams"] += 1
         chunks: asyncio.Queue = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._serve(item, time.perf_counter(), caller,
+        task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
                                                                   chunks.put_nowait, client))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         first_chunk_at = None
@@ -170,35 +171,6 @@ class EngineActor:
             yield self._encode([res])
         finally:
             task.cancel()
-
-    async def stream_open(self, payload: bytes, key: str, caller: str | None = None, client: str | None = None,
-                          polled: bool = False) -> list[int] | bytes:
-        """`stream` in two calls (actors/poll_stream.py): start the one request of `payload` as the stream `key`
-        (the caller's, unique per attempt), answer its first token ids (a list) or, when it ends first, its result
-        payload (bytes, as `submit` answers); the caller reads the rest from `stream_rest(key)`, sent at the same
-        time. Aborted as a `stream` is (`abort`, the caller's job dying); timings as `stream`'s."""
-        return await open_stream(self, payload, key, caller, client, polled)
-
-    async def stream_next(self, key: str) -> list[int] | bytes:
-        """polled: the next answer of a stream_open stream (new token ids, or its result payload)."""
-        return await next_polled(self, key)
-
-    @ray.method(num_returns="streaming")
-    async def stream_rest(self, key: str):
-        """A Ray streaming generator over the chunks of a `stream_open` stream after its first answer, then its
-        result payload (holding every output token: the tokens not yet yielded travel in it)."""
-        async for item in stream_rest(self, key):
-            yield item
-
-    def _one_request(self, payload: bytes) -> Request | RequestError | Result:
-        """The one request of a stream payload, or the result that says why there is none."""
-        items = self._decode(payload)
-        if isinstance(items, Result):
-            return items
-        if len(items) != 1:
-            return self._result(None, error=ErrorInfo(ErrorCode.BAD_REQUEST, "a stream payload holds exactly one "
-                                                      f"request; got {len(items)}"))
-        return items[0]
 
     async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
                      emit=None, client: str | None = None) -> Result:
@@ -305,8 +277,7 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
-        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.polls.counters,
-                **self.admission.stats(),
+        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.admission.stats(),
                 "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats(),
                 "histograms": {k: h.to_dict() for k, h in self.hist.items()}}
 

@@ -57,7 +57,6 @@ class Variant:
     door: str  # the door's URL
     door_handle: object
     client: object
-    open_call: bool  # ClientConfig.stream_open_call: the actor path uses stream_open + stream_rest
 
 
 class Paths:
@@ -86,7 +85,7 @@ class Paths:
         http = HttpConfig(port=free_port(), served_model_name=SERVED_MODEL_NAME)
         handle, url = start_frontdoor(flame.namespace, http, client=config, name=f"{FRONTDOOR_NAME}-hops{name}")
         client = make_client(None, flame.service.router, flame.service.actors, namespace=flame.namespace, **fields)
-        return Variant(name, url, handle, client, config.stream_open_call)
+        return Variant(name, url, handle, client)
 
     def close(self) -> None:
         import ray
@@ -121,43 +120,19 @@ class Paths:
                 timings = c.result.timings
         return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens, "split": split_of(timings, wall0, first_at)}
 
-    async def _actor_items(self, payload: bytes, open_call: bool):
-        """The actor's answers to one stream: its `stream` generator's items, or with ClientConfig.stream_open_call
-        stream_open's answer and then stream_rest's items (the result payload carries the tokens not yet yielded)."""
-        if not open_call:
-            async for ref in self.actor.stream.remote(payload, None):
-                yield await ref
-            return
-        key = f"hops-key-{self.n}"
-        if open_call == "poll":
-            item = await self.actor.stream_open.remote(payload, key, None, None, True)
-            while isinstance(item, list):
-                yield item
-                item = await self.actor.stream_next.remote(key)
-            yield item
-            return
-        first, rest = self.actor.stream_open.remote(payload, key, None), self.actor.stream_rest.remote(key)
-        item = await first
-        yield item
-        if isinstance(item, list):
-            async for ref in rest:
-                yield await ref
-
-    async def actor_stream(self, v: Variant, prompt) -> dict:
+    async def actor_stream(self, prompt) -> dict:
         from flame_llm.protocol.wire import decode_results
 
         payload = self._payload(prompt, self.sp)
         t0 = time.perf_counter()
         chunks, tokens, res = [], 0, None
-        async for item in self._actor_items(payload, v.open_call):
+        async for ref in self.actor.stream.remote(payload, None):
+            item = await ref
             if isinstance(item, list):
                 chunks.append(time.perf_counter() - t0)
                 tokens += len(item)
             else:
                 (res,) = decode_results(item)
-                if len(res.output_token_ids) > tokens:  # stream_open_call: the last tokens travel in the result
-                    chunks.append(time.perf_counter() - t0)
-                    tokens = len(res.output_token_ids)
         assert res is not None and res.error is None, res
         return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens, "engine_ttft": res.timings.get("ttft"),
                 "queue": res.timings.get("queue_s")}
@@ -225,12 +200,12 @@ async def measure(p: Paths, n: int, prompt_tokens: int, vocab: int, warmup: int,
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)) as s:
         for i in range(warmup + n):
             runs = {"serve-http": lambda q: p.http_stream(s, p.engine_url, q)}
-            for v in p.variants:  # the base paths, then each --ab-json variant's: door[B], client[B], actor[B]
+            for v in p.variants:  # the base paths, then each --ab-json variant's: door[B], client[B]
                 tag = f"[{v.name}]" if v.name else ""
                 runs |= {f"door{tag}": lambda q, v=v: p.http_stream(s, v.door, q),
-                         f"client{tag}": lambda q, v=v: p.client_stream(v, q),
-                         f"actor{tag}": lambda q, v=v: p.actor_stream(v, q)}
-            runs |= {"rpc": p.router_call, "once-serve-http": lambda q: p.http_once(s, p.engine_url, q),
+                         f"client{tag}": lambda q, v=v: p.client_stream(v, q)}
+            runs |= {"actor": p.actor_stream, "rpc": p.router_call,
+                     "once-serve-http": lambda q: p.http_once(s, p.engine_url, q),
                      "once-door": lambda q: p.http_once(s, p.variants[0].door, q), "once-client": p.client_once,
                      "once-actor": p.actor_once}
             order = list(runs)
@@ -290,7 +265,7 @@ def summarize(samples: dict) -> dict:
     for door in (k for k in streamed if k.startswith("door[")):
         name, d = door[len("door["):-1], out["paths"][door]
         paired = {}  # median over the run's rounds of (variant - base) TTFT, each round's requests back to back
-        for path in ("door", "client", "actor"):
+        for path in ("door", "client"):
             pairs = [b["ttft"] - a["ttft"] for a, b in zip(samples[path], samples[f"{path}[{name}]"])]
             paired[path] = float(np.median(pairs)) * ms
         out["ab"][name] = {"ttft_p50_overhead_ms": d["ttft_ms"]["p50"] - e["ttft_ms"]["p50"],
@@ -353,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="experiment: sys.setswitchinterval in every process started here (serve-http, Ray workers) "
                         "through a sitecustomize on PYTHONPATH; default: Python's 5 ms")
     p.add_argument("--client-json", default="{}",
-                   help='ClientConfig fields of the door\'s and the Python path\'s client, e.g. \'{"stream_open_call": '
-                        'true}\' (the actor path follows stream_open_call too)')
+                   help='ClientConfig fields of the door\'s and the Python path\'s client, e.g. \'{"local_routing": '
+                        'false}\'')
     p.add_argument("--ab-json", default="{}",
                    help='variants measured in the same run, interleaved with the base paths: {"name": {ClientConfig '
                         'fields}}; each gets its own door, client and actor path (door[name], ...)')

@@ -1,9 +1,7 @@
 """One streamed request of the client (Client.stream, Client.stream_chunks): placed at once when the client knows
 its prefix's shard (routing.py, ClientConfig.local_routing), else routed by the router's `route` call like a batch;
 encoded by the wire codec as a batch of one, served by the shard's `stream` method (a Ray streaming generator:
-token chunks as the engine samples them, then the result payload) or, with ClientConfig.stream_open_call, by a plain
-call that answers the first chunk (`stream_open`: cheaper than a generator's first item on Ray) and a generator for the
-rest (`stream_rest`, sent at the same time).
+token chunks as the engine samples them, then the result payload).
 
 What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out by the
 Dispatcher: until its first token arrives a stream is retried as a batch request is; after that a failure
@@ -12,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,8 +57,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
             split["credit_wait_s"] = time.perf_counter() - t0
             try:
-                one = {True: _one_open, False: _one_stream, 'poll': _one_poll}[d.stream_open_call]
-                r = await one(d, shard, payload, rid, streamed, push, split, untold)
+                r = await _one_stream(d, shard, payload, rid, streamed, push, split, untold)
             finally:
                 if took:
                     d.give_credit(shard)
@@ -114,68 +110,3 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, strea
         d.abort_on(shard, [rid])
         raise
     raise SHARD_LOST[0]()  # the generator ended without its result: the actor died under it
-
-
-async def _one_open(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
-                    push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
-    """_one_stream in two calls (ClientConfig.stream_open_call): the shard's stream_open answers the first chunk,
-    its stream_rest generator (sent at once) the rest and the result payload, whose output_token_ids hold the
-    tokens not yet yielded."""
-    key = uuid.uuid4().hex  # this attempt's stream on the shard
-    split["sent_at"] = time.time()
-    actor = d.actors[shard]
-    first = actor.stream_open.remote(payload, key, d.caller, d.client_id)
-    rest = actor.stream_rest.remote(key)
-    try:
-        item = await first
-        if isinstance(item, list):
-            split["first_chunk_at_client"] = time.time()
-            _took(d, shard, item, streamed, push, untold)
-            async for ref in rest:
-                item = await ref
-                if not isinstance(item, list):
-                    break
-                _took(d, shard, item, streamed, push, untold)
-            else:
-                raise SHARD_LOST[0]()  # the generator ended without its result: the actor died under it
-    except asyncio.CancelledError:
-        d.abort_on(shard, [rid])
-        raise
-    (r,) = d.decode(item)
-    tail = [int(t) for t in r.output_token_ids[len(streamed):]]
-    if tail and r.error is None and [int(t) for t in r.output_token_ids[:len(streamed)]] == streamed:
-        split.setdefault("first_chunk_at_client", time.time())
-        _took(d, shard, tail, streamed, push, untold)
-    return r
-
-
-async def _one_poll(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
-                    push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
-    """EXPERIMENT: long polls (stream_open, then stream_next until the result payload)."""
-    key = uuid.uuid4().hex
-    split["sent_at"] = time.time()
-    actor = d.actors[shard]
-    try:
-        item = await actor.stream_open.remote(payload, key, d.caller, d.client_id, True)
-        if isinstance(item, list):
-            split["first_chunk_at_client"] = time.time()
-        while isinstance(item, list):
-            _took(d, shard, item, streamed, push, untold)
-            item = await actor.stream_next.remote(key)
-    except asyncio.CancelledError:
-        d.abort_on(shard, [rid])
-        raise
-    (r,) = d.decode(item)
-    tail = [int(t) for t in r.output_token_ids[len(streamed):]]
-    if tail and r.error is None and [int(t) for t in r.output_token_ids[:len(streamed)]] == streamed:
-        split.setdefault("first_chunk_at_client", time.time())
-        _took(d, shard, tail, streamed, push, untold)
-    return r
-
-
-def _took(d: Dispatcher, shard: int, tokens: list[int], streamed: list[int], push: Callable[[StreamChunk], None],
-          untold: list[Pending]) -> None:
-    streamed.extend(tokens)
-    push(StreamChunk(tokens))
-    if untold:
-        d.routing.tell(untold.pop(), shard)

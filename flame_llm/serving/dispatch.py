@@ -39,7 +39,6 @@ class Dispatcher:
         self.zstd_level, self.max_retries = zstd_level, config.max_retries
         self.restart_timeout_s, self.flush_formed = config.restart_timeout_s, config.flush_formed
         self.as_finished = config.results_as_finished
-        self.stream_open_call = config.stream_open_call  # client_stream: a stream's first chunk by a plain call
         self.namespace, self.counters = namespace, ClientCounters()
         # the shards abort this client's requests when its Ray job (this process) dies; (job, client id) is this
         # client's turn in the shards' fair admission

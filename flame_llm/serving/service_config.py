@@ -45,7 +45,6 @@ class ClientConfig:
     results_as_finished: bool = True  # each result as it finishes on its shard (false: a batch's results at once)
     overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
     local_routing: bool = True  # a stream with a prefix the router placed before goes without a router call
-    stream_open_call: bool = False  # a stream's first chunk by a plain actor call, the rest by a Ray generator
 
     def __post_init__(self) -> None:
         w = "client field"
@@ -58,7 +57,6 @@ class ClientConfig:
         check_bool("results_as_finished", self.results_as_finished, where=w)
         check_number("overload_deadline_s", self.overload_deadline_s, 0, where=w)
         check_bool("local_routing", self.local_routing, where=w)
-        pass  # EXPERIMENT check_bool("stream_open_call", self.stream_open_call, where=w)
 
 
 @dataclass(slots=True)
