@@ -89,6 +89,8 @@ class FrontDoor:
     """Created by start_frontdoor; `start` opens the port on the actor's event loop."""
 
     def __init__(self, namespace: str, http: HttpConfig, client: ClientConfig | None = None) -> None:
+        # the client reads streamed items that have arrived with ray.get(timeout=0) on this loop: not a blocking get
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self.namespace, self.http, self.client, self.runner, self.address = namespace, http, None, None, ""
         self.client_config = client
 
