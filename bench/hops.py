@@ -18,7 +18,13 @@ serve-http). Inter-token gaps per path (p50 / p99) and tokens per chunk (chunk m
 also split by the time.time() stamps its stream result carries (client_stream's route_s, credit_wait_s, sent_at,
 first_chunk_at_client; the engine actor's arrived_at, first_chunk_at): the Ray hop's two directions apart.
 
+The door and the Python client run with the ClientConfig fields of --client-json. --ab-json adds variants measured
+in the same run: each its own door and client (`door[name]`, `client[name]`) over the same shard, interleaved with
+the base paths request by request, and summarised as the median of paired TTFT differences from the base (a
+one-flag A/B that the machine's drift cannot tilt).
+
     RAY_ADDRESS= python -m bench.hops --requests 40 --output-tokens 32 --out hops.json
+    RAY_ADDRESS= python -m bench.hops --requests 60 --ab-json '{"global": {"local_routing": false}}'
 """
 from __future__ import annotations
 
