@@ -18,7 +18,13 @@ serve-http). Inter-token gaps per path (p50 / p99) and tokens per chunk (chunk m
 also split by the time.time() stamps its stream result carries (client_stream's route_s, credit_wait_s, sent_at,
 first_chunk_at_client; the engine actor's arrived_at, first_chunk_at): the Ray hop's two directions apart.
 
+The door and the Python client run with the ClientConfig fields of --client-json. --ab-json adds variants measured
+in the same run: each its own door and client (`door[name]`, `client[name]`) over the same shard, interleaved with
+the base paths request by request, and summarised as the median of paired TTFT differences from the base (a
+one-flag A/B that the machine's drift cannot tilt).
+
     RAY_ADDRESS= python -m bench.hops --requests 40 --output-tokens 32 --out hops.json
+    RAY_ADDRESS= python -m bench.hops --requests 60 --ab-json '{"global": {"local_routing": false}}'
 """
 from __future__ import annotations
 
@@ -29,12 +35,14 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
 
 from bench.http_client import SERVED_MODEL_NAME
 from bench.loadgen import Outcome, percentiles, stream_one
+from bench.systems import free_port
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +56,49 @@ def _setup(a):
     return build_setup(o, os.path.join(a.logs, "logs"))
 
 
+@dataclass(slots=True)
+class Variant:
+    """One client configuration under test: its own front door and Python client over the same shard."""
+    name: str  # "" for the base paths (--client-json), else the --ab-json key (its paths read door[name] etc.)
+    door: str  # the door's URL
+    door_handle: object
+    client: object
+
+
 class Paths:
     """The measured paths over one started flame (1 CPU shard) and one serve-http."""
 
-    def __init__(self, flame, http, revision: str, out_tokens: int) -> None:
+    def __init__(self, flame, http, revision: str, out_tokens: int, variants: dict[str, dict]) -> None:
         from flame_llm.sampling_params import SamplingParams
 
         self.flame, self.http, self.revision = flame, http, revision
-        self.door = flame.http_replicas()[0].url
+        self.variants = [self._variant(flame, name, fields) for name, fields in variants.items()]
         self.engine_url = http.http_replicas()[0].url
-        self.client = flame.client
         self.actor = next(iter(flame.service.actors.values()))
         self.sp = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
         self.sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         self.n = 0
+
+    @staticmethod
+    def _variant(flame, name: str, fields: dict) -> Variant:
+        """A front door and a Python client with these ClientConfig fields (each door under its own actor name)."""
+        from flame_llm.serving.client import make_client
+        from flame_llm.serving.frontdoor import FRONTDOOR_NAME, start_frontdoor
+        from flame_llm.serving.http_app import HttpConfig
+        from flame_llm.serving.service_config import ClientConfig
+
+        config = ClientConfig(**fields)
+        http = HttpConfig(port=free_port(), served_model_name=SERVED_MODEL_NAME)
+        handle, url = start_frontdoor(flame.namespace, http, client=config, name=f"{FRONTDOOR_NAME}-hops{name}")
+        client = make_client(None, flame.service.router, flame.service.actors, namespace=flame.namespace, **fields)
+        return Variant(name, url, handle, client)
+
+    def close(self) -> None:
+        import ray
+
+        for v in self.variants:
+            v.client.close()
+            ray.kill(v.door_handle, no_restart=True)
 
     def _payload(self, prompt, sp) -> bytes:
         from flame_llm.protocol.types import Request
@@ -76,10 +113,10 @@ class Paths:
         assert out.error is None, out.error
         return {"ttft": out.ttft_s, "chunks": out.chunk_s, "tokens": out.output_tokens}
 
-    async def client_stream(self, prompt) -> dict:
+    async def client_stream(self, v: Variant, prompt) -> dict:
         t0, wall0 = time.perf_counter(), time.time()
         chunks, tokens, first_at, timings = [], 0, None, {}
-        async for c in self.client.stream_chunks(prompt, self.sp):
+        async for c in v.client.stream_chunks(prompt, self.sp):
             if c.token_ids:
                 chunks.append(time.perf_counter() - t0)
                 first_at = first_at or time.time()
@@ -111,7 +148,7 @@ class Paths:
 
         item = RouteItem(prefix_chain(prompt, self.revision), estimate_prefill_work(len(prompt)), 1)
         t0 = time.perf_counter()
-        await self.client.router.route.remote([item], [])
+        await self.flame.service.router.route.remote([item], [])
         t1 = time.perf_counter()
         await self.actor.health.remote()
         return {"router": t1 - t0, "ray": time.perf_counter() - t1}
@@ -129,7 +166,7 @@ class Paths:
 
     async def client_once(self, prompt) -> float:
         t0 = time.perf_counter()
-        (r,) = await self.client.agenerate([prompt], self.sp1)
+        (r,) = await self.variants[0].client.agenerate([prompt], self.sp1)
         assert r.error is None, r.error
         return time.perf_counter() - t0
 
@@ -165,23 +202,25 @@ def split_of(t: dict, call_at: float, caller_first_at: float | None) -> dict | N
 
 async def measure(p: Paths, n: int, prompt_tokens: int, vocab: int, warmup: int, gap_s: float) -> dict:
     rng = np.random.default_rng(0)
-    samples: dict[str, list] = {k: [] for k in ("serve-http", "door", "client", "actor", "rpc", "once-serve-http",
-                                                "once-door", "once-client", "once-actor")}
+    samples: dict[str, list] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)) as s:
         for i in range(warmup + n):
-            runs = {"serve-http": lambda q: p.http_stream(s, p.engine_url, q),
-                    "door": lambda q: p.http_stream(s, p.door, q), "client": p.client_stream,
-                    "actor": p.actor_stream, "rpc": p.router_call,
-                    "once-serve-http": lambda q: p.http_once(s, p.engine_url, q),
-                    "once-door": lambda q: p.http_once(s, p.door, q), "once-client": p.client_once,
-                    "once-actor": p.actor_once}
+            runs = {"serve-http": lambda q: p.http_stream(s, p.engine_url, q)}
+            for v in p.variants:  # the base paths, then each --ab-json variant's: door[B], client[B]
+                tag = f"[{v.name}]" if v.name else ""
+                runs |= {f"door{tag}": lambda q, v=v: p.http_stream(s, v.door, q),
+                         f"client{tag}": lambda q, v=v: p.client_stream(v, q)}
+            runs |= {"actor": p.actor_stream, "rpc": p.router_call,
+                     "once-serve-http": lambda q: p.http_once(s, p.engine_url, q),
+                     "once-door": lambda q: p.http_once(s, p.variants[0].door, q), "once-client": p.client_once,
+                     "once-actor": p.actor_once}
             order = list(runs)
             order = order[i % len(order):] + order[:i % len(order)]  # rotate: no path always runs first
             for k in order:
                 prompt = rng.integers(0, vocab, prompt_tokens).tolist()  # fresh: no prefix-cache hit anywhere
                 got = await runs[k](prompt)
                 if i >= warmup:
-                    samples[k].append(got)
+                    samples.setdefault(k, []).append(got)
                 await asyncio.sleep(gap_s)
     return samples
 
@@ -193,7 +232,8 @@ def summarize(samples: dict) -> dict:
         return {k: v * ms if k != "n" else v for k, v in percentiles(list(xs)).items()}
 
     out: dict = {"paths": {}}
-    for k in ("serve-http", "door", "client", "actor"):
+    streamed = [k for k in samples if k == "serve-http" or k.split("[")[0] in ("door", "client", "actor")]
+    for k in streamed:
         xs = samples[k]
         gaps = [b - a for x in xs for a, b in zip(x["chunks"], x["chunks"][1:])]
         out["paths"][k] = {"ttft_ms": pct(x["ttft"] for x in xs), "itl_ms": pct(gaps),
@@ -201,9 +241,11 @@ def summarize(samples: dict) -> dict:
     act = samples["actor"]
     out["engine_ttft_ms"] = pct(x["engine_ttft"] for x in act if x["engine_ttft"] is not None)
     out["admission_ms"] = pct(x["queue"] for x in act if x["queue"] is not None)
-    splits = [x["split"] for x in samples["client"] if x.get("split")]
-    if splits:
-        out["client_split_ms"] = {name: pct(s[k] for s in splits) for name, k in SPLIT.items()}
+    for path in (k for k in streamed if k.startswith("client")):
+        splits = [x["split"] for x in samples[path] if x.get("split")]
+        if splits:
+            key = "client_split_ms" + path.removeprefix("client")
+            out[key] = {name: pct(s[k] for s in splits) for name, k in SPLIT.items()}
     out["router_call_ms"] = pct(x["router"] for x in samples["rpc"])
     out["ray_call_ms"] = pct(x["ray"] for x in samples["rpc"])
     out["once_ms"] = {k.removeprefix("once-"): pct(x["e2e"] if isinstance(x, dict) else x for x in samples[k])
@@ -225,6 +267,16 @@ def summarize(samples: dict) -> dict:
                     "ttft_p50_overhead_goal_ms": 3.0,
                     "itl_p99_ratio": d["itl_ms"]["p99"] / e["itl_ms"]["p99"] if e["itl_ms"] else None,
                     "itl_p99_ratio_goal": 1.2}
+    out["ab"] = {}  # each --ab-json variant against the base paths of the same run (requests interleaved)
+    for door in (k for k in streamed if k.startswith("door[")):
+        name, d = door[len("door["):-1], out["paths"][door]
+        paired = {}  # median over the run's rounds of (variant - base) TTFT, each round's requests back to back
+        for path in ("door", "client"):
+            pairs = [b["ttft"] - a["ttft"] for a, b in zip(samples[path], samples[f"{path}[{name}]"])]
+            paired[path] = float(np.median(pairs)) * ms
+        out["ab"][name] = {"ttft_p50_overhead_ms": d["ttft_ms"]["p50"] - e["ttft_ms"]["p50"],
+                           "itl_p99_ratio": d["itl_ms"]["p99"] / e["itl_ms"]["p99"] if e["itl_ms"] else None,
+                           "paired_ttft_diff_ms": paired}
     return out
 
 
@@ -235,7 +287,7 @@ def table(r: dict) -> str:
         once = r["once_ms"].get(k)
         lines.append(f"| {k} | {v['ttft_ms']['p50']:.2f} / {v['ttft_ms']['p99']:.2f} | {v['itl_ms']['p50']:.2f} / "
                      f"{v['itl_ms']['p99']:.2f} | {v['tokens_per_chunk']:.2f} | "
-                     f"{once['p50']:.2f} |" if once else "n/a |")
+                     + (f"{once['p50']:.2f} |" if once else "n/a |"))
     lines += ["", "| hop (TTFT, p50 differences) | ms |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in r["hops_ttft_p50_ms"].items()]
     for name, k in (("router call alone", "router_call_ms"), ("bare Ray actor call (health)", "ray_call_ms"),
@@ -243,9 +295,14 @@ def table(r: dict) -> str:
                     ("flame's engine TTFT, 1-token answers via the door", "engine_ttft_door_ms")):
         if r.get(k):
             lines.append(f"| {name} (p50 / p99) | {r[k]['p50']:.2f} / {r[k]['p99']:.2f} |")
-    if r.get("client_split_ms"):
-        lines += ["", "| the client path's TTFT split (time.time() stamps) | p50 / p99 ms |", "|---|---|"]
-        lines += [f"| {k} | {v['p50']:.2f} / {v['p99']:.2f} |" for k, v in r["client_split_ms"].items()]
+    for key in (k for k in r if k.startswith("client_split_ms")):
+        lines += ["", f"| the client{key.removeprefix('client_split_ms')} path's TTFT split (time.time() stamps) "
+                  "| p50 / p99 ms |", "|---|---|"]
+        lines += [f"| {k} | {v['p50']:.2f} / {v['p99']:.2f} |" for k, v in r[key].items()]
+    for name, v in r.get("ab", {}).items():
+        lines.append(f"variant {name}: TTFT p50 overhead {v['ttft_p50_overhead_ms']:.2f} ms, inter-token p99 ratio "
+                     f"{v['itl_p99_ratio']:.2f}x; paired TTFT difference from the base (median, ms): "
+                     + ", ".join(f"{k} {x:+.2f}" for k, x in v["paired_ttft_diff_ms"].items()))
     g = r["goals"]
     lines += ["", f"TTFT p50 overhead of the door over serve-http: {g['ttft_p50_overhead_ms']:.2f} ms (goal <= 3); "
               f"inter-token p99 door / serve-http: {g['itl_p99_ratio']:.2f}x (goal <= 1.2)"]
@@ -276,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-interval-s", type=float, default=None,
                    help="experiment: sys.setswitchinterval in every process started here (serve-http, Ray workers) "
                         "through a sitecustomize on PYTHONPATH; default: Python's 5 ms")
+    p.add_argument("--client-json", default="{}",
+                   help='ClientConfig fields of the door\'s and the Python path\'s client, e.g. \'{"local_routing": '
+                        'false}\'')
+    p.add_argument("--ab-json", default="{}",
+                   help='variants measured in the same run, interleaved with the base paths: {"name": {ClientConfig '
+                        'fields}}; each gets its own door, client and actor path (door[name], ...)')
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.switch_interval_s is not None:
@@ -293,8 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             http.start()
             flame.start()
-            paths = Paths(flame, http, setup.model_revision, a.output_tokens)
-            samples = asyncio.run(measure(paths, a.requests, a.prompt_tokens, vocab, a.warmup, a.gap_s))
+            variants = {"": json.loads(a.client_json), **json.loads(a.ab_json)}
+            paths = Paths(flame, http, setup.model_revision, a.output_tokens, variants)
+            try:
+                samples = asyncio.run(measure(paths, a.requests, a.prompt_tokens, vocab, a.warmup, a.gap_s))
+            finally:
+                paths.close()
         finally:
             flame.stop()
             http.stop()

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ray
+
 from flame_llm.protocol.types import Result
 from flame_llm.serving.batcher import Pending, failed_result
 from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher, completion
@@ -35,6 +37,23 @@ class StreamError(RuntimeError):
         self.result = result
 
 
+_NOT_HERE = object()
+# the router hears of a stream placed here (place_stream) this long after its first token, once that token has
+# reached the caller: the call takes ~0.5 ms of this loop, which a front door shares with the stream's SSE writer
+# (told at once, it held the first token back ~0.5 ms at the door; bench/results/2026-12-01-cpu-hops-session3)
+TELL_AFTER_S = 0.002
+
+
+def _ready_value(ref: ray.ObjectRef):
+    """The value of a streamed item that the generator's __anext__ saw arrive, read at once (`await ref` would take
+    two more thread switches, Ray's io thread and then this loop: ~0.15 ms a chunk on an idle CPU, more on a busy
+    one); _NOT_HERE when it cannot be read without waiting (a large object on another node)."""
+    try:
+        return ray.get(ref, timeout=0)
+    except ray.exceptions.GetTimeoutError:
+        return _NOT_HERE
+
+
 async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk], None]) -> Result:
     """Serve one prepared request `p` (not failed at entry) through dispatcher `d` on its loop, handing each token
     chunk to `push`; its Result (output_token_ids: what was streamed)."""
@@ -43,7 +62,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
     while True:
         t0 = time.perf_counter()
         shard = d.routing.place_stream(p)
-        untold = [p] if shard is not None else []  # placed here: the router is told after the first token
+        untold = [p] if shard is not None else []  # placed here: the router is told after the first token (_tell)
         if shard is None:
             (shard,) = await d.route_shards([p])
         split["route_s"] = time.perf_counter() - t0
@@ -86,23 +105,32 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
     return result
 
 
+def _tell(d: Dispatcher, untold: list[Pending], shard: int) -> None:
+    if untold:  # else the stream ended first, and stream_request told the router before its completion
+        d.routing.tell(untold.pop(), shard)
+
+
 async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
                       push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
     """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard.
     split gets sent_at and first_chunk_at_client (time.time(): the Ray hop's ends, beside the actor's own).
-    untold: the request when the router is still to be told of its placement (done after the first chunk)."""
+    untold: the request when the router is still to be told of its placement (done TELL_AFTER_S after the first
+    chunk, or by stream_request when the stream ends first)."""
     split["sent_at"] = time.time()
     gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
+    telling = None
     try:
         async for ref in gen:
-            item = await ref
+            item = _ready_value(ref)
+            if item is _NOT_HERE:
+                item = await ref
             if isinstance(item, list):
                 if "first_chunk_at_client" not in split:
                     split["first_chunk_at_client"] = time.time()
                 streamed.extend(item)
                 push(StreamChunk(item))
-                if untold:
-                    d.routing.tell(untold.pop(), shard)
+                if untold and not telling:
+                    telling = asyncio.get_running_loop().call_later(TELL_AFTER_S, _tell, d, untold, shard)
                 continue
             (r,) = d.decode(item)
             return r

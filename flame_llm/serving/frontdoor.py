@@ -6,6 +6,7 @@ the router's, this client's, and the front door's own latencies)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -14,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from flame_llm.protocol.types import Result
 from flame_llm.serving.http_app import HttpConfig
+from flame_llm.serving.service_config import ClientConfig
 
 log = logging.getLogger(__name__)
 FRONTDOOR_NAME = "flame-frontdoor"
@@ -86,8 +88,11 @@ class ClientBackend:
 class FrontDoor:
     """Created by start_frontdoor; `start` opens the port on the actor's event loop."""
 
-    def __init__(self, namespace: str, http: HttpConfig) -> None:
+    def __init__(self, namespace: str, http: HttpConfig, client: ClientConfig | None = None) -> None:
+        # the client reads streamed items that have arrived with ray.get(timeout=0) on this loop: not a blocking get
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self.namespace, self.http, self.client, self.runner, self.address = namespace, http, None, None, ""
+        self.client_config = client
 
     def _connect(self, loop: asyncio.AbstractEventLoop):
         from flame_llm.serving.client import make_client
@@ -96,7 +101,8 @@ class FrontDoor:
         router, actors = find_service(self.namespace)
         # the client runs on this actor's loop, the HTTP server's: a stream's chunks reach the response with no
         # hand-off between threads
-        self.client = make_client(None, router, actors, namespace=self.namespace, loop=loop)
+        fields = dataclasses.asdict(self.client_config) if self.client_config is not None else {}
+        self.client = make_client(None, router, actors, namespace=self.namespace, loop=loop, **fields)
         return ClientBackend(self.client, self.http.served_model_name)
 
     async def start(self) -> str:
@@ -116,15 +122,17 @@ class FrontDoor:
             await self.client.aclose()
 
 
-def start_frontdoor(namespace: str, http: HttpConfig, lifetime: str | None = None) -> tuple[ray.actor.ActorHandle,
+def start_frontdoor(namespace: str, http: HttpConfig, lifetime: str | None = None,
+                    client: ClientConfig | None = None, name: str = FRONTDOOR_NAME) -> tuple[ray.actor.ActorHandle,
                                                                                              str]:
     """The front door actor of the service in `namespace`, on this node (it binds http.host here); (handle,
     "http://host:port"). Keep the handle: unless detached, the actor ends with its last handle. RuntimeError in
-    one line when the port cannot be opened."""
+    one line when the port cannot be opened. client: its client's configuration (None: the defaults); name: its
+    actor's (a second door beside the service's, as bench/hops.py opens for an A/B)."""
     node = ray.get_runtime_context().get_node_id()
     handle = ray.remote(num_cpus=0)(FrontDoor).options(
-        name=FRONTDOOR_NAME, namespace=namespace, lifetime=lifetime,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(namespace, http)
+        name=name, namespace=namespace, lifetime=lifetime,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(namespace, http, client)
     try:
         address = ray.get(handle.start.remote())
     except ray.exceptions.RayTaskError as e:
