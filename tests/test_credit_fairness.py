@@ -87,3 +87,60 @@ def test_abandoned_held_requests_leave_without_losing_their_users_turns():
         return [u for part in sent for u in part]
 
     assert asyncio.run(main()) == ["a", "b", "b"]  # a4, then b0 (turns alternate), then b1
+
+
+@pytest.fixture(scope="module")
+def one_shard(tiny_llama):
+    import ray
+
+    from flame_llm.serving.service import start_service
+    from flame_llm.serving.service_config import ServiceConfig
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = ServiceConfig.from_kwargs(model=tiny_llama, num_shards=1, cpu_per_shard=0.5, namespace="test-fair-users",
+                                    engine={"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 4,
+                                            "cpu_kvcache_gib": 0.0625},
+                                    max_inflight_requests=4, max_queued_requests=4)
+    svc = start_service(cfg)
+    yield svc
+    svc.stop(timeout_s=10)
+    ray.shutdown()
+
+
+def test_a_users_stream_is_served_ahead_of_another_users_backlog(one_shard):
+    """One user's 40 requests wait at the client for a shard with room for 8; a stream of another user starts
+    behind them and ends before most of them (it waits a turn); the same stream as the backlog's own user waits
+    behind the whole backlog, as every stream did before users took turns."""
+    import time
+
+    import numpy as np
+
+    from flame_llm import SamplingParams
+    from flame_llm.serving.client import Client
+
+    client = Client.for_service(one_shard)
+    rng = np.random.default_rng(0)
+    bulk = [rng.integers(3, 500, size=24).tolist() for _ in range(40)]
+    long, short = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 2))
+
+    async def run(stream_user: str) -> int:
+        d = client.dispatch
+        task = asyncio.ensure_future(client.agenerate(bulk, long, user="bulk"))
+        deadline = time.monotonic() + 60
+        while len(d.credit.held[0]) < 16:  # a backlog of the bulk user's requests waits for credit
+            assert time.monotonic() < deadline and not task.done(), "no backlog formed"
+            await asyncio.sleep(0.002)
+        chunks = [c async for c in client.stream_chunks(rng.integers(3, 500, size=8).tolist(), short, stream_user)]
+        done_at = time.perf_counter()
+        assert chunks[-1].result is not None and chunks[-1].result.error is None
+        results = await task
+        assert [r.error for r in results] == [None] * len(bulk)
+        return sum(r.timings["done_at"] < done_at for r in results)
+
+    try:
+        fair = asyncio.run_coroutine_threadsafe(run("bob"), client._loop).result(timeout=300)
+        same = asyncio.run_coroutine_threadsafe(run("bulk"), client._loop).result(timeout=300)
+    finally:
+        client.close()
+    # bob: the 8 the shard held, plus a turn's part; the bulk user's own stream: behind (nearly) all 40
+    assert fair <= 20 and same >= 32, (fair, same)

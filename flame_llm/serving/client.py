@@ -101,12 +101,15 @@ class Client:
             raise
 
     async def agenerate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
-                        overload_deadline_s: float | None = None) -> list[Result]:
-        """As generate, awaited from any asyncio loop; cancelling it aborts its requests on the shards."""
+                        overload_deadline_s: float | None = None, user: str = "") -> list[Result]:
+        """As generate, awaited from any asyncio loop; cancelling it aborts its requests on the shards. `user`:
+        whose turn its requests take while they wait for a shard's credit (stream_chunks)."""
+        if not isinstance(user, str):
+            raise ValueError(f"user must be a string; got {type(user).__name__}")
+        call = self._generate(prompts, sampling_params, False, overload_deadline_s, user=user)
         if self._on_loop():
-            return await self._call(self._generate(prompts, sampling_params, False, overload_deadline_s))
-        fut = asyncio.run_coroutine_threadsafe(
-            self._call(self._generate(prompts, sampling_params, False, overload_deadline_s)), self._loop)
+            return await self._call(call)
+        fut = asyncio.run_coroutine_threadsafe(self._call(call), self._loop)
         return await asyncio.wrap_future(fut)
 
     def as_completed(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
@@ -237,7 +240,7 @@ class Client:
         push(StreamChunk([], result))
 
     async def _generate(self, prompts: list, sampling_params, use_tqdm: bool, deadline_s: float | None,
-                        on_result: Callable[[int, Result], None] | None = None) -> list[Result]:
+                        on_result: Callable[[int, Result], None] | None = None, user: str = "") -> list[Result]:
         """Each prompt's Result in input order; on_result(index, result) is called as each lands."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
@@ -270,6 +273,7 @@ class Client:
         pend = [self.requests.prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
                                                                                     strict=True)]
         for i, p in enumerate(pend):
+            p.user = user
             p.future.add_done_callback(lambda f, i=i: landed(i, f))
         try:
             routed = [p for p in pend if not p.future.done()]

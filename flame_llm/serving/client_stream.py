@@ -73,7 +73,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         r, lost = None, None
         try:
             t0 = time.perf_counter()
-            took = await d.take_credit(shard)  # within the shard's flow-control credit, as batches are
+            took = await d.take_credit(shard, p.user)  # within the shard's credit, as batches are, in p.user's turn
             split["credit_wait_s"] = time.perf_counter() - t0
             try:
                 r = await _one_stream(d, shard, payload, rid, streamed, push, split, untold)

@@ -53,11 +53,12 @@ class ClientBackend:
     def observe(self, name: str, seconds: float) -> None:
         self.hist[name].observe(seconds)
 
-    async def generate(self, prompts: list, sampling: list) -> list[Result]:
-        return await self.client.agenerate(prompts, sampling)
+    async def generate(self, prompts: list, sampling: list, user: str = "") -> list[Result]:
+        return await self.client.agenerate(prompts, sampling, user=user)
 
-    def stream(self, prompt, sp):
-        return self.client.stream_chunks(prompt, sp)
+    def stream(self, prompt, sp, user: str = ""):
+        """user: the end user whose turn the request takes at a busy shard's credit (ApiRequest.user)."""
+        return self.client.stream_chunks(prompt, sp, user)
 
     async def health(self) -> dict:
         """Every shard's health() at once (a probe target: no stats, no actor lookups); a shard that does not

@@ -117,6 +117,8 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     backend, cfg = request.app[BACKEND], request.app[CONFIG]
     body = await read_json(request)
     req = api.parse(kind, body, backend.limits, cfg.request_limits(), backend.tokenizer, backend.model_names)
+    if not req.user:  # the end users who take turns at a busy shard: named by `user`, else by their address
+        req.user = f"addr:{request.remote}"
     observe = request.app[OBSERVE]
     if req.stream:
         return await stream_events(request, req, backend, t0, observe)

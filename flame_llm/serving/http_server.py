@@ -59,8 +59,9 @@ class EngineBackend:
             return self._result(rid, prompt, error=ErrorInfo(ErrorCode.ENGINE_ERROR, str(e)))
         return self._result(rid, prompt, out, t0=t0)
 
-    async def generate(self, prompts: list, sampling: list) -> list[Result]:
-        """All prompts are checked against the engine's KV pool before any is admitted."""
+    async def generate(self, prompts: list, sampling: list, user: str = "") -> list[Result]:
+        """All prompts are checked against the engine's KV pool before any is admitted. `user` takes no turn here
+        (one engine, no client credit queue)."""
         try:
             for p, sp in zip(prompts, sampling, strict=True):
                 self.engine.engine.check_request(p, sp)
@@ -69,7 +70,7 @@ class EngineBackend:
             return [self._result("", p, error=err) for p in prompts]
         return list(await asyncio.gather(*(self._one(p, sp) for p, sp in zip(prompts, sampling, strict=True))))
 
-    async def stream(self, prompt, sp):
+    async def stream(self, prompt, sp, user: str = ""):
         rid, t0 = next(self._ids), time.perf_counter()
         self.counters["requests"] += 1
         agen = self.engine.stream_chunks(prompt, sp, rid)

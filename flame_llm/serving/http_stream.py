@@ -17,7 +17,7 @@ from flame_llm.serving.detok import TextStream
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tuple[Result, str]:
+async def run_choice(backend, prompt, sp, stop: list[str], on_text=None, user: str = "") -> tuple[Result, str]:
     """One choice through backend.stream: (its Result, its text). on_text(text, token_ids) is called for every
     chunk. When a stop string matches, the stream is closed (the request is aborted on its engine) and the
     result says finish_reason "stop"."""
@@ -25,7 +25,7 @@ async def run_choice(backend, prompt, sp, stop: list[str], on_text=None) -> tupl
     ts = TextStream(tok, stop) if tok is not None else None
     ids: list[int] = []
     result = None
-    agen = backend.stream(prompt, sp)
+    agen = backend.stream(prompt, sp, user)
     try:
         async for c in agen:
             ids.extend(c.token_ids)
@@ -50,11 +50,11 @@ async def collect(req: api.ApiRequest, backend, t0: float, observe) -> tuple[lis
     """Every choice's result (as the response's JSON reads it: Result.to_dict()) and text, for a response in one
     piece."""
     if req.stop:
-        pairs = await asyncio.gather(*(run_choice(backend, p, sp, req.stop)
+        pairs = await asyncio.gather(*(run_choice(backend, p, sp, req.stop, user=req.user)
                                        for p, sp in zip(req.prompts, req.sampling, strict=True)))
         results, texts = [r for r, _ in pairs], [t for _, t in pairs]
     else:
-        results = await backend.generate(req.prompts, req.sampling)
+        results = await backend.generate(req.prompts, req.sampling, req.user)
         tok = backend.tokenizer
         texts = [tok.decode(r.output_token_ids, skip_special_tokens=True) if tok is not None and not r.error
                  else "" for r in results]
@@ -81,7 +81,7 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
             events.put_nowait(("text", index, text, token_ids))
 
         try:
-            result, _ = await run_choice(backend, prompt, sp, req.stop, on_text)
+            result, _ = await run_choice(backend, prompt, sp, req.stop, on_text, req.user)
         except Exception as e:  # noqa: BLE001 - reported to the client as the stream's error
             events.put_nowait(("error", index, api.ApiError(500, f"{type(e).__name__}: {e}", None, "server_error")))
             return
