@@ -226,8 +226,8 @@ def test_streams_take_flow_control_credit_too(service):
     peak = dict.fromkeys(d.outstanding, 0)
     real_take = d.take_credit
 
-    async def watched(shard):
-        took = await real_take(shard)
+    async def watched(shard, user=""):
+        took = await real_take(shard, user)
         peak[shard] = max(peak[shard], d.outstanding[shard])
         return took
 
