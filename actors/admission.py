@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from flame_llm.fair_queue import FairQueue
 from flame_llm.limits import max_output_tokens
 
 HINT_MIN_S = 0.01
@@ -63,8 +64,8 @@ class Admission:
         self.tokens = 0
         self.requests = 0
         self.queued_tokens = 0
-        # caller -> its waiting (cost, future), FIFO; the dict's order is the callers' turn (round robin)
-        self._queues: dict[Hashable, deque[tuple[int, asyncio.Future]]] = {}
+        # per caller its waiting (cost, future), FIFO; callers take turns (round robin)
+        self._queues = FairQueue()
         self._queued = 0
         self._held: dict[Hashable, int] = {}  # caller -> its requests in flight
         self.admitted = 0
@@ -87,20 +88,17 @@ class Admission:
 
     def _head(self) -> tuple[Hashable, int] | None:
         """(caller, cost) of the request whose turn is next, or None with nobody waiting."""
-        for key, q in self._queues.items():
-            return key, q[0][0]
-        return None
+        return (self._queues.head_user(), self._queues.head()[0]) if self._queues else None
 
     def _full_for(self, key: Hashable) -> str:
         """Why a request of `key` arriving now is rejected, or "" when it may wait."""
         if not self.fair:
             return "" if self._queued < self.max_queued else \
                 f"admission queue is full ({self._queued} waiting, max_queued_requests={self.max_queued})"
-        q = self._queues.get(key)
-        waiting = len(q) if q else 0
-        callers = len(self._queues) + (q is None)  # waiting callers, this one counted
-        if q is None and callers > self.max_queued:
-            return (f"admission queue is full ({len(self._queues)} callers waiting, the most at once: "
+        waiting = self._queues.waiting(key)
+        callers = self._queues.users + (waiting == 0)  # waiting callers, this one counted
+        if waiting == 0 and callers > self.max_queued:
+            return (f"admission queue is full ({self._queues.users} callers waiting, the most at once: "
                     f"max_queued_requests={self.max_queued})")
         if self._queued < self.max_queued:
             return ""
@@ -146,7 +144,7 @@ class Admission:
             raise Overloaded(hint, self._queued, self.max_queued, position, why)
         fut = asyncio.get_running_loop().create_future()
         entry = (cost, fut)
-        self._queues.setdefault(key, deque()).append(entry)
+        self._queues.append(entry, key)
         self._queued += 1
         self.queued_tokens += cost
         self.waited += 1
@@ -156,11 +154,8 @@ class Admission:
             if fut.done() and not fut.cancelled():
                 self.release(cost, caller)  # granted just as we were cancelled
             else:
-                q = self._queues.get(key)
-                if q is not None and entry in q:  # else a _grant that ran first dropped it
-                    q.remove(entry)
-                    if not q:
-                        del self._queues[key]
+                if entry in self._queues:  # else a _grant that ran first dropped it
+                    self._queues.remove(entry)
                     self._queued -= 1
                     self.queued_tokens -= cost
                 self._grant()  # a head too big for the free tokens may have gone: the next may fit
@@ -185,10 +180,7 @@ class Admission:
         """Admit waiting requests while the one whose turn it is fits; its caller's turn then passes."""
         while (head := self._head()) is not None and self._fits(head[1]):
             key = head[0]
-            q = self._queues.pop(key)
-            c, fut = q.popleft()
-            if q:
-                self._queues[key] = q  # to the back of the turn
+            c, fut = self._queues.popleft()  # its caller goes to the back of the turn
             self._queued -= 1
             self.queued_tokens -= c
             if fut.cancelled():  # its waiter was cancelled and has not run its cleanup yet: nobody to admit
@@ -247,5 +239,5 @@ class Admission:
 
     def stats(self) -> dict:
         return {"inflight_tokens": self.tokens, "inflight_requests": self.requests, "queued": self._queued,
-                "queued_tokens": self.queued_tokens, "queued_callers": len(self._queues), "admitted": self.admitted,
+                "queued_tokens": self.queued_tokens, "queued_callers": self._queues.users, "admitted": self.admitted,
                 "rejected": self.rejected, "waited": self.waited}

@@ -79,8 +79,8 @@ def test_random_traffic_keeps_the_bounds_and_never_rejects_a_caller_below_its_sh
             op = rng.random()
             if op < 0.6:
                 caller = rng.randrange(12)
-                q = gate._queues.get(caller)
-                w, callers = (len(q) if q else 0), len(gate._queues) + (q is None)
+                w = gate._queues.waiting(caller)
+                callers = gate._queues.users + (w == 0)
                 may = (not gate.queued and gate._fits(10)) or gate.queued < gate.max_queued or (
                     callers <= gate.max_queued and w < max(1, gate.max_queued // callers)
                     and gate.queued - gate.max_queued < callers)
@@ -102,8 +102,8 @@ def test_random_traffic_keeps_the_bounds_and_never_rejects_a_caller_below_its_sh
             moved = [(t, c) for t, c in waiting if t.done()]
             waiting = [(t, c) for t, c in waiting if not t.done()]
             held += [(t, c) for t, c in moved if not t.cancelled()]
-            assert gate.queued == len(waiting) <= gate.max_queued + len(gate._queues)
-            assert len(gate._queues) <= gate.max_queued and gate.queued <= 2 * gate.max_queued
+            assert gate.queued == len(waiting) <= gate.max_queued + gate._queues.users
+            assert gate._queues.users <= gate.max_queued and gate.queued <= 2 * gate.max_queued
         return gate.rejected
 
     assert asyncio.run(main()) > 100  # the bounds were reached often

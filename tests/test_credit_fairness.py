@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
+from flame_llm.fair_queue import FairQueue
 from flame_llm.serving.batcher import ClientCounters, Pending
-from flame_llm.serving.credit import Credit, FairQueue
+from flame_llm.serving.credit import Credit
 
 
 def test_fair_queue_serves_users_in_rotation():

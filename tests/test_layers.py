@@ -19,6 +19,7 @@ LAYERS = [
     ("flame_llm.prefix", ("core: base", 0)),
     ("flame_llm.limits", ("core: base", 0)),
     ("flame_llm.validate", ("core: base", 0)),
+    ("flame_llm.fair_queue", ("core: base", 0)),
     ("flame_llm.kernels", ("core: kernels", 1)),
     ("flame_llm.layers", ("core: layers", 2)),
     ("flame_llm.models", ("core: models", 3)),
