@@ -9,6 +9,8 @@ Workloads: `generate` (N concurrent generate() calls: only the steps that finish
 The offline LLM.generate never uses AsyncEngine, so the flag cannot touch it.
 
     python -m bench.handoff_cost --rounds 5 --out cost.json
+    python -m bench.handoff_cost --model MODEL_DIR --variants off,handshake=0.5 --generate 256 --streams 64 \
+        --engine-json '{"gpu_memory_utilization": 0.4}' --out cost-gpu.json     # one GPU, two engines
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--engine-json", default="{}", help="engine fields of every variant's engine; on a GPU give each "
+                   'its share, e.g. \'{"gpu_memory_utilization": 0.4}\' for two variants')
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     import torch
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = SamplingParams(temperature=0, max_tokens=a.output_tokens, ignore_eos=True)
     work = {"generate": (prompts[:a.generate], False), "stream": (prompts[:a.streams], True),
             "stream1": (prompts[:1], True)}
-    base = {"block_size": 16, "cpu_kvcache_gib": 0.25, "max_num_seqs": max(a.generate, a.streams)}
+    base = {"cpu_kvcache_gib": 0.25, "max_num_seqs": max(a.generate, a.streams), **json.loads(a.engine_json)}
     variants = a.variants.split(",")
     engines = {v: make_engine(model, v, base) for v in variants}
     times: dict = {v: {w: [] for w in work} for v in variants}
