@@ -32,7 +32,11 @@ def test_outputs_identical_with_and_without_the_hand_off(tiny_llama):
     for ms in (0, 0.5, 5):
         eng = AsyncEngine.from_args(tiny_llama, block_size=16, handoff_wait_ms=ms)
         try:
-            results[ms] = _run_all(eng, sp), eng.stats()
+            outs = _run_all(eng, sp)
+            deadline = time.monotonic() + 5  # the last step's wait may still be under way when its callers return
+            while ms and eng.stats()["handoff_waits"] < 12 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            results[ms] = outs, eng.stats()
         finally:
             eng.shutdown()
     for ms, ((streamed, generated), _) in results.items():
