@@ -52,7 +52,7 @@ def _setup(a):
 
     o = RunOptions(model=a.model, load_format="auto", num_shards=1, max_model_len=a.max_model_len,
                    max_num_seqs=16, max_num_batched_tokens=a.max_model_len, torch_threads=a.torch_threads,
-                   engine_json={"cpu_kvcache_gib": 0.25})
+                   engine_json={"cpu_kvcache_gib": 0.25, **json.loads(a.engine_json)})
     return build_setup(o, os.path.join(a.logs, "logs"))
 
 
@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab-json", default="{}",
                    help='variants measured in the same run, interleaved with the base paths: {"name": {ClientConfig '
                         'fields}}; each gets its own door, client and actor path (door[name], ...)')
+    p.add_argument("--engine-json", default="{}", help="engine fields of both serve-http and the shard, e.g. "
+                   '\'{"handoff_wait_ms": 0.5}\'')
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.switch_interval_s is not None:

@@ -22,6 +22,7 @@ FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varl
 # RunnerConfig.cuda_graph_mixed_tokens's default with CUDA graphs: vLLM's largest captured size; on the H200 a step
 # of a 64-token question among 4 decodes took 21.7 ms eager, 6.7 ms replayed (bench/RESULTS.md, mixed-step graphs)
 MIXED_GRAPH_TOKENS = 512
+HANDOFF_WAIT_MAX_MS = 10.0  # SchedulerConfig.handoff_wait_ms's upper bound: two GIL switch intervals
 
 
 @dataclass(slots=True)
@@ -90,6 +91,10 @@ class SchedulerConfig:
     # launch step N+1 before reading step N's tokens, so the host prepares a step while the GPU runs the last
     # one. None: on with CUDA (off on CPU, where nothing overlaps, and with speculative decoding)
     async_scheduling: bool | None = None  # prepare step N+1 while N runs (null: on with CUDA)
+    # AsyncEngine: after a step hands tokens or results to callers' asyncio loops, its thread waits (without the
+    # GIL) until each of those loops has run them, at most this long; on CPU the engine thread otherwise keeps
+    # the GIL and the loop that carries a token onwards waits for it. 0: off (no wait)
+    handoff_wait_ms: float = 0.0  # AsyncEngine: wait up to this long for callers' loops to take a step's tokens
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1, **_F)
@@ -100,6 +105,7 @@ class SchedulerConfig:
         for name in ("enable_chunked_prefill", "enable_cache_aware_schedule", "enable_prefix_dedup"):
             check_bool(name, getattr(self, name), **_F)
         check_bool("async_scheduling", self.async_scheduling, optional=True, **_F)
+        check_number("handoff_wait_ms", self.handoff_wait_ms, 0, HANDOFF_WAIT_MAX_MS, **_F)
 
 
 @dataclass(slots=True)

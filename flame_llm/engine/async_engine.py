@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -56,6 +57,10 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._next_id = 0
+        # bounded hand-off (handoff_wait_ms): the loops handed work since the last wait, and the waits' counts
+        self._handoff_s = config.scheduler_config.handoff_wait_ms / 1000
+        self._handed: set[asyncio.AbstractEventLoop] = set()
+        self._handoff = {"handoff_waits": 0, "handoff_timeouts": 0, "handoff_wait_s": 0.0, "handoff_wait_max_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="flame-engine", daemon=True)
         self._thread.start()
 
@@ -149,7 +154,7 @@ class AsyncEngine:
     def stats(self) -> dict:
         with self._cond:
             queued = len(self._adds)
-        return {**self.engine.stats(), "num_queued": queued, "num_in_flight": len(self._pending)}
+        return {**self.engine.stats(), "num_queued": queued, "num_in_flight": len(self._pending), **self._handoff}
 
     def shutdown(self) -> None:
         with self._cond:
@@ -183,13 +188,14 @@ class AsyncEngine:
                     seq = engine.abort(rid)
                     if seq is not None:
                         self._deliver(seq)
-                if engine.is_finished():
-                    continue
-                finished, _ = engine.step()
-                for p in list(self._streams.values()):
-                    self._push_tokens(p)
-                for seq in finished:
-                    self._deliver(seq)
+                if not engine.is_finished():
+                    finished, _ = engine.step()
+                    for p in list(self._streams.values()):
+                        self._push_tokens(p)
+                    for seq in finished:
+                        self._deliver(seq)
+                if self._handed:
+                    self._wait_handoff()
             except BaseException as e:  # the step failed: every waiting caller gets the error
                 logger.exception("engine step failed")
                 self._error = e
@@ -201,7 +207,7 @@ class AsyncEngine:
         new = seq.completion_token_ids[p.num_streamed:]
         if new:
             p.num_streamed += len(new)
-            _call(p.loop, p.stream.put_nowait, new)  # a fresh list: the slice copies
+            self._hand(p.loop, p.stream.put_nowait, new)  # a fresh list: the slice copies
 
     def _deliver(self, seq: Sequence) -> None:
         p = self._pending.pop(seq.request_id, None)
@@ -221,7 +227,31 @@ class AsyncEngine:
             return
         if p.stream is not None:
             _call(p.loop, p.stream.put_nowait, None)
-        _call(p.loop, _resolve, p.future, out)
+        self._hand(p.loop, _resolve, p.future, out)
+
+    def _hand(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        if _call(loop, fn, *args) and self._handoff_s:
+            self._handed.add(loop)
+
+    def _wait_handoff(self) -> None:
+        """Let the GIL go until every loop handed work this step has run it and the task it woke (a release
+        queued behind them), at most handoff_wait_ms; a late release finds a lock nobody waits on."""
+        loops, self._handed = self._handed, set()
+        locks = []
+        for loop in loops:
+            lock = threading.Lock()
+            lock.acquire()
+            if _call(loop, loop.call_soon, lock.release):
+                locks.append(lock)
+        t0 = time.perf_counter()
+        deadline = t0 + self._handoff_s
+        timed_out = not all(lock.acquire(timeout=max(0.0, deadline - time.perf_counter())) for lock in locks)
+        waited = time.perf_counter() - t0
+        h = self._handoff
+        h["handoff_waits"] += 1
+        h["handoff_timeouts"] += timed_out
+        h["handoff_wait_s"] += waited
+        h["handoff_wait_max_s"] = max(h["handoff_wait_max_s"], waited)
 
     def _fail_one(self, p: _Pending, exc: BaseException) -> None:
         if p.stream is not None:
@@ -236,12 +266,13 @@ class AsyncEngine:
             self._fail_one(p, exc)
 
 
-def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    """Hand a result to the caller's loop; a caller whose loop has closed no longer listens."""
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Hand a result to the caller's loop; a caller whose loop has closed no longer listens (False)."""
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
-        pass
+        return False
+    return True
 
 
 def _resolve(fut: asyncio.Future, value) -> None:
