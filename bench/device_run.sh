@@ -37,10 +37,10 @@ if [[ ! -d /tmp/site && -f .device/site.tar.xz ]]; then tar -xJf .device/site.ta
 echo "unpacked in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$PWD:/tmp/site:/tmp/wheels:/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
-# compile caches in /tmp, which a warm machine keeps between calls: a later call of the same block starts vLLM
-# (torch.compile) and our Triton kernels from the cache instead of compiling again (start-up only; a burst's
-# warmup rounds run before anything is measured either way)
-export VLLM_CACHE_ROOT=/tmp/vllm-cache TRITON_CACHE_DIR=/tmp/triton-cache
+# WARM_CACHES=1: compile caches in /tmp, which a warm machine keeps between the calls of one block, so a later call
+# starts vLLM (torch.compile, ~60 s of its 123 s start-up) and our Triton kernels from the cache. Bursts only: a
+# load record's start-up figure is then not a cold start (leave it off for start-up comparisons)
+if [[ ${WARM_CACHES:-0} == 1 ]]; then export VLLM_CACHE_ROOT=/tmp/vllm-cache TRITON_CACHE_DIR=/tmp/triton-cache; fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_ADDRESS=
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 VLLM=(--vllm-bin /tmp/vsite/site/bin/vllm --vllm-pythonpath /tmp/vsite/site)
