@@ -119,12 +119,12 @@ def kill_shard(system, shard: int = 0, timeout_s: float = 900.0) -> dict:
     import ray
 
     actor = system.service.actors[shard]
-    old = ray.get(actor.health.remote(), timeout=30)["incarnation"]
+    old = ray.get(actor.health.remote(), timeout=30).incarnation
     t0 = time.perf_counter()
     ray.kill(actor, no_restart=False)
     while time.perf_counter() - t0 < timeout_s:
         try:
-            if ray.get(actor.health.remote(), timeout=5)["incarnation"] != old:
+            if ray.get(actor.health.remote(), timeout=5).incarnation != old:
                 return {"shard": shard, "restarted": True, "recovery_s": time.perf_counter() - t0}
         except Exception:  # noqa: BLE001 - dead or restarting: ask again
             pass

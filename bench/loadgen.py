@@ -163,7 +163,7 @@ async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: 
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
     timeout = aiohttp.ClientTimeout(total=cfg.duration_s + cfg.drain_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        tasks, outcomes = [], []
+        tasks, outcomes, fired = [], [], None
         t0 = time.perf_counter()
         if event is not None:
             async def fire(at_s: float, fn, sink: dict) -> None:
@@ -171,7 +171,8 @@ async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: 
                 sink["at_s"] = time.perf_counter() - t0
                 await asyncio.to_thread(fn)
 
-            tasks.append(asyncio.ensure_future(fire(*event)))
+            fired = asyncio.ensure_future(fire(*event))
+            tasks.append(fired)
         for t in times:
             delay = t - (time.perf_counter() - t0)
             if delay > 0:
@@ -194,6 +195,9 @@ async def run_rate(replicas: list[Replica], cfg: LoadConfig, rate: float, docs: 
         for out in outcomes:
             if out.e2e_s is None and out.error is None:
                 out.error = f"still running {cfg.drain_s}s after the window closed"
+        if fired is not None and fired.done() and not fired.cancelled() and fired.exception() is not None:
+            # a window whose event (the shard kill) failed did not run the workload it was asked for
+            raise RuntimeError(f"the window's event failed: {fired.exception()!r}") from fired.exception()
     return outcomes
 
 

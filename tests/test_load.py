@@ -328,3 +328,42 @@ def test_pauses_that_several_streams_sat_through_together_are_found():
     md = render([record("flame", LoadConfig(rates=(2.0,), duration_s=4.0), [summarize(outs, 2.0,
                         LoadConfig(rates=(2.0,), duration_s=4.0))], [outs], {})])
     assert "1 wait(s) of >= 0.5 s" in md and "ending 2.00 s, 3 streams waited >= 1.00 s" in md
+
+
+@pytest.mark.slow
+def test_a_shard_killed_mid_window_is_restarted_and_its_effect_recorded(tmp_path):
+    """flame on two CPU shards, shard 0's engine actor killed 1 s into a 5 s window: the record says the kill
+    fired and Ray restarted the shard (with its recovery time), no request sent after the kill failed, and the
+    report names the kill. (The kill once read health() by key after it became a ShardHealth: the kill raised in
+    its thread, was never retrieved, and the window was recorded as if the shard had been killed.)"""
+    out = tmp_path / "kill"
+    argv = ["bench", "--mode", "load", "--systems", "flame", "--model", "tiny", "--load-format", "auto",
+            "--rates", "4", "--duration-s", "5", "--drain-s", "60", "--docs", "4", "--doc-tokens", "64",
+            "--question-tokens", "8", "--output-tokens", "16", "--warmup-requests", "2", "--max-model-len", "256",
+            "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--kill-shard-at", "1", "--engine-json",
+            '{"cpu_kvcache_gib": 0.0625}', "--out", str(out)]
+    assert cli.main(argv) == 0
+    (rec,) = load_records(str(out))
+    (w,) = rec["windows"]
+    k = w["kill"]
+    assert k["fired"] and k["shard"] == 0 and k["restarted"] and k["recovery_s"] > 0 and k["at_s"] >= 1.0
+    assert k["failed_after"] == 0 and w["completed"] + w["failed"] == w["sent"] > 0
+    md = open(os.path.join(out, "load-report.md")).read()
+    assert "shard 0 killed" in md and "restarted after" in md
+
+
+def test_a_failed_window_event_fails_the_window_instead_of_passing_unseen():
+    """run_rate's event (the shard kill) raising in its thread: the window raises, naming it."""
+    import asyncio
+
+    from bench.http_client import Replica
+    from bench.loadgen import run_rate
+
+    def boom() -> None:
+        raise TypeError("not subscriptable")
+
+    cfg = LoadConfig(duration_s=0.2, drain_s=1.0, num_docs=1, doc_tokens=4, question_tokens=1, output_tokens=1)
+    docs = np.zeros((1, 4), dtype=np.int64)
+    assert len(arrivals(0.001, cfg.duration_s, cfg.seed * 7919)) == 0  # no request is sent: the event alone
+    with pytest.raises(RuntimeError, match="event failed: TypeError"):
+        asyncio.run(run_rate([Replica(0, "http://127.0.0.1:9", "cpu-0")], cfg, 0.001, docs, "rev", event=(0.0, boom, {})))
