@@ -67,11 +67,11 @@ class Attention(nn.Module):
     def forward_kept(self, q_kept: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """prune_last_layer: store every row's k/v [T, Hkv, D] at the step's slot_mapping, then attend only
         q_kept [S, H, D], the step's sampled rows (meta.kept: each the last query of its sequence, so a decode
-        query over its seq_len keys). On CUDA our Triton decode kernel whatever the backend (its variants are
-        compiled at startup; FA4's would compile just in time), else the torch path."""
+        query over its seq_len keys). Our Triton decode kernel on every backend but torch (its variants are
+        compiled at startup; FA4's would compile just in time; on CPU "triton" runs it under the interpreter)."""
         meta = get_context()
         assert self.k_cache.numel() > 0 and meta.fixed_launch is None, "eager steps with a KV cache only"
-        triton = q_kept.is_cuda and self.backend != "torch"
+        triton = self.backend != "torch"
         if triton:
             from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
