@@ -211,3 +211,18 @@ def test_flag_default_off_and_bad_values_name_the_field(tiny_llama):
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="prune_last_layer"):
             Config.from_kwargs(tiny_llama, prune_last_layer=bad)
+
+
+def test_prune_ab_bench_runs_on_a_tiny_model(tmp_path):
+    """bench.prune_ab (the GPU A/B's offline half) runs on CPU and finds the same tokens in both modes."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "ab.json"
+    subprocess.run([sys.executable, "-m", "bench.prune_ab", "--model", "tiny", "--prompts", "3", "--prompt-tokens",
+                    "100", "--output-tokens", "4", "--max-num-batched-tokens", "64", "--rounds", "2", "--out",
+                    str(out)], check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["order"] == ["off", "prune"] and res["summary"]["prune"]["tokens_equal"]
+    assert res["summary"]["off"]["tokens_equal"] and res["rounds"]["prune"][0]["prefill_steps"] > 0
