@@ -140,6 +140,16 @@ def test_storing_only_the_kept_rows_is_caught(tiny_llama, reference, monkeypatch
     assert on != reference["llama"]
 
 
+def test_speculative_decoding_with_the_flag(tiny_llama, reference):
+    """The target's prefill steps prune (each sequence samples at most one row there); the verify and draft
+    forwards call the model without keep_rows; tokens equal transformers'."""
+    llm = LLM(tiny_llama, speculative_model=tiny_llama, num_speculative_tokens=3, prune_last_layer=True, **CHUNKED)
+    calls = Calls(llm)
+    outs = llm.generate(make_prompts(), SP, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference["llama"]
+    assert calls.kept > 0 and calls.plain > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_with_fused_residual_epilogues(arch, reference, tiny_llama, tiny_qwen3):
     """gemm_epilogues' residual stream through o/down (its torch composition on CPU) prunes the same way."""
