@@ -120,11 +120,16 @@ class ModelRunner:
         self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size
         self.staging = Staging(self.device)
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
+        self.prune = rc.prune_last_layer  # eager steps: the last layer past its KV store on sampled rows only
         self._jit_logged = 0
         if self.backend == "fa4":
             warmup_fa4(config, self.attn_layers[0])  # compiles our Triton kernel's decode-row variants too
         elif self.backend == "triton" and self.device.type == "cuda":
             warmup_triton(config, self.attn_layers[0])
+        elif self.backend == "flash_attn" and rc.prune_last_layer:  # its kept rows run on our decode kernel
+            from flame_llm.kernels.triton_attention import warmup_all_variants
+            a = self.attn_layers[0]
+            warmup_all_variants(a.k_cache, a.v_cache, a.num_heads, a.scale, decode_only=True)
         self.use_graphs = self.device.type == "cuda" and not rc.enforce_eager and self.backend != "torch"
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
@@ -193,13 +198,16 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], num_tokens: list[int], starts: list[int] | None = None) -> StepInputs:
         return build_step_inputs(seqs, num_tokens, self.block_size, starts)
 
-    def upload(self, x: StepInputs) -> DeviceInputs:
-        return upload(self.staging, x, self.split_decodes)
+    def upload(self, x: StepInputs, prune: bool = False) -> DeviceInputs:
+        return upload(self.staging, x, self.split_decodes, prune)
 
-    def forward(self, dev: DeviceInputs) -> torch.Tensor:
-        """Hidden states [T, hidden] of a forward's inputs (stores their K/V)."""
+    def forward(self, dev: DeviceInputs, prune: bool = False) -> torch.Tensor:
+        """Hidden states [T, hidden] of a forward's inputs (stores their K/V); prune: of dev.logits_rows only
+        (upload(x, prune=True) built the metadata of those rows' last-layer attention)."""
         set_context(dev.meta)
         try:
+            if prune:
+                return self.model(dev.input_ids, dev.positions, keep_rows=dev.logits_rows)
             return self.model(dev.input_ids, dev.positions)
         finally:
             set_context(None)
@@ -228,15 +236,15 @@ class ModelRunner:
             if not x.sample_idx:
                 return handle
         else:
-            dev = self.upload(x)
+            dev = self.upload(x, self.prune)
             if prev_sampled is not None:
                 dev.input_ids[dev.pending_rows] = prev_sampled[dev.pending_src]
-            hidden = self.forward(dev)
+            hidden = self.forward(dev, self.prune)  # pruned: the logits_rows' alone
             if self.uses_fa4:
                 self.attention_jit_compiles()  # logs a variant the warmup missed
             if not x.sample_idx:
                 return handle
-            logits = self.compute_logits(hidden[dev.logits_rows])
+            logits = self.compute_logits(hidden if self.prune else hidden[dev.logits_rows])
         if not x.sample_idx:
             return handle
         params = [seqs[i].sampling_params for i in x.sample_idx]

@@ -145,12 +145,17 @@ class Staging:
         return out
 
 
-def upload(staging: Staging, x: StepInputs, split_decodes: bool = False) -> DeviceInputs:
+def upload(staging: Staging, x: StepInputs, split_decodes: bool = False, prune: bool = False) -> DeviceInputs:
     """The step's tensors on the device. split_decodes: a mixed step that starts with single-token
-    segments also gets metadata for those rows as a decode step and for the rest as their own varlen step."""
+    segments also gets metadata for those rows as a decode step and for the rest as their own varlen step.
+    prune: meta.kept describes the sampled rows (logits_rows) as a decode step (prune_last_layer)."""
     arrays = {"ids": x.input_ids, "pos": x.positions, "slots": x.slot_mapping, "rows": x.logits_rows,
               "pending": x.pending_rows, "src": x.pending_src, "cu": x.cu_seqlens_q, "lens": x.seq_lens,
               "tables": x.block_tables}
+    prune = prune and bool(x.sample_idx)
+    if prune:  # each sampled row ends its segment: its query sees all seq_lens keys, as a decode query
+        arrays.update(k_cu=np.arange(len(x.sample_idx) + 1, dtype=np.int32), k_lens=x.seq_lens[x.sample_idx],
+                      k_tables=x.block_tables[x.sample_idx])
     d, lens = 0, None
     if split_decodes and not x.is_decode:
         lens = np.diff(x.cu_seqlens_q)
@@ -167,4 +172,7 @@ def upload(staging: Staging, x: StepInputs, split_decodes: bool = False) -> Devi
         rest = AttentionMetadata(t["cu_rest"], t["lens"][d:], t["tables"][d:], t["slots"][d:],
                                  int(lens[d:].max()), int(rest_lens.max()))
         meta.decode_split = (d, decode, rest)
+    if prune:
+        meta.kept = AttentionMetadata(t["k_cu"], t["k_lens"], t["k_tables"], t["slots"][:0], 1,
+                                      int(x.seq_lens[x.sample_idx].max()), is_decode=True)
     return DeviceInputs(t["ids"], t["pos"], meta, t["rows"], t["pending"], t["src"])

@@ -23,6 +23,9 @@ class AttentionMetadata:
     # a step captured in a CUDA graph whatever its backend: our Triton kernel with this (TileConfig, num_splits)
     # and a grid fixed by max_seqlen_q (the graph's token bucket) and the segment count (engine/mixed_graphs.py)
     fixed_launch: tuple | None = None
+    # prune_last_layer: the sampled rows' queries of the last layer as a decode step over the same caches (one
+    # query per sampling sequence, seq_lens/block_tables of those sequences, no slot_mapping: already stored)
+    kept: AttentionMetadata | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

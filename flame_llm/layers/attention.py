@@ -4,7 +4,12 @@ import torch
 from torch import nn
 
 from flame_llm.kernels.metadata import get_context
-from flame_llm.kernels.torch_attention import dense_causal_attention, torch_attention_forward
+from flame_llm.kernels.torch_attention import (
+    dense_causal_attention,
+    paged_decode_attention,
+    store_kvcache,
+    torch_attention_forward,
+)
 
 
 def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
@@ -58,3 +63,25 @@ class Attention(nn.Module):
             return fixed_launch_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self._fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
 
+
+    def forward_kept(self, q_kept: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """prune_last_layer: store every row's k/v [T, Hkv, D] at the step's slot_mapping, then attend only
+        q_kept [S, H, D], the step's sampled rows (meta.kept: each the last query of its sequence, so a decode
+        query over its seq_len keys). Our Triton decode kernel on every backend but torch (its variants are
+        compiled at startup; FA4's would compile just in time; on CPU "triton" runs it under the interpreter)."""
+        meta = get_context()
+        assert self.k_cache.numel() > 0 and meta.fixed_launch is None, "eager steps with a KV cache only"
+        triton = self.backend != "torch"
+        if triton:
+            from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if q_kept.shape[0] == 0:
+            return q_kept
+        kept = meta.kept
+        assert kept is not None and kept.seq_lens.shape[0] == q_kept.shape[0], "one kept row per sampling sequence"
+        if triton:
+            return paged_attention_triton(q_kept, self.k_cache, self.v_cache, kept, self.scale)
+        return paged_decode_attention(q_kept, self.k_cache, self.v_cache, kept.seq_lens, kept.block_tables,
+                                      self.scale)

@@ -40,6 +40,18 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None,
                 ) -> torch.Tensor:
         """o_proj(attention(x)), plus `residual` in o_proj's epilogue when given (residual_impl set)."""
+        q, k, v = self._qkv(positions, x)
+        return self._out(self.attn(q, k, v), residual)
+
+    def forward_kept(self, positions: torch.Tensor, x: torch.Tensor, keep_rows: torch.Tensor,
+                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Store the K/V of every row of x, then o_proj(attention) of the rows keep_rows only (`residual`: those
+        rows' residual, fused as in forward); None when keep_rows is empty (the store alone)."""
+        q, k, v = self._qkv(positions, x)
+        o = self.attn.forward_kept(q[keep_rows], k, v)
+        return None if o.shape[0] == 0 else self._out(o, residual)
+
+    def _qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -48,7 +60,10 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v).flatten(1, -1)
+        return q, k, v
+
+    def _out(self, o: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        o = o.flatten(1, -1)
         if residual is not None:
             from flame_llm.kernels.gemm_epilogue import residual_linear
             return residual_linear(o, self.o_proj.weight, residual, self.residual_impl)
@@ -107,6 +122,26 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def forward_kept(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                     keep_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """forward for the rows keep_rows only, after storing every row's K/V (prune_last_layer); None when
+        keep_rows is empty."""
+        if self.residual_impl is not None:
+            assert residual is None, "every layer fuses the residual or none does"
+            out = self.self_attn.forward_kept(positions, self.input_layernorm(hidden), keep_rows,
+                                              residual=hidden[keep_rows])
+            return None if out is None else (self.mlp(self.post_attention_layernorm(out), residual=out), None)
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        out = self.self_attn.forward_kept(positions, hidden, keep_rows)
+        if out is None:
+            return None
+        out, residual = self.post_attention_layernorm(out, residual[keep_rows])
+        return self.mlp(out), residual
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -125,9 +160,19 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, qk_norm) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        """Hidden states of every row, or with keep_rows of those rows only: the last layer stores every row's
+        K/V, then runs on keep_rows alone (prune_last_layer; no later token needs its other rows' output)."""
         hidden, residual = self.embed_tokens(input_ids), None
+        last = self.layers[-1] if keep_rows is not None else None
         for layer in self.layers:
+            if layer is last:
+                out = layer.forward_kept(positions, hidden, residual, keep_rows)
+                if out is None:  # nothing sampled: the K/V store was all the last layer had to do
+                    return hidden.new_empty((0, hidden.shape[-1]))
+                hidden, residual = out
+                break
             hidden, residual = layer(positions, hidden, residual)
         if residual is None:  # residual fused into the GEMMs: hidden is the stream
             return self.norm(hidden)
@@ -151,8 +196,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        return self.model(input_ids, positions, keep_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()
