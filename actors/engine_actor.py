@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+from contextlib import aclosing
 
 import ray
 
@@ -24,6 +25,8 @@ from actors.inflight import Inflight
 from actors.metrics import shard_histograms
 from actors.pinning import ShardPlacement
 from actors.shard_options import ShardOptions
+from actors.stream_server import StreamServer
+from flame_llm.protocol.stream_frames import StreamEndpoint
 from flame_llm.protocol.types import (
     EngineLimits,
     ErrorCode,
@@ -65,6 +68,7 @@ class EngineActor:
                          "payload_wire_bytes": 0, "payload_raw_bytes": 0, "result_wire_bytes": 0}
         self.hist = shard_histograms()
         self.inflight = Inflight()
+        self.stream_server: StreamServer | None = None  # the socket transport's, once asked for
         log.info("shard %s on %s (node %s)%s", self.name, self.device, self.node_id,
                  " (restarted)" if self.restarted else "")
 
@@ -138,6 +142,20 @@ class EngineActor:
         them, then the result payload (bytes, as `submit` answers; its timings add arrived_at and first_chunk_at,
         time.time() when the payload arrived and the first chunk left). Aborting the request (`abort`), its
         caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
+        async with aclosing(self.stream_items(payload, caller, client)) as items:
+            async for item in items:
+                yield item
+
+    async def stream_endpoint(self) -> StreamEndpoint:
+        """Where this incarnation's stream server listens (started on the first call, on the loop `stream` runs
+        on): the socket transport of `stream` (actors/stream_server.py), and the token a connection presents."""
+        if self.stream_server is None:
+            self.stream_server = StreamServer(self.stream_items, self.limits.max_payload_bytes, self.name,
+                                              self.incarnation)
+        return await self.stream_server.start(ray.util.get_node_ip_address())
+
+    async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None):
+        """The items of one stream, whichever transport carries them (`stream`, the stream server)."""
         arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
         items = self._decode(payload)
         if not isinstance(items, Result) and len(items) != 1:
@@ -277,7 +295,8 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
-        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.admission.stats(),
+        sock = self.stream_server.counters if self.stream_server is not None else {}
+        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.admission.stats(), **sock,
                 "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats(),
                 "histograms": {k: h.to_dict() for k, h in self.hist.items()}}
 
