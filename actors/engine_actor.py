@@ -1,7 +1,8 @@
 """The engine actor: one per GPU (or CPU shard), holding one AsyncEngine for its whole life.
 
 `submit` (a batch, its results at once), `submit_streaming` (a batch, each result as it finishes) and `stream`
-(one request, its tokens as they are sampled) run in the default concurrency group (its own event loop); health,
+(one request, its tokens as they are sampled; also served over a TCP socket by the stream server that
+`stream_endpoint` names, actors/stream_server.py) run in the default concurrency group (its own event loop); health,
 stats, abort, drain and shutdown run in the "control" group, on another loop, so a saturated admission loop
 never starves them. Requests are aborted on the caller's word or when the caller's Ray job dies
 (actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)` in

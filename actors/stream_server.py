@@ -114,8 +114,8 @@ class StreamServer:
                     kind = Frame.CHUNK if isinstance(item, list) else Frame.RESULT
                     writer.write(encode_frame(kind, sid, item))
                     await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            raise
+        except ConnectionError:  # the connection went: _serve_conn aborts what is left of its streams
+            return
         except Exception as e:  # a bug: the client must not wait forever (the Ray path raises it to the caller)
             log.exception("shard %s: stream %d failed", self.name, sid)
             if not writer.is_closing():
