@@ -22,7 +22,8 @@ def row(r: dict, tag: str = "") -> dict:
     d = p[f"door{tag}"]
     split = {k: v["p50"] for k, v in r.get(f"client_split_ms{tag}", {}).items()}
     pick = [next((v for k, v in split.items() if k.startswith(s)), float("nan")) for s in SPLIT]
-    return {"door": d["ttft_ms"]["p50"], "serve": e["ttft_ms"]["p50"], "over": d["ttft_ms"]["p50"] - e["ttft_ms"]["p50"],
+    return {"door": d["ttft_ms"]["p50"], "serve": e["ttft_ms"]["p50"],
+            "over": d["ttft_ms"]["p50"] - e["ttft_ms"]["p50"],
             "itl_door": d["itl_ms"]["p99"], "itl_serve": e["itl_ms"]["p99"],
             "ratio": d["itl_ms"]["p99"] / e["itl_ms"]["p99"], "req": pick[0], "actor": pick[1], "ret": pick[2]}
 
@@ -34,6 +35,7 @@ def runs(folder: str):
             for f in sorted(names, key=key)]
 
 
+AB = ("ab", "ab2")  # alternating runs: 3 rounds at f89b2a8, 2 at 1852bec (the same stream path)
 HEAD = ("| {} | door TTFT p50 | serve-http TTFT p50 | overhead (goal <= 3) | ITL p99 door | ITL p99 serve-http | "
         "ratio (goal <= 1.2) | request hop | actor to first chunk | return hop |")
 
@@ -42,15 +44,17 @@ def main() -> None:
     by: dict = {}
     print(HEAD.format("run (load at start)"))
     print("|---|" + "---|" * len(COLS))
-    loads = {}
-    for line in open(os.path.join(here, "ab", "summary.txt")):
-        name, _, load_avg = line.split()[:3]
-        loads[name] = load_avg
-    for f, name, r in runs("ab"):
-        x = row(r)
-        by.setdefault(name, []).append(x)
-        n = re.search(r"-(\d+)\.json", f).group(1)
-        print(f"| ab/{f} ({loads.get(f'{name}-{n}', '?')}) | " + " | ".join(f"{x[c]:.2f}" for c in COLS) + " |")
+    for folder in AB:
+        loads = {}
+        for line in open(os.path.join(here, folder, "summary.txt")):
+            name, _, load_avg = line.split()[:3]
+            loads[name] = load_avg
+        for f, name, r in runs(folder):
+            x = row(r)
+            by.setdefault(name, []).append(x)
+            n = re.search(r"-(\d+)\.json", f).group(1)
+            print(f"| {folder}/{f} ({loads.get(f'{name}-{n}', '?')}) | " + " | ".join(f"{x[c]:.2f}" for c in COLS)
+                  + " |")
     print()
     print(HEAD.format("variant (runs): medians"))
     print("|---|" + "---|" * len(COLS))
