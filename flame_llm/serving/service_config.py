@@ -46,7 +46,7 @@ class ClientConfig:
     results_as_finished: bool = True  # each result as it finishes on its shard (false: a batch's results at once)
     overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
     local_routing: bool = True  # a stream with a prefix the router placed before goes without a router call
-    stream_transport: str = "socket"  # streams' requests and tokens: "ray" (the shard's stream method) or "socket" (TCP)
+    stream_transport: str = "socket"  # streams' requests and tokens: "socket" (TCP to the shard) or "ray" (Ray calls)
 
     def __post_init__(self) -> None:
         w = "client field"
