@@ -1,7 +1,8 @@
 """The engine actor: one per GPU (or CPU shard), holding one AsyncEngine for its whole life.
 
 `submit` (a batch, its results at once), `submit_streaming` (a batch, each result as it finishes) and `stream`
-(one request, its tokens as they are sampled) run in the default concurrency group (its own event loop); health,
+(one request, its tokens as they are sampled; also served over a TCP socket by the stream server that
+`stream_endpoint` names, actors/stream_server.py) run in the default concurrency group (its own event loop); health,
 stats, abort, drain and shutdown run in the "control" group, on another loop, so a saturated admission loop
 never starves them. Requests are aborted on the caller's word or when the caller's Ray job dies
 (actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)` in
@@ -14,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from contextlib import aclosing
 
 import ray
 
@@ -24,6 +26,8 @@ from actors.inflight import Inflight
 from actors.metrics import shard_histograms
 from actors.pinning import ShardPlacement
 from actors.shard_options import ShardOptions
+from actors.stream_server import StreamServer
+from flame_llm.protocol.stream_frames import StreamEndpoint
 from flame_llm.protocol.types import (
     EngineLimits,
     ErrorCode,
@@ -65,6 +69,7 @@ class EngineActor:
                          "payload_wire_bytes": 0, "payload_raw_bytes": 0, "result_wire_bytes": 0}
         self.hist = shard_histograms()
         self.inflight = Inflight()
+        self.stream_server: StreamServer | None = None  # the socket transport's, once asked for
         log.info("shard %s on %s (node %s)%s", self.name, self.device, self.node_id,
                  " (restarted)" if self.restarted else "")
 
@@ -138,6 +143,20 @@ class EngineActor:
         them, then the result payload (bytes, as `submit` answers; its timings add arrived_at and first_chunk_at,
         time.time() when the payload arrived and the first chunk left). Aborting the request (`abort`), its
         caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
+        async with aclosing(self.stream_items(payload, caller, client)) as items:
+            async for item in items:
+                yield item
+
+    async def stream_endpoint(self) -> StreamEndpoint:
+        """Where this incarnation's stream server listens (started on the first call, on the loop `stream` runs
+        on): the socket transport of `stream` (actors/stream_server.py), and the token a connection presents."""
+        if self.stream_server is None:
+            self.stream_server = StreamServer(self.stream_items, self.limits.max_payload_bytes, self.name,
+                                              self.incarnation)
+        return await self.stream_server.start(ray.util.get_node_ip_address())
+
+    async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None):
+        """The items of one stream, whichever transport carries them (`stream`, the stream server)."""
         arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
         items = self._decode(payload)
         if not isinstance(items, Result) and len(items) != 1:
@@ -277,7 +296,8 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
-        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.admission.stats(),
+        sock = self.stream_server.counters if self.stream_server is not None else {}
+        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.admission.stats(), **sock,
                 "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats(),
                 "histograms": {k: h.to_dict() for k, h in self.hist.items()}}
 

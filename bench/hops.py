@@ -25,6 +25,11 @@ one-flag A/B that the machine's drift cannot tilt).
 
     RAY_ADDRESS= python -m bench.hops --requests 40 --output-tokens 32 --out hops.json
     RAY_ADDRESS= python -m bench.hops --requests 60 --ab-json '{"global": {"local_routing": false}}'
+    RAY_ADDRESS= python -m bench.hops --requests 60 --client-json '{"stream_transport": "ray"}' \
+        --ab-json '{"socket": {"stream_transport": "socket"}}'
+
+With ClientConfig.stream_transport "socket" the split's "Ray request hop" and "Ray return hop" are the socket's:
+the OPEN frame from the client to the shard's stream_items running, the first CHUNK frame back to the client loop.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """One streamed request of the client (Client.stream, Client.stream_chunks): placed at once when the client knows
 its prefix's shard (routing.py, ClientConfig.local_routing), else routed by the router's `route` call like a batch;
 encoded by the wire codec as a batch of one, served by the shard's `stream` method (a Ray streaming generator:
-token chunks as the engine samples them, then the result payload).
+token chunks as the engine samples them, then the result payload), or with ClientConfig.stream_transport "socket"
+by the same items over the client's TCP connection to the shard's stream server (stream_conn.py).
 
 What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out by the
 Dispatcher: until its first token arrives a stream is retried as a batch request is; after that a failure
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import ray
@@ -112,18 +114,19 @@ def _tell(d: Dispatcher, untold: list[Pending], shard: int) -> None:
 
 async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
                       push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
-    """One attempt on one shard: push its token chunks, return its result. Cancelled: abort it on the shard.
-    split gets sent_at and first_chunk_at_client (time.time(): the Ray hop's ends, beside the actor's own).
+    """One attempt on one shard, over the configured transport (ClientConfig.stream_transport): push its token
+    chunks, return its result. Cancelled: abort it on the shard. A lost shard (or connection) raises SHARD_LOST.
+    split gets sent_at and first_chunk_at_client (time.time(): the hop's ends, beside the actor's own).
     untold: the request when the router is still to be told of its placement (done TELL_AFTER_S after the first
     chunk, or by stream_request when the stream ends first)."""
     split["sent_at"] = time.time()
-    gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
+    if d.stream_transport == "socket":
+        items = d.shards.streams.items(shard, payload, d.caller, d.client_id)
+    else:
+        items = _ray_items(d, shard, payload, rid)
     telling = None
-    try:
-        async for ref in gen:
-            item = _ready_value(ref)
-            if item is _NOT_HERE:
-                item = await ref
+    async with aclosing(items):
+        async for item in items:
             if isinstance(item, list):
                 if "first_chunk_at_client" not in split:
                     split["first_chunk_at_client"] = time.time()
@@ -134,7 +137,18 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, strea
                 continue
             (r,) = d.decode(item)
             return r
+    raise SHARD_LOST[0]()  # the generator ended without its result: the actor died under it
+
+
+async def _ray_items(d: Dispatcher, shard: int, payload: bytes, rid: str) -> AsyncIterator[list[int] | bytes]:
+    """The items of one stream over the shard's Ray `stream` generator; cancelled: the shard aborts it."""
+    gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
+    try:
+        async for ref in gen:
+            item = _ready_value(ref)
+            if item is _NOT_HERE:
+                item = await ref
+            yield item
     except asyncio.CancelledError:
         d.abort_on(shard, [rid])
         raise
-    raise SHARD_LOST[0]()  # the generator ended without its result: the actor died under it

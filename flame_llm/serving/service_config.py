@@ -31,6 +31,7 @@ from flame_llm.validate import check, check_bool, check_int, check_number, check
 from router.policy import RouterConfig
 
 DEFAULT_NAMESPACE = "flame"  # the Ray namespace of a service, unless configured
+STREAM_TRANSPORTS = ("ray", "socket")  # ClientConfig.stream_transport's values
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class ClientConfig:
     results_as_finished: bool = True  # each result as it finishes on its shard (false: a batch's results at once)
     overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
     local_routing: bool = True  # a stream with a prefix the router placed before goes without a router call
+    stream_transport: str = "socket"  # streams' requests and tokens: "socket" (TCP to the shard) or "ray" (Ray calls)
 
     def __post_init__(self) -> None:
         w = "client field"
@@ -57,6 +59,8 @@ class ClientConfig:
         check_bool("results_as_finished", self.results_as_finished, where=w)
         check_number("overload_deadline_s", self.overload_deadline_s, 0, where=w)
         check_bool("local_routing", self.local_routing, where=w)
+        check(self.stream_transport in STREAM_TRANSPORTS, "stream_transport", " or ".join(map(repr, STREAM_TRANSPORTS)),
+              self.stream_transport, where=w)
 
 
 @dataclass(slots=True)

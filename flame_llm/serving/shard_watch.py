@@ -20,6 +20,7 @@ from ray.exceptions import ActorUnschedulableError, RayError
 from flame_llm.protocol.types import ErrorCode, ErrorInfo, ShardHealth
 from flame_llm.serving.batcher import ClientCounters
 from flame_llm.serving.service import SHARD_PREFIX
+from flame_llm.serving.stream_conn import StreamConns
 
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
@@ -51,6 +52,7 @@ class ShardWatch:
         self._recovering: dict[int, asyncio.Future] = {}
         self._watchers: dict[int, asyncio.Task] = {}
         self._unschedulable: set[int] = set()
+        self.streams = StreamConns(actors, counters)  # the socket stream transport's connections, made on first use
 
     def avoid_shard(self, shard: int, why: ErrorInfo) -> None:
         """Route around the shard until its health says it serves again."""
@@ -95,6 +97,7 @@ class ShardWatch:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.streams.close()
 
     async def _health(self, shard: int) -> ShardHealth | None:
         """The shard's health, or None when it does not answer; a new incarnation's prefixes are dropped."""
@@ -111,6 +114,7 @@ class ShardWatch:
         if h.incarnation != self.incarnation[shard]:
             self.incarnation[shard] = h.incarnation
             self.counters.restarts_seen += 1
+            self.streams.drop(shard, "the shard restarted")
             if self.on_drop is not None:
                 self.on_drop(shard)
             # fire and forget, as lose_shard: awaited, a restarting router's RayActorError ended the watcher and

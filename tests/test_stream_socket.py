@@ -1,0 +1,272 @@
+"""Issue 18 item 2: streams over a direct socket to the shard (ClientConfig.stream_transport = "socket") beside the
+Ray streaming generator ("ray"): the same tokens as the Ray transport and the batch path, a cancelled stream or a
+closed connection aborted on its shard, a connection without the shard's token refused, and a shard that dies
+under a stream handled by the one retry policy exactly as on the Ray path. Real local Ray, real tiny Llama
+shards, real TCP; the raw-connection tests speak the framing of flame_llm/protocol/stream_frames.py."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from flame_llm import SamplingParams
+from flame_llm.protocol.stream_frames import Frame, StreamEndpoint, encode_frame, read_frame
+from flame_llm.protocol.types import Request
+from flame_llm.protocol.wire import decode_results, encode_requests
+from flame_llm.serving.client import Client
+from flame_llm.serving.service import start_service
+from flame_llm.serving.service_config import ClientConfig, ServiceConfig, config_from_dict
+
+ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_llama):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
+                                    namespace="test-stream-socket", restart_timeout_s=120.0,
+                                    max_restarts=-1)  # this module kills shards four times
+    svc = start_service(cfg)
+    clients = {t: Client.for_service(svc, stream_transport=t) for t in ("ray", "socket")}
+    yield svc, clients
+    for c in clients.values():
+        c.close()
+    svc.stop(timeout_s=10)
+    ray.shutdown()
+
+
+def _prompts(n, length, seed, prefix=None):
+    rng = np.random.default_rng(seed)
+    return [(prefix or []) + rng.integers(3, 512, size=length).tolist() for _ in range(n)]
+
+
+async def _chunks(client, prompt, sp):
+    return [c async for c in client.stream_chunks(prompt, sp)]
+
+
+def _tokens_and_result(chunks):
+    return [t for c in chunks for t in c.token_ids], chunks[-1].result
+
+
+def _stats(svc):
+    return [ray.get(a.stats.remote()) for a in svc.actors.values()]
+
+
+def _wait(cond, timeout_s=30.0, what=""):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _idle(svc):
+    return all(s["inflight_requests"] == 0 and s["queued"] == 0 and s["engine"]["num_in_flight"] == 0
+               for s in _stats(svc))
+
+
+def test_a_bad_transport_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="client field 'stream_transport' must be 'ray' or 'socket'; got 'zmq'"):
+        ClientConfig(stream_transport="zmq")
+    with pytest.raises(ValueError, match="stream_transport"):
+        config_from_dict({"client": {"stream_transport": None}})
+    assert config_from_dict({"client": {"stream_transport": "socket"}}).client.stream_transport == "socket"
+
+
+def test_socket_streams_equal_ray_streams_and_the_batch_path(service):
+    svc, clients = service
+    prompts = _prompts(6, 20, seed=1)
+    before = sum(s.get("socket_streams", 0) for s in _stats(svc))
+
+    async def both():
+        return {t: await asyncio.gather(*(_chunks(c, p, GREEDY) for p in prompts)) for t, c in clients.items()}
+
+    got = asyncio.run(both())
+    batch = clients["ray"].generate(prompts, GREEDY)
+    want = [r.output_token_ids for r in batch]
+    for t in ("ray", "socket"):
+        toks, results = zip(*(_tokens_and_result(cs) for cs in got[t]))
+        assert list(toks) == want, t
+        assert [r.error for r in results] == [None] * 6 and [r.output_token_ids for r in results] == want
+        assert all(r.finish_reason == "length" and r.timings["attempts"] == 1 for r in results)
+        assert all({"arrived_at", "first_chunk_at", "sent_at", "first_chunk_at_client"} <= r.timings.keys()
+                   for r in results)
+    assert sum(s.get("socket_streams", 0) for s in _stats(svc)) - before == 6  # the socket client's went over TCP
+    assert clients["ray"].dispatch.shards.streams.conns == {}  # the Ray transport opens no connection
+    conns = clients["socket"].dispatch.shards.streams.conns
+    assert conns and all(c.broken is None for c in conns.values())  # one persistent connection per shard used
+    assert client_conn_count(svc) == len(conns)
+
+
+def client_conn_count(svc):
+    return sum(s.get("socket_connections", 0) for s in _stats(svc))
+
+
+def test_a_cancelled_socket_stream_is_aborted_on_its_shard(service):
+    svc, clients = service
+    cancels = sum(s.get("socket_cancels", 0) for s in _stats(svc))
+    done = sum(s["requests"] for s in _stats(svc))  # requests served to their end
+
+    async def left_early(prompt):
+        async for chunk in clients["socket"].stream_chunks(prompt, LONG):
+            if chunk.token_ids:
+                return chunk.token_ids
+
+    got = asyncio.run(left_early(_prompts(1, 16, seed=2)[0]))
+    assert got
+    _wait(lambda: _idle(svc), what="the cancelled stream still runs on its shard")
+    assert sum(s.get("socket_cancels", 0) for s in _stats(svc)) - cancels == 1
+    assert sum(s["requests"] for s in _stats(svc)) == done  # aborted, not run to its 400 tokens
+    _wait(lambda: all(s["outstanding_work"] == 0 for s in ray.get(svc.router.stats.remote())["shards"]),
+          what="the router still counts the cancelled stream's work")
+
+
+async def _closed(reader: asyncio.StreamReader) -> bytes:
+    """What the peer sent before it closed the connection (a close with our frames unread resets it)."""
+    try:
+        return await asyncio.wait_for(reader.read(), timeout=30)
+    except ConnectionResetError:
+        return b""
+
+
+async def _raw(endpoint: StreamEndpoint, token: str):
+    reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+    writer.write(encode_frame(Frame.HELLO, token))
+    return reader, writer
+
+
+def _payload(svc, rid, prompt, sp):
+    return encode_requests([Request(rid, np.asarray(prompt, dtype=np.uint32), sp)], svc.health[0].model_revision)
+
+
+def test_a_connection_without_the_token_is_refused(service):
+    svc, _ = service
+    actor = svc.actors[1]
+    ep = ray.get(actor.stream_endpoint.remote())
+    assert ray.get(actor.stream_endpoint.remote()) == ep  # one server per incarnation
+    refused, streams = (_stats(svc)[1].get(k, 0) for k in ("socket_refused", "socket_streams"))
+
+    async def attempt(first: bytes):
+        reader, writer = await asyncio.open_connection(ep.host, ep.port)
+        writer.write(first)
+        writer.write(encode_frame(Frame.OPEN, 0, _payload(svc, "sneak", [5, 6, 7], GREEDY), None, None))
+        await writer.drain()
+        got = await _closed(reader)  # the shard closes it: nothing sent
+        writer.close()
+        return got
+
+    assert asyncio.run(attempt(encode_frame(Frame.HELLO, "0" * len(ep.token)))) == b""
+    assert asyncio.run(attempt(encode_frame(Frame.HELLO, 12345))) == b""
+    assert asyncio.run(attempt(encode_frame(Frame.OPEN, 0, b"", None, None))) == b""  # no hello at all
+    after = _stats(svc)[1]
+    assert after["socket_refused"] - refused == 3 and after["socket_streams"] == streams
+
+
+def test_a_connection_closed_by_the_client_aborts_its_streams(service):
+    svc, _ = service
+    actor = svc.actors[0]
+    ep = ray.get(actor.stream_endpoint.remote())
+    dropped, done = _stats(svc)[0].get("socket_dropped", 0), _stats(svc)[0]["requests"]
+
+    async def main():
+        reader, writer = await _raw(ep, ep.token)
+        for sid in (0, 1):
+            writer.write(encode_frame(Frame.OPEN, sid, _payload(svc, f"raw-{sid}", _prompts(1, 10, seed=3 + sid)[0],
+                                                                 LONG), None, "raw"))
+        first = {}
+        while len(first) < 2:
+            kind, sid, item = await asyncio.wait_for(read_frame(reader, 1 << 20), timeout=60)
+            assert kind == Frame.CHUNK and isinstance(item, list)
+            first.setdefault(sid, item)
+        writer.close()  # the caller is gone
+
+    asyncio.run(main())
+    _wait(lambda: _stats(svc)[0].get("socket_dropped", 0) - dropped == 2, what="the shard missed the connection's end")
+    _wait(lambda: _idle(svc), what="the streams of a closed connection still run on their shard")
+    assert _stats(svc)[0]["requests"] == done  # aborted, not run to their 400 tokens
+
+
+def test_a_raw_stream_ends_with_the_result_payload_of_the_ray_method(service):
+    """The socket carries what the Ray method yields: token lists, then the result payload (wire codec)."""
+    svc, _ = service
+    actor = svc.actors[0]
+    ep = ray.get(actor.stream_endpoint.remote())
+    prompt = _prompts(1, 10, seed=5)[0]
+    via_ray = [ray.get(r) for r in actor.stream.remote(_payload(svc, "r1", prompt, GREEDY))]
+
+    async def main():
+        reader, writer = await _raw(ep, ep.token)
+        writer.write(encode_frame(Frame.OPEN, 7, _payload(svc, "r2", prompt, GREEDY), None, None))
+        items = []
+        while True:
+            kind, sid, item = await asyncio.wait_for(read_frame(reader, 1 << 20), timeout=60)
+            assert sid == 7
+            items.append(item)
+            if kind == Frame.RESULT:
+                writer.close()
+                return items
+
+    via_socket = asyncio.run(main())
+    (a,), (b,) = decode_results(via_ray[-1]), decode_results(via_socket[-1])
+    assert [t for x in via_ray[:-1] for t in x] == [t for x in via_socket[:-1] for t in x] == a.output_token_ids
+    assert b.output_token_ids == a.output_token_ids and (a.id, b.id) == ("r1", "r2")
+
+
+@pytest.mark.parametrize("transport", ["ray", "socket"])
+def test_a_shard_dying_before_the_first_token_is_retried_after_its_restart(service, transport):
+    """The stream's shard fails its next engine step (and exits) before the stream's first token: the stream is
+    sent again once the shard is back (or to the other one) and completes, on either transport alike."""
+    svc, clients = service
+    client = clients[transport]
+    doc = _prompts(1, 300, seed=10 + len(transport))[0]  # a full KV block: the router knows its shard
+    (first,) = client.generate([doc + [1]], GREEDY)
+    shard = first.shard
+    old = ray.get(svc.actors[shard].health.remote())
+    ray.get(svc.actors[shard].debug_break_engine.remote())
+    toks, res = _tokens_and_result(asyncio.run(_chunks(client, doc + [2, 3], GREEDY)))
+    assert res.error is None and res.timings["attempts"] >= 2, res
+    (want,) = clients["ray"].generate([doc + [2, 3]], GREEDY)
+    assert toks == want.output_token_ids == res.output_token_ids
+    assert _healthy(svc.actors[shard]).incarnation != old.incarnation
+    if transport == "socket" and res.shard == shard:  # the new incarnation's server, over a new connection
+        assert client.dispatch.shards.streams.conns[shard].endpoint.incarnation != old.incarnation
+    _wait(lambda: _idle(svc), what="work left on the shards")
+
+
+def _died_after_first_token(svc, client):
+    async def main():
+        toks, victim = [], None
+        async for chunk in client.stream_chunks(_prompts(1, 12, seed=20)[0], LONG):
+            if chunk.token_ids and victim is None:
+                (victim,) = [s for s, a in svc.actors.items() if ray.get(a.stats.remote())["inflight_requests"]]
+                ray.kill(svc.actors[victim], no_restart=False)
+            toks += chunk.token_ids
+            if chunk.result is not None:
+                return toks, chunk.result, victim
+
+    toks, res, victim = asyncio.run(main())
+    _healthy(svc.actors[victim])  # restarted before the next test
+    return toks, res, victim
+
+
+def _healthy(actor, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.health.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:  # killed or restarting: ask the next incarnation
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+def test_a_shard_dying_after_the_first_token_fails_the_stream_as_on_the_ray_path(service):
+    svc, clients = service
+    out = {t: _died_after_first_token(svc, clients[t]) for t in ("ray", "socket")}
+    for t, (toks, res, victim) in out.items():
+        assert res.error is not None and res.error.code == "shard_died", (t, res)
+        assert res.error.message.startswith(f"shard {victim} died while streaming this request: "), t
+        assert toks and res.output_token_ids == toks and res.timings["attempts"] == 1
+    after = asyncio.run(_chunks(clients["socket"], [9, 8, 7], GREEDY))
+    assert after[-1].result.error is None  # the client reconnects to the restarted shard
