@@ -366,4 +366,5 @@ def test_a_failed_window_event_fails_the_window_instead_of_passing_unseen():
     docs = np.zeros((1, 4), dtype=np.int64)
     assert len(arrivals(0.001, cfg.duration_s, cfg.seed * 7919)) == 0  # no request is sent: the event alone
     with pytest.raises(RuntimeError, match="event failed: TypeError"):
-        asyncio.run(run_rate([Replica(0, "http://127.0.0.1:9", "cpu-0")], cfg, 0.001, docs, "rev", event=(0.0, boom, {})))
+        replica = Replica(0, "http://127.0.0.1:9", "cpu-0")
+        asyncio.run(run_rate([replica], cfg, 0.001, docs, "rev", event=(0.0, boom, {})))

@@ -115,6 +115,10 @@ class FrontDoor:
         log.info("front door listening on %s", self.address)
         return self.address
 
+    def client_config(self) -> ClientConfig | None:
+        """The configuration its client runs with (None before start): the service config's `client` section."""
+        return self.client.config if self.client is not None else None
+
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
