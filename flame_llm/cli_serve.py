@@ -61,7 +61,8 @@ def serve(args) -> int:
     svc = start_service(cfg, detached=args.detach, source=args.config or "the default config")
     lifetime = "detached" if args.detach else None
     try:  # the handle is kept: a non-detached actor ends when its last handle goes
-        door, address = start_frontdoor(cfg.ray.namespace, http, lifetime, client=cfg.client) if http.enabled else (None, None)
+        door, address = (start_frontdoor(cfg.ray.namespace, http, lifetime, client=cfg.client) if http.enabled
+                         else (None, None))
     except RuntimeError:
         svc.stop(timeout_s=10)
         raise

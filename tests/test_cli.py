@@ -292,9 +292,9 @@ def test_serve_submit_status_stop(tmp_path, tiny_llama):
                   "--output", str(out_file)], ["status", *common], ["stop", *common]]
         # one client process runs the three commands in turn, with neither RAY_AUTH_MODE nor --namespace
         # the front door's client runs with the config file's `client` section (it once ran with the defaults)
-        door_cfg = ("import ray\nfrom flame_llm.serving.ray_attach import join\njoin(%r, 'cli-test')\n"
+        door_cfg = (f"import ray\nfrom flame_llm.serving.ray_attach import join\njoin({address!r}, 'cli-test')\n"
                     "c = ray.get(ray.get_actor('flame-frontdoor').client_config.remote())\n"
-                    "print('== door', c.stream_transport, c.batch_window_ms, flush=True)\nray.shutdown()\n" % address)
+                    "print('== door', c.stream_transport, c.batch_window_ms, flush=True)\nray.shutdown()\n")
         script = ("import sys\nfrom flame_llm.cli import main\n" + door_cfg +
                   f"for argv in {steps!r}:\n    print('== rc', main(argv), flush=True)\n")
         out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
