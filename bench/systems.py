@@ -10,7 +10,8 @@ ending in "-rr" places requests round-robin instead of by prefix (the affinity A
 with each shard batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18
 item 1); "flame-nomix" and "engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the
 A/B of the mixed-step graphs); "flame-prune" and "engine-prune" run eager steps' last layer on the sampled rows
-only (prune_last_layer: the A/B of issue 19's pruning).
+only (prune_last_layer: the A/B of issue 19's pruning); "flame-raystream" streams over the engine actors' Ray
+method instead of their stream servers (ClientConfig.stream_transport "ray": the transport A/B of load mode).
 """
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
 from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
-KINDS = ("flame", "flame-batch", "flame-nomix", "flame-prune", "engine", "engine-nomix", "engine-prune", "vllm",
-         "vllm-seed")
+KINDS = ("flame", "flame-batch", "flame-nomix", "flame-prune", "flame-raystream", "engine", "engine-nomix",
+         "engine-prune", "vllm", "vllm-seed")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-prune": {"prune_last_layer": True}, "engine-prune": {"prune_last_layer": True}}
+# client fields (ClientConfig) a flame label sets: its Python client's and its front door's
+LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"}}
 VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
 
 
@@ -46,8 +49,8 @@ class SystemConfig:
     kind: str  # flame | engine | vllm
     vllm_config: str | None  # "default" | "seed" for vllm
     policy: str  # the router policy placing requests
-    results_as_finished: bool = True  # flame: each result as it finishes ("flame-batch": a batch's at once)
     engine: dict = field(default_factory=dict)  # engine fields over the run's (LABEL_ENGINE)
+    client: dict = field(default_factory=dict)  # flame: ClientConfig fields over the defaults (LABEL_CLIENT)
 
 
 def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
@@ -57,8 +60,8 @@ def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
                          f"placement); got {label!r}")
     kind = "vllm" if base.startswith("vllm") else "flame" if base.startswith("flame") else "engine"
     cfg = ("seed" if base == "vllm-seed" else "default") if kind == "vllm" else None
-    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy, base != "flame-batch",
-                        dict(LABEL_ENGINE.get(base, {})))
+    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy, dict(LABEL_ENGINE.get(base, {})),
+                        dict(LABEL_CLIENT.get(base, {})))
 
 
 @dataclass(slots=True)
@@ -116,8 +119,7 @@ class FlameSystem:
         placed = [p.gpu_uuid or p.name for p in self.service.placements]
         if placed != s.devices:
             raise RuntimeError(f"flame placed shards on {placed}; the bench's shard -> device map is {s.devices}")
-        self.client = make_client(cfg, self.service.router, self.service.actors,
-                                  results_as_finished=self.system.results_as_finished)
+        self.client = make_client(cfg, self.service.router, self.service.actors, **self.system.client)
         health = self.service.health
         check = verify_processes(s.devices, [h.pid for h in health], False) if s.on_gpu else {}
         return {"placement": placed, "health": [h.to_dict() for h in health], "namespace": cfg.ray.namespace, **check,
@@ -150,7 +152,12 @@ class FlameSystem:
             from flame_llm.serving.http_app import HttpConfig
 
             http = HttpConfig(port=free_port(), served_model_name=SERVED_MODEL_NAME)
-            self._door = start_frontdoor(self.namespace, http)
+            import dataclasses
+
+            from flame_llm.serving.service_config import ClientConfig
+
+            client = dataclasses.replace(ClientConfig(), **self.system.client)
+            self._door = start_frontdoor(self.namespace, http, client=client)
         return [Replica(0, self._door[1], ",".join(self.setup.devices))]
 
     def _counters(self) -> dict:

@@ -48,15 +48,17 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").vllm_config == "seed"
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
-    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-prune, engine, "
-                                         "engine-nomix, engine-prune, vllm, vllm-seed"):
+    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-prune, "
+                                         "flame-raystream, engine, engine-nomix, engine-prune, vllm, vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
-    assert (batch.kind, batch.results_as_finished, batch.policy) == ("flame", False, "round_robin")
-    assert parse_system("flame").results_as_finished
+    assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
+    assert parse_system("flame").client == {}  # the ClientConfig defaults: results as they finish, socket streams
+    # the stream transport's A/B: the old Ray streaming path, for the client and the front door alike
+    assert parse_system("flame-raystream").client == {"stream_transport": "ray"}
     # the mixed-step graphs' one-flag A/B: the label sets the engine field, nothing else
     nomix = parse_system("flame-nomix")
-    assert (nomix.kind, nomix.engine, nomix.results_as_finished) == ("flame", {"cuda_graph_mixed_tokens": 0}, True)
+    assert (nomix.kind, nomix.engine, nomix.client) == ("flame", {"cuda_graph_mixed_tokens": 0}, {})
     assert parse_system("engine-nomix-rr").kind == "engine" and parse_system("flame").engine == {}
     # issue 19's last-layer pruning: the same one-flag A/B
     prune = parse_system("engine-prune")
