@@ -325,3 +325,27 @@ def test_host_step_times_only_full_decode_steps(tiny_llama, tmp_path):
         assert set(r["median_us"]) == {"schedule", "prepare", "postprocess"}
         assert all(v > 0 for v in r["median_us"].values()) and r["total_us"] == sum(r["median_us"].values())
     assert json.load(open(tmp_path / "h.json"))["rows"] == rows
+
+
+def test_gemm_probe_times_every_variant_of_the_same_product_on_cpu(tmp_path):
+    """bench.gemm_probe's code path on CPU (no figure): every variant of every shape is timed in each round and
+    computes the product F.linear computes (split chunks written into one output)."""
+    import json
+
+    import torch
+
+    from bench import gemm_probe
+
+    out = tmp_path / "gemm.json"
+    assert gemm_probe.main(["--device", "cpu", "--tokens", "8,16", "--shapes", "o,down", "--calls", "1",
+                            "--rounds", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["m"]) for r in rows] == [("o", 8), ("o", 16), ("down", 8), ("down", 16)]
+    for r in rows:
+        assert set(r["tflops"]) == set(gemm_probe.VARIANTS) and r["vs_cublas"]["cublas"] == 1.0
+        assert all(len(s) == 2 * 2 for s in r["seconds"].values())  # 2 rounds, each variant twice (A-B-B-A)
+        assert max(r["rel_err_vs_cublas"].values()) < 1e-5
+    x, w = torch.randn(12, 8), torch.randn(6, 8)
+    assert torch.allclose(gemm_probe.linear_split(x, w, 4, torch.empty(12, 6)), x @ w.T, atol=1e-6)
+    with pytest.raises(SystemExit):
+        gemm_probe.main(["--device", "cpu", "--shapes", "lm_head"])
