@@ -270,3 +270,27 @@ def test_a_shard_dying_after_the_first_token_fails_the_stream_as_on_the_ray_path
         assert toks and res.output_token_ids == toks and res.timings["attempts"] == 1
     after = asyncio.run(_chunks(clients["socket"], [9, 8, 7], GREEDY))
     assert after[-1].result.error is None  # the client reconnects to the restarted shard
+
+
+def test_a_shard_that_dies_idle_is_routed_around_at_once_not_waited_for(service):
+    """No request in flight when shard k dies: the client's idle stream connection to it ends, so the client
+    knows at once and new streams go to the other shard while k restarts (on the Ray path, and before this, a
+    stream whose prefix lived on k waited out k's restart: 4.2 s in the CPU shard-kill run of 2026-12-02)."""
+    svc, clients = service
+    client = clients["socket"]
+    doc = _prompts(1, 300, seed=30)[0]  # a full KV block: its shard is remembered
+    (first,) = client.generate([doc + [1]], GREEDY)
+    victim = first.shard
+    asyncio.run(_chunks(client, doc + [2], GREEDY))  # the stream connection to the victim now exists
+    assert victim in client.dispatch.shards.streams.conns
+    ray.kill(svc.actors[victim], no_restart=False)
+    _wait(lambda: victim in client.dispatch.shards.restarting, timeout_s=10.0,
+          what="the client did not notice its shard's connection end")
+    t0 = time.monotonic()
+    toks, res = _tokens_and_result(asyncio.run(_chunks(client, doc + [3], GREEDY)))
+    took = time.monotonic() - t0
+    assert res.error is None and res.shard != victim and len(toks) == GREEDY.max_tokens, res
+    restarted = _healthy(svc.actors[victim])
+    assert took < 5.0 and restarted.restarted  # served by the other shard, not after the restart
+    _wait(lambda: victim not in client.dispatch.shards.restarting, timeout_s=30.0, what="still restarting")
+    _wait(lambda: _idle(svc), what="work left on the shards")

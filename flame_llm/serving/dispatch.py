@@ -44,7 +44,8 @@ class Dispatcher:
         # client's turn in the shards' fair admission
         self.caller, self.client_id = ray.get_runtime_context().get_job_id(), client_id
         self.shards = ShardWatch(actors, router, health, config.restart_timeout_s, self.counters,
-                                 lookup=shard_by_name(namespace), on_drop=lambda s: self.routing.drop_shard(s))
+                                 lookup=shard_by_name(namespace), on_drop=lambda s: self.routing.drop_shard(s),
+                                 on_conn_lost=self.watch_loss)  # a stream connection the shard's end closed
         policy, max_entries = "cumulative", 100_000
         if config.local_routing and len(actors) > 1:  # a known prefix is placed by the client only under cumulative
             _, rc = ray.get(router.config.remote())

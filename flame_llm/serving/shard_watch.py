@@ -42,7 +42,8 @@ class ShardWatch:
     def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle,
                  health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
                  lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None,
-                 on_drop: Callable[[int], None] | None = None) -> None:
+                 on_drop: Callable[[int], None] | None = None,
+                 on_conn_lost: Callable[[int, BaseException], None] | None = None) -> None:
         self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
         self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
         self.on_drop = on_drop  # shard -> None: its prefixes were dropped at the router (restarted or lost)
@@ -52,7 +53,8 @@ class ShardWatch:
         self._recovering: dict[int, asyncio.Future] = {}
         self._watchers: dict[int, asyncio.Task] = {}
         self._unschedulable: set[int] = set()
-        self.streams = StreamConns(actors, counters)  # the socket stream transport's connections, made on first use
+        # the socket stream transport's connections, made on first use; on_conn_lost: one its shard's side ended
+        self.streams = StreamConns(actors, counters, on_conn_lost)
 
     def avoid_shard(self, shard: int, why: ErrorInfo) -> None:
         """Route around the shard until its health says it serves again."""

@@ -5,12 +5,14 @@ gives, and again from a fresh endpoint once the connection broke (the shard died
 routes each frame to the stream it belongs to. Lives on the client's event loop.
 
 A connection that breaks under a stream raises what the Ray transport raises when a shard dies under it
-(RayActorError), so that the one retry policy (retry.py) treats both transports alike."""
+(RayActorError), so that the one retry policy (retry.py) treats both transports alike. A connection the shard's
+side ends, with or without streams on it, is also reported (`on_lost`): the shard's process is gone within
+milliseconds of its death, so new requests go around it from then on instead of waiting out its restart."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import ray
 from ray.exceptions import RayActorError
@@ -39,8 +41,8 @@ class StreamConn:
     """One connection to one shard incarnation's stream server; its streams by id."""
 
     def __init__(self, shard: int, endpoint: StreamEndpoint, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
-        self.shard, self.endpoint, self.writer = shard, endpoint, writer
+                 writer: asyncio.StreamWriter, on_lost: Callable[[int, RayActorError], None] | None = None) -> None:
+        self.shard, self.endpoint, self.writer, self.on_lost = shard, endpoint, writer, on_lost
         self.streams: dict[int, asyncio.Queue] = {}  # stream id -> its frames' items, in order
         self.next_sid = 0
         self.broken: str | None = None  # why the connection is unusable (then no stream is left on it)
@@ -96,7 +98,10 @@ class StreamConn:
         except (FrameError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             why = f"{type(e).__name__}: {e}"
         finally:
+            by_peer = self.broken is None and why != "closed by the client"  # not by close(): the client's own
             self._break(why)
+            if by_peer and self.on_lost is not None:
+                self.on_lost(self.shard, self.lost())
 
     def _break(self, why: str) -> None:
         if self.broken is None:
@@ -113,8 +118,10 @@ class StreamConn:
 class StreamConns:
     """The client's connections, one per shard (to its current incarnation), made on first use."""
 
-    def __init__(self, actors: dict[int, ray.actor.ActorHandle], counters: ClientCounters) -> None:
+    def __init__(self, actors: dict[int, ray.actor.ActorHandle], counters: ClientCounters,
+                 on_lost: Callable[[int, RayActorError], None] | None = None) -> None:
         self.actors, self.counters = actors, counters  # actors: the dispatcher's (a replacement's handle lands)
+        self.on_lost = on_lost  # (shard, error): a connection its shard's side ended (the shard likely died)
         self.conns: dict[int, StreamConn] = {}
         self._connecting: dict[int, asyncio.Future] = {}
 
@@ -165,7 +172,7 @@ class StreamConns:
                                           f"not answer: {type(e).__name__}: {e}") from None
         keepalive(writer.get_extra_info("socket"))
         writer.write(encode_frame(Frame.HELLO, endpoint.token))
-        conn = self.conns[shard] = StreamConn(shard, endpoint, reader, writer)
+        conn = self.conns[shard] = StreamConn(shard, endpoint, reader, writer, self.on_lost)
         log.debug("shard %d: stream connection to %s:%d", shard, endpoint.host, endpoint.port)
         return conn
 
