@@ -294,3 +294,32 @@ def test_a_shard_that_dies_idle_is_routed_around_at_once_not_waited_for(service)
     assert took < 5.0 and restarted.restarted  # served by the other shard, not after the restart
     _wait(lambda: victim not in client.dispatch.shards.restarting, timeout_s=30.0, what="still restarting")
     _wait(lambda: _idle(svc), what="work left on the shards")
+
+
+def test_a_batch_only_client_sees_an_idle_shard_die_and_routes_its_batches_around_it(service):
+    """A socket-transport client keeps a connection to every shard from its start, streams or not: a shard that
+    dies with nothing in flight is seen at once, and a batch whose prefix lived there goes to the other shard
+    while it restarts; after the restart the client is connected to the new incarnation again."""
+    svc, _ = service
+    client = Client.for_service(svc)  # the default transport: socket
+    try:
+        _wait(lambda: len(client.dispatch.shards.streams.conns) == len(svc.actors), timeout_s=30.0,
+              what="the client did not connect to every shard at its start")
+        doc = _prompts(1, 300, seed=40)[0]
+        (first,) = client.generate([doc + [1]], GREEDY)
+        victim = first.shard
+        old = client.dispatch.shards.streams.conns[victim].endpoint.incarnation
+        ray.kill(svc.actors[victim], no_restart=False)
+        _wait(lambda: victim in client.dispatch.shards.restarting, timeout_s=10.0,
+              what="the client did not notice its idle shard die")
+        t0 = time.monotonic()
+        (again,) = client.generate([doc + [2]], GREEDY)
+        assert again.error is None and again.shard != victim and time.monotonic() - t0 < 5.0, again
+        assert _healthy(svc.actors[victim]).incarnation != old
+        _wait(lambda: victim in client.dispatch.shards.streams.conns
+              and client.dispatch.shards.streams.conns[victim].broken is None
+              and client.dispatch.shards.streams.conns[victim].endpoint.incarnation != old, timeout_s=30.0,
+              what="the client did not reconnect to the restarted shard")
+    finally:
+        client.close()
+    _wait(lambda: _idle(svc), what="work left on the shards")

@@ -66,6 +66,8 @@ class Client:
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
             self._thread.start()
+        if config.stream_transport == "socket":  # a connection per shard from now on: a shard's death is seen at once
+            self._loop.call_soon_threadsafe(self.dispatch.shards.keep_connected)
 
     @classmethod
     def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:

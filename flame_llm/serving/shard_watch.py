@@ -55,6 +55,24 @@ class ShardWatch:
         self._unschedulable: set[int] = set()
         # the socket stream transport's connections, made on first use; on_conn_lost: one its shard's side ended
         self.streams = StreamConns(actors, counters, on_conn_lost)
+        self.liveness = False  # keep a connection to every shard (keep_connected): its end says the shard died
+        self._connects: set[asyncio.Task] = set()
+
+    def keep_connected(self, shards: list[int] | None = None) -> None:
+        """Open each shard's stream connection now and after each restart (the socket transport), whether or not
+        a stream uses it: when a shard's process dies its connection ends, and this client routes around it at
+        once, batches included, instead of learning it from a request that fails or waits there. On the loop."""
+        self.liveness = True
+        for shard in self.actors if shards is None else shards:
+            task = asyncio.get_running_loop().create_task(self._connect_quietly(shard))
+            self._connects.add(task)
+            task.add_done_callback(self._connects.discard)
+
+    async def _connect_quietly(self, shard: int) -> None:
+        try:
+            await self.streams.get(shard)
+        except (RayError, OSError, asyncio.TimeoutError):  # dead now: its requests find out, as before
+            pass
 
     def avoid_shard(self, shard: int, why: ErrorInfo) -> None:
         """Route around the shard until its health says it serves again."""
@@ -95,7 +113,7 @@ class ShardWatch:
 
     async def stop(self) -> None:
         """The client goes: its watchers and restart waits end."""
-        tasks = list(self._watchers.values()) + list(self._recovering.values())
+        tasks = list(self._watchers.values()) + list(self._recovering.values()) + list(self._connects)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -117,6 +135,8 @@ class ShardWatch:
             self.incarnation[shard] = h.incarnation
             self.counters.restarts_seen += 1
             self.streams.drop(shard, "the shard restarted")
+            if self.liveness:
+                self.keep_connected([shard])
             if self.on_drop is not None:
                 self.on_drop(shard)
             # fire and forget, as lose_shard: awaited, a restarting router's RayActorError ended the watcher and

@@ -112,7 +112,10 @@ class StreamConn:
             for q in self.streams.values():
                 q.put_nowait(self.lost())
             self.streams.clear()
-            self.writer.close()
+            try:
+                self.writer.close()
+            except RuntimeError:  # its loop closed first (a client dropped without close()): nothing to tell
+                pass
 
 
 class StreamConns:
