@@ -92,7 +92,7 @@ class StreamConn:
                 else:
                     self.streams.pop(sid)
                     q.put_nowait(StreamFailed(f"shard {self.shard} could not serve the stream: {frame[2]}"))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: its loop went with the task pending
             why = "closed by the client"
             raise
         except (FrameError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
