@@ -22,7 +22,6 @@ arithmetic in another order: ~1e-3 in bf16). `--device cpu --tokens 64 --calls 2
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -30,6 +29,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from bench.provenance import write_json
 
 log = logging.getLogger(__name__)
 HID, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
@@ -132,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         cells = [f"{r['tflops'][v]:.1f} ({r['vs_cublas'][v]:.3f})" for v in VARIANTS]
         print(f"| {r['shape']} | {r['m']} | " + " | ".join(cells) + f" | {max(r['rel_err_vs_cublas'].values()):.1e} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
     return 0
 
 

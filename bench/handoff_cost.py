@@ -24,6 +24,8 @@ import types
 
 import numpy as np
 
+from bench.provenance import write_json
+
 
 def _sleep_wait(self) -> None:  # the `sleep` design: replaces AsyncEngine._wait_handoff on one instance
     self._handed = set()
@@ -121,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {v} | " + " | ".join(cells) + f" | {s['handoff_waits']} | {s['handoff_wait_s']:.3f} | "
                      f"{s['handoff_timeouts']} |")
     print("\n".join(lines))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
     return 0
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from bench.http_client import SERVED_MODEL_NAME
 from bench.loadgen import Outcome, percentiles, stream_one
+from bench.provenance import write_json
 from bench.systems import free_port
 
 log = logging.getLogger(__name__)
@@ -374,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             http.stop()
     res = {"args": vars(a), **summarize(samples), "samples": samples}
     print(table(res))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
     return 0
 
 

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "llama-3.1-8b")
@@ -109,9 +110,7 @@ def main() -> None:
                for m, rs in rows.items()}
     out = {"config": {**kw, **{k: v for k, v in vars(a).items() if k not in ("out", "engine_json")}},
            "backend": runner.backend, "cuda_graphs": runner.use_graphs, "rounds": rows, "summary": summary}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.out, out)
     print("| mode | round s | step with prefill ms p50 | decode step ms p50 | question TTFT ms p50 |")
     print("|---|---|---|---|---|")
     for m, s in summary.items():

@@ -87,3 +87,10 @@ def call_info(pair_start: int, pairs: int, argv: list[str]) -> dict:
     return {"id": f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}", "started_at": now.isoformat(),
             "pair_start": pair_start, "pairs": pairs, "argv": argv, "commit": commit(),
             "source_digest": source_digest(), **launch()}
+
+
+def write_json(path: str | None, record) -> None:
+    """A bench script's JSON record at `path` (its --out), when one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)

@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "llama-3.1-8b")
@@ -109,9 +110,7 @@ def main() -> None:
     out = {"config": {**kw, "model": model, **{k: v for k, v in vars(a).items() if k not in ("out", "engine_json")}},
            "backend": runner.backend, "cuda_graphs": runner.use_graphs, "order": order, "rounds": rows,
            "summary": summary, "prune_over_off_req_per_s": round(speedup, 4)}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.out, out)
     print("| mode | req/s (median) | prefill step ms p50 | tokens equal every round |")
     print("|---|---|---|---|")
     for m, s in summary.items():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import ray
 import ray._private.state
 
 from actors.inflight import dead_jobs
+from bench.provenance import write_json
 
 
 def old_dead_jobs(job_ids: set[str]) -> set[str]:
@@ -85,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     print(f"| {res['jobs_in_table']} | {res['callers']} | {res['old_ms_p50']:.3f} / {res['old_cpu_ms']:.3f} | "
           f"{res['new_ms_p50']:.3f} / {res['new_cpu_ms']:.3f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
     return 0
 
 
