@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # Packs the GPU machine's missing packages (built by ../shared/tools: fa4-bundle -> .fa4/part_*, vllm-bundle
-# -> .vllm/part_*, plus wheels in .whl/, e.g. zstandard) into as few device calls as the 64 MiB limit
-# allows: the archives are concatenated and cut into .bundle0/, .bundle1/, ... (one chunk each), with a
-# MANIFEST (name, bytes, sha256 of each archive) in the last. Ray (device-bundle -> .device/site.tar.xz,
-# 47 MB) travels on its own, with the call that runs flame (carry .device). Each call carries one folder;
+# -> .vllm/part_*, device-bundle -> .device/site.tar.xz (Ray, 47 MB), plus wheels in .whl/, e.g. zstandard)
+# into as few device calls as the 64 MiB limit allows: the archives are concatenated and cut into .bundle0/,
+# .bundle1/, ... (one chunk each), with a MANIFEST (name, bytes, sha256 of each archive) in the last. Ray
+# travels in the chunks too, so no call carries it beside the tree (which grew past what that left room
+# for). Each call carries one folder;
 # `bash bench/device_run.sh take K` moves chunk K aside on the machine, and the first other stage
 # reassembles, checks and unpacks them (a warm machine keeps /tmp between calls).
 #
-# usage: bash bench/device_bundles.sh [chunk MB, default 60]   (from the repo root, after the bundles exist)
+# usage: bash bench/device_bundles.sh [chunk MB]   (from the repo root, after the bundles exist; default: what
+# the 64 MiB a call may carry leaves beside the tree that travels with it, less 1 MB)
 set -euo pipefail
-mb=${1:-60}
 root=$(git rev-parse --show-toplevel)
 cd "$root"
+tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null \
+  | awk '{s += $1} END {print s + 0}')
+mb=${1:-$(( (67108864 - tree) / 1000000 - 1 ))}
+echo "tree $((tree / 1000000)) MB travels with every call: chunks of $mb MB"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 names=()
 if [[ -f .fa4/part_00 ]]; then cat .fa4/part_* > "$work/fa4.tar.xz"; names+=(fa4.tar.xz); fi
 if [[ -f .vllm/part_00 ]]; then cat .vllm/part_* > "$work/vllm.tar.xz"; names+=(vllm.tar.xz); fi
+if [[ -f .device/site.tar.xz ]]; then cp .device/site.tar.xz "$work/site.tar.xz"; names+=(site.tar.xz); fi
 for w in .whl/*.whl; do [[ -f $w ]] && cp "$w" "$work/" && names+=("$(basename "$w")"); done
-(( ${#names[@]} )) || { echo "no bundles found (.fa4, .vllm, .whl)"; exit 1; }
+(( ${#names[@]} )) || { echo "no bundles found (.fa4, .vllm, .device, .whl)"; exit 1; }
 : > "$work/MANIFEST"
 for n in "${names[@]}"; do
   echo "$n $(stat -c %s "$work/$n") $(sha256sum < "$work/$n" | cut -d' ' -f1)" >> "$work/MANIFEST"

@@ -27,6 +27,7 @@ unbundle() {  # reassemble the chunks into the archives of MANIFEST, check them,
   mkdir -p /tmp/fa4 /tmp/vsite
   [[ -f /tmp/fa4.tar.xz ]] && (xz -d -T0 < /tmp/fa4.tar.xz | tar -xf - -C /tmp/fa4) &
   [[ -f /tmp/vllm.tar.xz ]] && (xz -d -T0 < /tmp/vllm.tar.xz | tar -xf - -C /tmp/vsite) &
+  [[ -f /tmp/site.tar.xz && ! -d /tmp/site ]] && (xz -d -T0 < /tmp/site.tar.xz | tar -xf - -C /tmp) &  # Ray: /tmp/site
   for w in /tmp/*.whl; do [[ -f $w ]] && python3 -m zipfile -e "$w" /tmp/wheels; done
   wait
   touch /tmp/unbundled
