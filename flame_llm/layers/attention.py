@@ -63,7 +63,6 @@ class Attention(nn.Module):
             return fixed_launch_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self._fn(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
 
-
     def forward_kept(self, q_kept: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """prune_last_layer: store every row's k/v [T, Hkv, D] at the step's slot_mapping, then attend only
         q_kept [S, H, D], the step's sampled rows (meta.kept: each the last query of its sequence, so a decode
