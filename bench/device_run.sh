@@ -133,6 +133,8 @@ case $stage in
     timeout ${LOAD_TIMEOUT:-560} python3 -m bench.pairs --mode load "${VLLM[@]}" --out /tmp/load "$@" 2>&1 \
       | grep -v -e INFO -e WARNING | tail -45
     tar czf "$OUT/load.tgz" -C /tmp load ;;
+  py)  # any module or script with the bundles' packages, e.g. `py -m bench.prune_ab --out \$OUT/prune.json`
+    timeout ${PY_TIMEOUT:-540} python3 "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -60 ;;
   sleep)  # hold the warm machine (and its unpacked /tmp) while a fix is made here
     sleep "${1:-60}" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
