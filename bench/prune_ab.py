@@ -5,7 +5,7 @@ One engine, built with the flag on (so any startup compile the pruned path needs
 toggled between rounds: the flag changes nothing but the eager branch of ModelRunner.launch, and a fresh 8B engine
 per round would spend a minute of device time on dummy weights, warmups and graph captures. Prefix caching is off
 by default so every round computes the same steps and the tokens of every round can be compared with the first's.
-The end-to-end one-flag A/B is `bash bench/device_run.sh burst no-reuse engine,engine-prune`.
+The end-to-end one-flag A/B is `bash bench/device_run.sh burst no-reuse engine,engine-noprune`.
 
 Printed per mode: median req/s of its rounds, median ms of a step with prefill tokens (steps with more tokens than
 the burst has requests), and whether every round's tokens equal round 0's.

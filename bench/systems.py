@@ -9,9 +9,10 @@ Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k
 ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B); "flame-batch" is flame
 with each shard batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18
 item 1); "flame-nomix" and "engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the
-A/B of the mixed-step graphs); "flame-prune" and "engine-prune" run eager steps' last layer on the sampled rows
-only (prune_last_layer: the A/B of issue 19's pruning); "flame-raystream" streams over the engine actors' Ray
-method instead of their stream servers (ClientConfig.stream_transport "ray": the transport A/B of load mode).
+A/B of the mixed-step graphs); "flame-noprune" and "engine-noprune" run eager steps' last layer on every
+row (prune_last_layer off: the A/B of issue 19's pruning, on by default); "flame-raystream" streams over the
+engine actors' Ray method instead of their stream servers (ClientConfig.stream_transport "ray": the transport
+A/B of load mode).
 """
 from __future__ import annotations
 
@@ -33,11 +34,11 @@ from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
 from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
-KINDS = ("flame", "flame-batch", "flame-nomix", "flame-prune", "flame-raystream", "engine", "engine-nomix",
-         "engine-prune", "vllm", "vllm-seed")
+KINDS = ("flame", "flame-batch", "flame-nomix", "flame-noprune", "flame-raystream", "engine", "engine-nomix",
+         "engine-noprune", "vllm", "vllm-seed")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
-                "flame-prune": {"prune_last_layer": True}, "engine-prune": {"prune_last_layer": True}}
+                "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's
 LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"}}
 VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")

@@ -48,8 +48,8 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").vllm_config == "seed"
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
-    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-prune, "
-                                         "flame-raystream, engine, engine-nomix, engine-prune, vllm, vllm-seed"):
+    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-noprune, "
+                                         "flame-raystream, engine, engine-nomix, engine-noprune, vllm, vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -60,10 +60,10 @@ def test_system_labels():
     nomix = parse_system("flame-nomix")
     assert (nomix.kind, nomix.engine, nomix.client) == ("flame", {"cuda_graph_mixed_tokens": 0}, {})
     assert parse_system("engine-nomix-rr").kind == "engine" and parse_system("flame").engine == {}
-    # issue 19's last-layer pruning: the same one-flag A/B
-    prune = parse_system("engine-prune")
-    assert (prune.kind, prune.engine) == ("engine", {"prune_last_layer": True})
-    assert parse_system("flame-prune").engine == {"prune_last_layer": True}
+    # issue 19's last-layer pruning (on by default): the same one-flag A/B, the label turning it off
+    prune = parse_system("engine-noprune")
+    assert (prune.kind, prune.engine) == ("engine", {"prune_last_layer": False})
+    assert parse_system("flame-noprune").engine == {"prune_last_layer": False}
 
 
 def _records(trace, placement=("cpu-0", "cpu-1")):

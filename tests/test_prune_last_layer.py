@@ -216,8 +216,8 @@ def test_forward_kept_triton_equals_torch(num_heads, num_kv_heads):
     assert outs["torch"].shape == (len(sampled), num_heads, hd)
 
 
-def test_flag_default_off_and_bad_values_name_the_field(tiny_llama):
-    assert Config.from_kwargs(tiny_llama).runner_config.prune_last_layer is False
+def test_flag_default_on_and_bad_values_name_the_field(tiny_llama):
+    assert Config.from_kwargs(tiny_llama).runner_config.prune_last_layer is True
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="prune_last_layer"):
             Config.from_kwargs(tiny_llama, prune_last_layer=bad)
