@@ -35,6 +35,7 @@ from bench.load_stalls import (
 )
 from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, make_documents, run_rate, stream_one, summarize
 from bench.loadgen import record as load_record
+from bench.provenance import commit, machine_info, source_digest
 from bench.runner import build_setup
 from bench.systems import make_system, parse_system
 from flame_llm.config import CacheConfig
@@ -204,7 +205,8 @@ def run_system(label: str, o, cfg: LoadConfig, out_dir: str, warmup_requests: in
     if auto is not None:
         cfg = dataclasses.replace(cfg, rates=tuple(w["offered_rps"] for w in windows))
     rec = load_record(label, cfg, windows, outcomes, {k: v for k, v in info.items() if k != "health"})
-    rec.update(startup=startup, kv=kv, auto=dataclasses.asdict(auto) if auto else None)
+    rec.update(startup=startup, kv=kv, auto=dataclasses.asdict(auto) if auto else None,
+               provenance={"machine": machine_info(), "commit": commit(), "source_digest": source_digest()})
     os.makedirs(os.path.join(out_dir, "raw"), exist_ok=True)
     with open(os.path.join(out_dir, "raw", f"load-{label}.json"), "w") as f:
         json.dump(rec, f)

@@ -4,6 +4,7 @@ shard kill's effect when there was one; the capacity ratio only between systems 
 of latency and throughput against offered load for every system."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -211,12 +212,13 @@ def write_load_report(out_dir: str, records: list[dict]) -> str:
 
 
 def load_records(out_dir: str) -> list[dict]:
-    """Every load record under out_dir/raw (load-*.json), upgraded to this code's figures."""
+    """Every load record under out_dir/raw (load-*.json, or .json.gz: long answers' chunk times make MBs),
+    upgraded to this code's figures."""
     raw = os.path.join(out_dir, "raw")
     recs = []
     for name in sorted(os.listdir(raw)) if os.path.isdir(raw) else []:
-        if name.startswith("load-") and name.endswith(".json"):
-            with open(os.path.join(raw, name)) as f:
+        if name.startswith("load-") and name.endswith((".json", ".json.gz")):
+            with (gzip.open if name.endswith(".gz") else open)(os.path.join(raw, name), "rt") as f:
                 rec = json.load(f)
             if rec.get("format") in LOAD_FORMATS:
                 recs.append(upgrade(rec))

@@ -3,6 +3,7 @@ the saturation verdict and the auto search, the workload options (answer lengths
 kill's effect), the stall figures, and the whole `flame-llm bench --mode load` path against the service's HTTP
 front door and our engine's HTTP servers placed round-robin, on the tiny model."""
 import gc
+import gzip
 import json
 import os
 
@@ -291,9 +292,16 @@ def test_a_short_auto_search_with_answer_lengths_and_zipf_documents_reports_what
     assert len({o["max_tokens"] for raw in rec["outcomes"] for o in raw}) > 3  # drawn, not fixed
     assert np.bincount(docs).argmax() == 0  # Zipf: the first document is the hottest
     assert rec["startup"]["first_answer_s"] >= rec["startup"]["start_s"] > 0
+    assert len(rec["provenance"]["source_digest"]) == 16 and rec["provenance"]["machine"]["id"]  # what ran, where
     md = open(os.path.join(out, "load-report.md")).read()
     assert md == render([rec]) and "uniform:2-12" in md and "Zipf s=1.5" in md and "startup:" in md
     assert ("**No offered rate saturated engine**" in md) != rec["saturation"]["saturated"]
+    # a gzipped raw record (long answers make MBs of chunk times) is read as the same record
+    raw = out / "raw" / "load-engine.json"
+    with gzip.open(str(raw) + ".gz", "wt") as f:
+        f.write(raw.read_text())
+    raw.unlink()
+    assert load_records(str(out)) == [rec]
 
 
 def test_the_report_is_rendered_again_from_raw_records_of_separate_calls(tmp_path):
