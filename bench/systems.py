@@ -10,7 +10,9 @@ ending in "-rr" places requests round-robin instead of by prefix (the affinity A
 with each shard batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18
 item 1); "flame-nomix" and "engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the
 A/B of the mixed-step graphs); "flame-noprune" and "engine-noprune" run eager steps' last layer on every
-row (prune_last_layer off: the A/B of issue 19's pruning, on by default); "flame-raystream" streams over the
+row (prune_last_layer off: the A/B of issue 19's pruning, on by default); "flame-split" and "engine-split" run
+eager steps' MLP gate/up GEMM as row blocks of at most 4,096 rows (mlp_row_split_tokens 4096, off by default:
+issue 19's A/B of cuBLAS's kernel at 8,192 rows); "flame-raystream" streams over the
 engine actors' Ray method instead of their stream servers (ClientConfig.stream_transport "ray": the transport
 A/B of load mode).
 """
@@ -34,11 +36,12 @@ from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
 from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
-KINDS = ("flame", "flame-batch", "flame-nomix", "flame-noprune", "flame-raystream", "engine", "engine-nomix",
-         "engine-noprune", "vllm", "vllm-seed")
+KINDS = ("flame", "flame-batch", "flame-nomix", "flame-noprune", "flame-split", "flame-raystream", "engine",
+         "engine-nomix", "engine-noprune", "engine-split", "vllm", "vllm-seed")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
-                "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False}}
+                "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False},
+                "flame-split": {"mlp_row_split_tokens": 4096}, "engine-split": {"mlp_row_split_tokens": 4096}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's
 LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"}}
 VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")

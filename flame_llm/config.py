@@ -131,6 +131,10 @@ class RunnerConfig:
     # the rows whose logits are sampled only: same outputs, ~1/num_layers fewer prefill FLOPs (issue 19; on the
     # H200 +2.7% req/s on 8K-token prompts, tokens identical: bench/RESULTS.md, bench.prune_ab)
     prune_last_layer: bool = True  # last layer after its KV store on sampled rows only (eager steps)
+    # eager steps whose MLP input has more rows run the gate/up GEMM as equal row blocks of at most this many rows
+    # (same outputs, bitwise): cuBLAS's kernel for Llama-3.1-8B's gate/up at 8,192 rows ran 644 TFLOP/s on the
+    # H200, as two 4,096-row GEMMs 676 (issue 19, bench.gemm_probe). 0: off. CUDA-graph steps never split
+    mlp_row_split_tokens: int = 0  # eager steps: gate/up GEMM in row blocks of at most this many rows (0: off)
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)
@@ -141,6 +145,7 @@ class RunnerConfig:
         parse_gemm_epilogues(self.gemm_epilogues)  # ValueError names the field and the allowed values
         check_int("cuda_graph_mixed_tokens", self.cuda_graph_mixed_tokens, 0, optional=True, **_F)
         check_bool("prune_last_layer", self.prune_last_layer, **_F)
+        check_int("mlp_row_split_tokens", self.mlp_row_split_tokens, 0, limit="an integer >= 0 (0: off)", **_F)
 
 
 @dataclass(slots=True)

@@ -49,7 +49,8 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-noprune, "
-                                         "flame-raystream, engine, engine-nomix, engine-noprune, vllm, vllm-seed"):
+                                         "flame-split, flame-raystream, engine, engine-nomix, engine-noprune, "
+                                         "engine-split, vllm, vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -64,6 +65,12 @@ def test_system_labels():
     prune = parse_system("engine-noprune")
     assert (prune.kind, prune.engine) == ("engine", {"prune_last_layer": False})
     assert parse_system("flame-noprune").engine == {"prune_last_layer": False}
+    # issue 19's gate/up row split (off by default): the label turns it on at the 8,192-token step's half
+    split = parse_system("engine-split")
+    assert (split.kind, split.engine) == ("engine", {"mlp_row_split_tokens": 4096})
+    assert parse_system("flame-split-rr").engine == {"mlp_row_split_tokens": 4096}
+    from flame_llm.config import EngineConfig
+    EngineConfig.from_kwargs(**split.engine)  # a label's fields are real, valid engine fields
 
 
 def _records(trace, placement=("cpu-0", "cpu-1")):

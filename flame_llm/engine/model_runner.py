@@ -26,7 +26,7 @@ from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
-from flame_llm.models.llama import MODELS
+from flame_llm.models.llama import MODELS, set_mlp_row_split
 from flame_llm.models.loader import init_dummy, load_model
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class ModelRunner:
         self.mixed = build_mixed_graphs(self.model, config, self.backend, self.use_graphs, self.max_blocks_per_seq,
                                         self.attn_layers[0], self.device,
                                         self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None)
+        set_mlp_row_split(self.model, rc.mlp_row_split_tokens)  # after every capture: eager steps alone split
         logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", _BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager",
                     f"CUDA graphs up to {self.mixed.max_tokens} tokens" if self.mixed and self.use_graphs

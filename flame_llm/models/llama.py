@@ -211,6 +211,16 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
 
 
+def set_mlp_row_split(model: nn.Module, rows: int) -> None:
+    """Config.mlp_row_split_tokens: every MLP's gate/up projection runs an input of more than `rows` rows as row
+    blocks of at most `rows` (0: whole). The runner sets it after its CUDA graphs are captured, so only eager
+    steps split; gemm_epilogues' fused swiglu GEMM (MLP.swiglu_impl) bypasses gate_up_proj and stays whole."""
+    assert rows >= 0, rows
+    for m in model.modules():
+        if isinstance(m, MLP):
+            m.gate_up_proj.row_split = rows
+
+
 def configure_gemm_epilogues(model: nn.Module, spec: str) -> dict[str, str]:
     """Set Config.gemm_epilogues on every decoder layer of `model`: "swiglu=triton|quack" (SiLU-mul in the
     gate/up GEMM's epilogue), "residual=cublas|triton|quack" (the residual add in the o / down GEMMs'; the
