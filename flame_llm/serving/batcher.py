@@ -7,6 +7,8 @@ import asyncio
 import math
 from dataclasses import asdict, dataclass
 
+from flame_llm.limits import max_output_tokens
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import ErrorInfo, Request, Result
 from flame_llm.protocol.wire import BATCH_OVERHEAD
 
@@ -25,6 +27,15 @@ class Pending:
     est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
     deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
     user: str = ""  # whose turn it takes in the client's credit queue (Credit: one turn per user, in rotation)
+
+
+def set_estimates(p: Pending, model_revision: str, max_model_len: int) -> None:
+    """p's routing identity and the router's estimates, from its (checked) request: the prompt's prefix chain,
+    its prefill work, and the output tokens it can produce."""
+    n = len(p.request.prompt_token_ids)
+    p.chain = prefix_chain(p.request.prompt_token_ids, model_revision)
+    p.est_work = estimate_prefill_work(n)
+    p.est_decode = max_output_tokens(n, p.request.sampling.max_tokens, max_model_len)
 
 
 def failed_result(p: Pending, error: ErrorInfo) -> Result:
