@@ -140,7 +140,7 @@ def test_a_stream_waits_for_its_restarted_shard_and_resumes_there(service, trans
     prompt = _prompt(1 + len(transport))
     (want,) = clients["ray"].generate([prompt], LONG)
     old = _healthy(actor).incarnation
-    retries = client.counters.retries
+    retries, resumes = client.counters.retries, client.counters.stream_resumes
 
     async def main():
         toks, chunks, t_kill = [], [], None
@@ -161,7 +161,7 @@ def test_a_stream_waits_for_its_restarted_shard_and_resumes_there(service, trans
     assert res.shard == 0 and res.device == "cpu-0"
     assert res.timings["arrived_at"] > res.timings["sent_at"] > t_kill  # the continuation's, sent after the kill
     _restarted(actor, old)
-    assert client.counters.retries == retries + 1
+    assert client.counters.retries == retries + 1 and client.counters.stream_resumes == resumes + 1
     assert want.timings.get("resumed") is None  # a batch request is no stream
 
 

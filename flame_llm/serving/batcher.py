@@ -54,6 +54,7 @@ class ClientCounters:
     local_routes: int = 0  # streams placed without a router call (ClientConfig.local_routing)
     route_retries: int = 0
     retries: int = 0  # requests sent again (overloaded, draining or dead shard)
+    stream_resumes: int = 0  # of those, streams that went on from their last token (ClientConfig.stream_resume)
     restarts_seen: int = 0
     credit_waits: int = 0
     # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds in routing calls, request

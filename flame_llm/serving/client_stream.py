@@ -122,6 +122,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             p.wire_bytes = request_wire_size(len(p.request.prompt_token_ids), len(p.request.sampling.stop_token_ids))
             set_estimates(p, d.model_revision, d.max_model_len)
             resumed += 1
+            d.counters.stream_resumes += 1
     result.id = rid
     result.output_token_ids = list(streamed) if streamed else list(result.output_token_ids)
     if resumed:
