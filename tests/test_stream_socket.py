@@ -1,7 +1,8 @@
 """Issue 18 item 2: streams over a direct socket to the shard (ClientConfig.stream_transport = "socket") beside the
 Ray streaming generator ("ray"): the same tokens as the Ray transport and the batch path, a cancelled stream or a
 closed connection aborted on its shard, a connection without the shard's token refused, and a shard that dies
-under a stream handled by the one retry policy exactly as on the Ray path. Real local Ray, real tiny Llama
+under a stream handled by the one retry policy exactly as on the Ray path (resumed from its last token, or with
+ClientConfig.stream_resume off, failed once a token was out). Real local Ray, real tiny Llama
 shards, real TCP; the raw-connection tests speak the framing of flame_llm/protocol/stream_frames.py."""
 import asyncio
 import time
@@ -261,15 +262,36 @@ def _healthy(actor, timeout_s=120.0):
             time.sleep(0.2)
 
 
-def test_a_shard_dying_after_the_first_token_fails_the_stream_as_on_the_ray_path(service):
+def test_a_shard_dying_after_the_first_token_fails_the_stream_without_stream_resume(service):
+    svc, _ = service
+    clients = {t: Client.for_service(svc, stream_transport=t, stream_resume=False) for t in ("ray", "socket")}
+    try:
+        out = {t: _died_after_first_token(svc, clients[t]) for t in ("ray", "socket")}
+        for t, (toks, res, victim) in out.items():
+            assert res.error is not None and res.error.code == "shard_died", (t, res)
+            assert res.error.message.startswith(f"shard {victim} died while streaming this request: "), t
+            assert toks and res.output_token_ids == toks and res.timings["attempts"] == 1
+            assert res.timings["resumed"] == 0
+        after = asyncio.run(_chunks(clients["socket"], [9, 8, 7], GREEDY))
+        assert after[-1].result.error is None  # the client reconnects to the restarted shard
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+@pytest.mark.parametrize("transport", ["ray", "socket"])
+def test_a_shard_dying_after_the_first_token_resumes_the_stream(service, transport):
+    """ClientConfig.stream_resume (the default): the stream goes on from its last token once its shard is back
+    (or on the other shard), with the tokens of an uninterrupted run and none repeated."""
     svc, clients = service
-    out = {t: _died_after_first_token(svc, clients[t]) for t in ("ray", "socket")}
-    for t, (toks, res, victim) in out.items():
-        assert res.error is not None and res.error.code == "shard_died", (t, res)
-        assert res.error.message.startswith(f"shard {victim} died while streaming this request: "), t
-        assert toks and res.output_token_ids == toks and res.timings["attempts"] == 1
-    after = asyncio.run(_chunks(clients["socket"], [9, 8, 7], GREEDY))
-    assert after[-1].result.error is None  # the client reconnects to the restarted shard
+    (want,) = clients["ray"].generate(_prompts(1, 12, seed=20), LONG)
+    toks, res, victim = _died_after_first_token(svc, clients[transport])
+    assert res.error is None and res.finish_reason == "length", res
+    assert toks == res.output_token_ids == want.output_token_ids
+    assert res.timings["resumed"] == 1 and res.timings["attempts"] == 2 and res.prompt_tokens == 12
+    _wait(lambda: _idle(svc), what="work left on the shards")
+    _wait(lambda: all(s["outstanding_work"] == 0 for s in ray.get(svc.router.stats.remote())["shards"]),
+          what="the router still counts the resumed stream's work")
 
 
 def test_a_shard_that_dies_idle_is_routed_around_at_once_not_waited_for(service):

@@ -7,6 +7,8 @@ import asyncio
 import math
 from dataclasses import asdict, dataclass
 
+from flame_llm.limits import max_output_tokens
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import ErrorInfo, Request, Result
 from flame_llm.protocol.wire import BATCH_OVERHEAD
 
@@ -27,6 +29,15 @@ class Pending:
     user: str = ""  # whose turn it takes in the client's credit queue (Credit: one turn per user, in rotation)
 
 
+def set_estimates(p: Pending, model_revision: str, max_model_len: int) -> None:
+    """p's routing identity and the router's estimates, from its (checked) request: the prompt's prefix chain,
+    its prefill work, and the output tokens it can produce."""
+    n = len(p.request.prompt_token_ids)
+    p.chain = prefix_chain(p.request.prompt_token_ids, model_revision)
+    p.est_work = estimate_prefill_work(n)
+    p.est_decode = max_output_tokens(n, p.request.sampling.max_tokens, max_model_len)
+
+
 def failed_result(p: Pending, error: ErrorInfo) -> Result:
     return Result(p.request.id, prompt_tokens=len(p.request.prompt_token_ids), shard=p.shard, error=error)
 
@@ -43,6 +54,7 @@ class ClientCounters:
     local_routes: int = 0  # streams placed without a router call (ClientConfig.local_routing)
     route_retries: int = 0
     retries: int = 0  # requests sent again (overloaded, draining or dead shard)
+    stream_resumes: int = 0  # of those, streams that went on from their last token (ClientConfig.stream_resume)
     restarts_seen: int = 0
     credit_waits: int = 0
     # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds in routing calls, request

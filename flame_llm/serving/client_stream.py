@@ -4,9 +4,12 @@ encoded by the wire codec as a batch of one, served by the shard's `stream` meth
 token chunks as the engine samples them, then the result payload), or with ClientConfig.stream_transport "socket"
 by the same items over the client's TCP connection to the shard's stream server (stream_conn.py).
 
-What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out by the
-Dispatcher: until its first token arrives a stream is retried as a batch request is; after that a failure
-ends it with the error. Cancelling the task that runs it (the caller stopped reading) aborts it on its shard."""
+What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out here with the
+Dispatcher's help: until its first token arrives a stream is retried as a batch request is; after that a shard's
+error ends it, and its shard's death (with ClientConfig.stream_resume) sends its continuation once the shard is
+back or to another shard (the original prompt plus the streamed tokens, resume.py): the caller's stream goes on
+with no token repeated or skipped. Cancelling the task that runs it (the caller stopped reading) aborts it on its
+shard."""
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +20,11 @@ from dataclasses import dataclass
 
 import ray
 
-from flame_llm.protocol.types import Result
-from flame_llm.serving.batcher import Pending, failed_result
+from flame_llm.protocol.types import Request, Result, prompt_digest
+from flame_llm.protocol.wire import request_wire_size
+from flame_llm.serving.batcher import Pending, failed_result, set_estimates
 from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher, completion
+from flame_llm.serving.resume import continuation, stream_end
 from flame_llm.serving.retry import Action, decide
 
 
@@ -58,8 +63,10 @@ def _ready_value(ref: ray.ObjectRef):
 
 async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk], None]) -> Result:
     """Serve one prepared request `p` (not failed at entry) through dispatcher `d` on its loop, handing each token
-    chunk to `push`; its Result (output_token_ids: what was streamed)."""
-    rid, streamed = p.request.id, []
+    chunk to `push`; its Result (output_token_ids: what was streamed; prompt_tokens: the caller's prompt;
+    timings["resumed"]: how many times it went on from its last token after its shard died, resume.py)."""
+    rid, original, streamed = p.request.id, p.request, []
+    resumed = 0
     split: dict[str, float] = {}  # the last attempt's route_s, credit_wait_s, sent_at, first_chunk_at_client
     while True:
         t0 = time.perf_counter()
@@ -72,7 +79,8 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             result = p.future.result()
             break
         payload = d.encode([p])
-        r, lost = None, None
+        r, lost, before = None, None, len(streamed)
+        split.pop("first_chunk_at_client", None)  # this attempt's
         try:
             t0 = time.perf_counter()
             took = await d.take_credit(shard, p.user)  # within the shard's credit, as batches are, in p.user's turn
@@ -91,7 +99,15 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
                 d.forget(shard, [p])
         if r is not None:
             d.complete([completion(shard, p, r)])
-        decision = decide(p, d.max_retries, r, lost, shard, streamed=bool(streamed))
+        now_streamed = len(streamed) > before  # earlier attempts' tokens are in this attempt's prompt
+        end = stream_end(original, streamed, d.max_model_len) if lost is not None and now_streamed else None
+        decision = decide(p, d.max_retries, r, lost, shard, streamed=now_streamed, resume=d.stream_resume,
+                          complete=end)
+        if decision.action is Action.DONE and r is None:  # the shard died after the stream's last token
+            d.watch_loss(shard, lost)
+            result = Result(rid, finish_reason=decision.finish_reason, shard=shard)
+            _as_asked(result, original)
+            break
         if decision.action is Action.DONE:
             result = r
             break
@@ -101,10 +117,26 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             result = failed_result(p, decision.error)
             break
         await d.apply(shard, p, decision, r, lost)
+        if lost is not None and now_streamed:  # go on from the last token (the caller's request is untouched)
+            p.request = continuation(original, streamed)
+            p.wire_bytes = request_wire_size(len(p.request.prompt_token_ids), len(p.request.sampling.stop_token_ids))
+            set_estimates(p, d.model_revision, d.max_model_len)
+            resumed += 1
+            d.counters.stream_resumes += 1
     result.id = rid
     result.output_token_ids = list(streamed) if streamed else list(result.output_token_ids)
-    result.timings.update(split, attempts=p.attempts + 1)
+    if resumed:
+        _as_asked(result, original)
+    result.timings.update(split, attempts=p.attempts + 1, resumed=resumed)
     return result
+
+
+def _as_asked(result: Result, original: Request) -> None:
+    """A resumed stream's result (or one its streamed tokens ended) reports the prompt its caller sent, not the
+    continuation's."""
+    result.prompt_tokens = len(original.prompt_token_ids)
+    result.cached_tokens = min(result.cached_tokens, result.prompt_tokens)
+    result.prompt_digest = prompt_digest(original.prompt_token_ids)
 
 
 def _tell(d: Dispatcher, untold: list[Pending], shard: int) -> None:

@@ -39,6 +39,7 @@ class Dispatcher:
         self.zstd_level, self.max_retries = zstd_level, config.max_retries
         self.restart_timeout_s, self.flush_formed = config.restart_timeout_s, config.flush_formed
         self.as_finished, self.stream_transport = config.results_as_finished, config.stream_transport
+        self.stream_resume, self.max_model_len = config.stream_resume, min(h.limits.max_model_len for h in health)
         self.namespace, self.counters = namespace, ClientCounters()
         # the shards abort this client's requests when its Ray job (this process) dies; (job, client id) is this
         # client's turn in the shards' fair admission

@@ -10,12 +10,10 @@ import time
 
 import numpy as np
 
-from flame_llm.limits import max_output_tokens
-from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import EngineLimits, ErrorCode, Request, RequestError
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending, failed_result
+from flame_llm.serving.batcher import Pending, failed_result, set_estimates
 
 
 class RequestMaker:
@@ -44,9 +42,7 @@ class RequestMaker:
         except RequestError as e:
             p.future.set_result(failed_result(p, e.info()))
             return p
-        p.chain = prefix_chain(tokens, self.model_revision)
-        p.est_work = estimate_prefill_work(len(tokens))
-        p.est_decode = max_output_tokens(len(tokens), sp.max_tokens, self.limits.max_model_len)
+        set_estimates(p, self.model_revision, self.limits.max_model_len)
         return p
 
     def tokens(self, prompt) -> np.ndarray:

@@ -47,6 +47,7 @@ class ClientConfig:
     overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
     local_routing: bool = True  # a stream with a prefix the router placed before goes without a router call
     stream_transport: str = "socket"  # streams' requests and tokens: "socket" (TCP to the shard) or "ray" (Ray calls)
+    stream_resume: bool = True  # a stream whose shard died after its first token goes on from its last token
 
     def __post_init__(self) -> None:
         w = "client field"
@@ -61,6 +62,7 @@ class ClientConfig:
         check_bool("local_routing", self.local_routing, where=w)
         check(self.stream_transport in STREAM_TRANSPORTS, "stream_transport", " or ".join(map(repr, STREAM_TRANSPORTS)),
               self.stream_transport, where=w)
+        check_bool("stream_resume", self.stream_resume, where=w)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,46 @@
+"""Resuming a stream whose shard died after some of its tokens reached the caller (ClientConfig.stream_resume; when
+to do it is retry.decide's rule, client_stream.py carries it out). The continuation is the caller's request with
+the k streamed tokens appended to its prompt and max_tokens reduced by k; everything else (stop token ids,
+ignore_eos, temperature, top-k/top-p) is unchanged, and prompt + max_tokens is the same total, so it fits the
+engine's max_model_len exactly as the original did. The caller's stream continues with the continuation's tokens.
+
+A greedy request continues exactly as an uninterrupted run would. A sampled one continues as a valid sample of
+its distribution but not the stream an uninterrupted run would have drawn: a seeded request's draws are keyed by
+(seed, output position) in the engine's sampler, and the continuation's output positions restart at 0, so it
+gets the seed `seed + k` (its keys cannot repeat one the first k tokens used: the same seed would draw the
+first k tokens' randomness again, correlated with the prefix it conditions on). A resumed seeded stream is thus
+reproducible only given the same death point.
+
+One thing the client cannot see: a death after the model's EOS token reached the caller but before its result
+(the client does not know the model's EOS ids) resends a continuation whose prompt ends in EOS. Stop token ids
+of the request, max_tokens and max_model_len are checked here (stream_end): such a stream ends with what it had."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from flame_llm.protocol.types import Request
+from flame_llm.sampling_params import SEED_LIMIT
+
+
+def stream_end(original: Request, streamed: list[int], max_model_len: int) -> str | None:
+    """The finish reason the streamed tokens of `original` already reached ("stop": the last one is a stop token
+    id; "length": max_tokens or max_model_len reached), or None: a continuation has tokens left to make."""
+    sp, k = original.sampling, len(streamed)
+    if k and streamed[-1] in sp.stop_token_ids:
+        return "stop"
+    if k >= sp.max_tokens or len(original.prompt_token_ids) + k >= max_model_len:
+        return "length"
+    return None
+
+
+def continuation(original: Request, streamed: list[int]) -> Request:
+    """The request that makes the rest of `original` after the tokens `streamed` (a new Request: the caller's
+    prompt and sampling params are not touched)."""
+    sp, k = original.sampling, len(streamed)
+    assert 0 < k < sp.max_tokens, "a continuation has streamed tokens behind it and tokens left to make"
+    prompt = np.concatenate([np.asarray(original.prompt_token_ids, dtype=np.uint32),
+                             np.asarray(streamed, dtype=np.uint32)])
+    seed = None if sp.seed is None else (sp.seed + k) % SEED_LIMIT
+    return Request(original.id, prompt, dataclasses.replace(sp, max_tokens=sp.max_tokens - k, seed=seed))
