@@ -234,6 +234,8 @@ def test_the_front_doors_sse_stream_goes_on_after_the_shard_dies(service, tmp_pa
         assert finishes[-1] == "length" and finishes.count("length") == 1
         assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt)
         assert chunks[-1]["usage"]["completion_tokens"] == LONG.max_tokens
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        assert "flame_client_stream_resumes_total 1.0" in metrics  # the door's client resumed it once
     finally:
         del handle
         stop_frontdoor(NS)

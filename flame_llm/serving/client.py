@@ -134,7 +134,8 @@ class Client:
     async def stream_chunks(self, prompt, sampling_params: SamplingParams, user: str = ""):
         """One request's output as it is sampled: StreamChunk(token_ids) as the shard sends them, the last one
         with `result` (its Result, as generate returns it; an error is in its `error`). Routed, encoded and
-        checked like generate's requests, retried likewise until its first token. Leaving the loop early
+        checked like generate's requests and retried likewise; a shard's death after its first token sends the
+        rest on as a continuation (ClientConfig.stream_resume, flame_llm/serving/resume.py). Leaving the loop early
         (break, cancel, close) aborts the request on its shard. `user`: whose turn it takes while it waits for
         a shard's credit (users take turns; the front door passes its end users)."""
         if not isinstance(user, str):

@@ -109,6 +109,8 @@ class _StatusCollector:
             yield CounterMetricFamily("flame_client_batches", "batches this client sent", value=float(c["batches"]))
             yield CounterMetricFamily("flame_client_retries", "requests this client sent again",
                                       value=float(c["retries"]))
+            yield CounterMetricFamily("flame_client_stream_resumes", "streams that went on from their last token "
+                                      "after their shard died", value=float(c.get("stream_resumes", 0)))
             fam = CounterMetricFamily("flame_client_payload_bytes", "request payload bytes this client sent",
                                       labels=["kind"])
             fam.add_metric(["raw"], float(c["payload_raw_bytes"]))
