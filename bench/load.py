@@ -30,6 +30,7 @@ from bench.load_stalls import (
     cache_counters,
     kv_capacity_tokens,
     stall_counters,
+    stream_resumes,
     window_cache,
     window_stalls,
 )
@@ -142,6 +143,7 @@ def run_window(system, replicas, cfg: LoadConfig, rate: float, docs, revision: s
             kill.update(kill_shard(system))
         event = (cfg.kill_shard_at_s, fire, kill)
     before, cache = stall_counters(system), cache_counters(system)
+    resumes = stream_resumes(system) if event is not None else None
     with GcWatch() as gcw:
         got = asyncio.run(run_rate(replicas, cfg, rate, docs, revision, window_seed=k, event=event))
     w = summarize(got, rate, cfg)
@@ -150,6 +152,8 @@ def run_window(system, replicas, cfg: LoadConfig, rate: float, docs, revision: s
     if event is not None:
         from bench.load_workloads import kill_effect
         w["kill"] = kill_effect(got, kill)
+        after = stream_resumes(system)
+        w["kill"]["resumed"] = after - resumes if after is not None and resumes is not None else None
     return w, got
 
 

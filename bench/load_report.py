@@ -132,7 +132,8 @@ def _kill(w: dict) -> str:
     rec = f"restarted after {k['recovery_s']:.2f} s" if k.get("restarted") else "NOT restarted"
     gap = f"; longest token gap of those that completed {k['max_gap_s']:.2f} s" if k.get("max_gap_s") else ""
     return (f"at {w['offered_rps']:.2f} req/s: shard {k['shard']} killed {k['at_s']:.2f} s into the window, {rec}; "
-            f"{k['in_flight']} requests in flight at the kill, {k['failed']} of them failed{gap}; "
+            f"{k['in_flight']} requests in flight at the kill, {k['failed']} of them failed"
+            + (f", {k['resumed']} stream(s) resumed" if k.get("resumed") is not None else "") + f"{gap}; "
             f"{k['failed_after']} of {k['sent_after']} sent after the kill failed"
             + (f"; the {k['sent_during_restart']} sent during the restart got their first token after at most "
                f"{k['ttft_max_during_restart_s']:.2f} s" if k.get("ttft_max_during_restart_s") is not None else "")

@@ -62,6 +62,20 @@ def _get(url: str, timeout_s: float = 5.0) -> str:
         return r.read().decode(errors="replace")
 
 
+def stream_resumes(system) -> int | None:
+    """How many streams flame's front door resumed after their shard died (its client's counter, from its
+    /metrics: the SSE stream itself does not say), or None (not flame, or the door did not answer)."""
+    if system.system.kind != "flame":
+        return None
+    try:
+        text = _get(f"{system.http_replicas()[0].url}/metrics")
+    except OSError as e:
+        log.warning("could not read the front door's /metrics: %s", e)
+        return None
+    m = re.search(r"^flame_client_stream_resumes_total\s+(\S+)", text, re.M)
+    return int(float(m.group(1))) if m else None
+
+
 def engine_stats(system) -> list[dict] | None:
     """Each engine's stats as a dict (flame: every shard's stats()["engine"]; our serve-http: what its /metrics
     says); None for systems that publish none of them (vLLM)."""
