@@ -46,9 +46,9 @@ import aiohttp
 import numpy as np
 
 from bench.http_client import SERVED_MODEL_NAME
+from bench.http_system import free_port
 from bench.loadgen import Outcome, percentiles, stream_one
 from bench.provenance import write_json
-from bench.systems import free_port
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         switch_interval_everywhere(a.switch_interval_s, os.path.join(a.logs, "switch"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from bench.runner import local_ray_scope
-    from bench.systems import make_system, parse_system
+    from bench.system_config import parse_system
+    from bench.systems import make_system
     from flame_llm.config import load_hf_config
 
     setup = _setup(a)

@@ -38,7 +38,8 @@ from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, make_documents, run_
 from bench.loadgen import record as load_record
 from bench.provenance import commit, machine_info, source_digest
 from bench.runner import build_setup
-from bench.systems import make_system, parse_system
+from bench.system_config import parse_system
+from bench.systems import make_system
 from flame_llm.config import CacheConfig
 
 log = logging.getLogger(__name__)

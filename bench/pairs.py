@@ -24,7 +24,7 @@ from bench.load import LOAD_ARGUMENTS
 from bench.provenance import call_info, machine_info
 from bench.report import render_markdown, write_report
 from bench.runner import RUN_ARGUMENTS, local_ray_scope, options_from_args, run_one
-from bench.systems import parse_system
+from bench.system_config import parse_system
 from bench.traces import TRACE_NAMES
 
 log = logging.getLogger(__name__)

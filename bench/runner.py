@@ -32,7 +32,8 @@ from bench.run_options import (  # noqa: F401 - re-exported: the run's options a
     options_from_args,
     resolve_options,
 )
-from bench.systems import Setup, make_system, parse_system
+from bench.system_config import Setup, parse_system
+from bench.systems import make_system
 from bench.traces import TRACE_NAMES, Trace, TraceConfig, make_trace, warmup_traces
 from flame_llm.protocol.types import prompt_digest
 

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from bench import cli, pairs, report, systems
+from bench import cli, http_system, pairs, report, system_config
 from bench.runner import check_run
-from bench.systems import parse_system
+from bench.system_config import parse_system
 from bench.traces import TraceConfig, make_trace, warmup_traces
 
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
@@ -271,13 +271,13 @@ def test_trace_digest_is_the_protocols_prompt_digest():
 
 
 def _gpu_setup():
-    return systems.Setup(model="/m", model_revision="m@1", devices=["GPU-a", "GPU-b"], engine={
+    return system_config.Setup(model="/m", model_revision="m@1", devices=["GPU-a", "GPU-b"], engine={
         "max_model_len": 32768, "max_num_seqs": 64, "max_num_batched_tokens": 8192, "enable_prefix_caching": True})
 
 
 def test_vllm_replicas_get_the_protocol_flags_and_a_pci_index_for_their_uuid(monkeypatch):
-    monkeypatch.setattr(systems, "gpu_index", {"GPU-a": 0, "GPU-b": 1}.get)
-    seed = systems.HttpSystem(parse_system("vllm-seed"), _gpu_setup(), "t")
+    monkeypatch.setattr(http_system, "gpu_index", {"GPU-a": 0, "GPU-b": 1}.get)
+    seed = http_system.HttpSystem(parse_system("vllm-seed"), _gpu_setup(), "t")
     cmd, env = seed.command("GPU-b", 8123)
     flags = " ".join(cmd)
     for want in ("serve /m", "--load-format dummy", "--max-model-len 32768", "--max-num-seqs 64",
@@ -285,13 +285,13 @@ def test_vllm_replicas_get_the_protocol_flags_and_a_pci_index_for_their_uuid(mon
                  "--skip-tokenizer-init", "--port 8123", "--enforce-eager --attention-backend TRITON_ATTN"):
         assert want in flags
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    cmd, _ = systems.HttpSystem(parse_system("vllm"), _gpu_setup(), "t").command("GPU-a", 8124)
+    cmd, _ = http_system.HttpSystem(parse_system("vllm"), _gpu_setup(), "t").command("GPU-a", 8124)
     assert "--enforce-eager" not in cmd and "TRITON_ATTN" not in cmd
-    cmd, env = systems.HttpSystem(parse_system("engine"), _gpu_setup(), "t").command("GPU-a", 8125)
+    cmd, env = http_system.HttpSystem(parse_system("engine"), _gpu_setup(), "t").command("GPU-a", 8125)
     assert cmd[cmd.index("--gpu-uuid") + 1] == "GPU-a" and env["CUDA_VISIBLE_DEVICES"] == "GPU-a"
     assert json.loads(cmd[cmd.index("--engine-json") + 1])["device"] == "cuda"
     assert "cuda_graph_mixed_tokens" not in json.loads(cmd[cmd.index("--engine-json") + 1])
-    cmd, _ = systems.HttpSystem(parse_system("engine-nomix"), _gpu_setup(), "t").command("GPU-a", 8126)
+    cmd, _ = http_system.HttpSystem(parse_system("engine-nomix"), _gpu_setup(), "t").command("GPU-a", 8126)
     assert json.loads(cmd[cmd.index("--engine-json") + 1])["cuda_graph_mixed_tokens"] == 0
 
 
@@ -301,7 +301,7 @@ def test_gpu_process_placement_is_verified_by_pid_or_session(monkeypatch):
     from bench import gpus
 
     me = os.getpid()
-    # a real session leader (the way systems.py starts servers); its pid is its session id
+    # a real session leader (the way http_system.py starts servers); its pid is its session id
     child = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
         # nvidia-smi's process list cannot exist here: a fake one

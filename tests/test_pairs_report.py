@@ -10,9 +10,9 @@ import tempfile
 
 import pytest
 
-from bench import jobpairs, pairs, provenance, report, systems
+from bench import http_system, jobpairs, pairs, provenance, report, system_config
 from bench.runner import RAW_FORMAT
-from bench.systems import parse_system
+from bench.system_config import parse_system
 from bench.traces import TraceConfig, make_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,20 +147,20 @@ def test_provenance_names_machine_code_and_launch(monkeypatch):
     assert provenance.commit().startswith(head)
 
 
-def _gpu_setup() -> systems.Setup:
-    return systems.Setup(model="/m", model_revision="m@1", devices=["GPU-a"], engine={
+def _gpu_setup() -> system_config.Setup:
+    return system_config.Setup(model="/m", model_revision="m@1", devices=["GPU-a"], engine={
         "max_model_len": 32768, "max_num_seqs": 64, "max_num_batched_tokens": 8192, "enable_prefix_caching": True})
 
 
 def test_the_issues_systems_and_their_command_lines(monkeypatch):
     """flame, engine, vllm (default), vllm-seed (eager + Triton attention, the seed's), flame-rr (round-robin)."""
-    monkeypatch.setattr(systems, "gpu_index", {"GPU-a": 0}.get)
+    monkeypatch.setattr(http_system, "gpu_index", {"GPU-a": 0}.get)
     got = {s: parse_system(s) for s in ("flame", "engine", "vllm", "vllm-seed", "flame-rr")}
     assert {s: (c.kind, c.vllm_config, c.policy) for s, c in got.items()} == {
         "flame": ("flame", None, "cumulative"), "engine": ("engine", None, "cumulative"),
         "vllm": ("vllm", "default", "cumulative"), "vllm-seed": ("vllm", "seed", "cumulative"),
         "flame-rr": ("flame", None, "round_robin")}
-    cmds = {s: systems.HttpSystem(got[s], _gpu_setup(), "t").command("GPU-a", 8000)[0]
+    cmds = {s: http_system.HttpSystem(got[s], _gpu_setup(), "t").command("GPU-a", 8000)[0]
             for s in ("engine", "vllm", "vllm-seed")}
     assert cmds["engine"][1:3] == ["-m", "flame_llm.serving.http_server"]
     base = cmds["vllm"]

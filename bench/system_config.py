@@ -1,0 +1,78 @@
+"""The bench's system labels, what each one sets, and the run's setup every system shares.
+
+- flame: the service (router + one engine actor per device) through the Python client (bursts) or its
+  HTTP front door (load mode).
+- engine: one `flame_llm.serving.http_server` process per device, driven by the sticky-prefix HTTP client.
+- vllm: one `vllm serve` process per device, same client; config "default" or "seed" (eager, Triton attention).
+Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label
+ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B); "flame-batch" is flame
+with each shard batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18
+item 1); "flame-nomix" and "engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the
+A/B of the mixed-step graphs); "flame-noprune" and "engine-noprune" run eager steps' last layer on every
+row (prune_last_layer off: the A/B of issue 19's pruning, on by default); "flame-split" and "engine-split" run
+eager steps' MLP gate/up GEMM as row blocks of at most 4,096 rows (mlp_row_split_tokens 4096, off by default:
+issue 19's A/B of cuBLAS's kernel at 8,192 rows); "flame-raystream" streams over the
+engine actors' Ray method instead of their stream servers (ClientConfig.stream_transport "ray": the transport
+A/B of load mode); "flame-noresume" fails a stream whose shard dies after its first token instead of resuming it
+(ClientConfig.stream_resume off: the A/B of load mode's --kill-shard-at).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("flame", "flame-batch", "flame-nomix", "flame-noprune", "flame-split", "flame-raystream", "flame-noresume",
+         "engine", "engine-nomix", "engine-noprune", "engine-split", "vllm", "vllm-seed")
+# engine fields a system label sets over the run's (the label is the A/B's one flag)
+LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
+                "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False},
+                "flame-split": {"mlp_row_split_tokens": 4096}, "engine-split": {"mlp_row_split_tokens": 4096}}
+# client fields (ClientConfig) a flame label sets: its Python client's and its front door's
+LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"},
+                "flame-noresume": {"stream_resume": False}}
+VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
+
+
+@dataclass(slots=True)
+class SystemConfig:
+    label: str  # e.g. "flame", "engine-rr", "vllm-seed"
+    kind: str  # flame | engine | vllm
+    vllm_config: str | None  # "default" | "seed" for vllm
+    policy: str  # the router policy placing requests
+    engine: dict = field(default_factory=dict)  # engine fields over the run's (LABEL_ENGINE)
+    client: dict = field(default_factory=dict)  # flame: ClientConfig fields over the defaults (LABEL_CLIENT)
+
+
+def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
+    base, rr = (label[:-3], True) if label.endswith("-rr") else (label, False)
+    if base not in KINDS:
+        raise ValueError(f"system must be one of {', '.join(KINDS)}, optionally with '-rr' (round-robin "
+                         f"placement); got {label!r}")
+    kind = "vllm" if base.startswith("vllm") else "flame" if base.startswith("flame") else "engine"
+    cfg = ("seed" if base == "vllm-seed" else "default") if kind == "vllm" else None
+    return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy, dict(LABEL_ENGINE.get(base, {})),
+                        dict(LABEL_CLIENT.get(base, {})))
+
+
+@dataclass(slots=True)
+class Setup:
+    model: str  # absolute model dir
+    model_revision: str
+    devices: list[str]  # shard k's GPU UUID, or cpu-k
+    engine: dict  # flame_llm Config fields shared by flame and engine (load_format excluded)
+    load_format: str = "dummy"
+    log_dir: str = "."
+    ray_address: str | None = None
+    torch_threads: int = 1  # CPU shards / CPU servers
+    cpu_per_shard: float = 0.5
+    startup_timeout_s: float = 900.0
+    burst_timeout_s: float = 3600.0
+    spill_factor: float = 1.25
+    vllm_bin: str = "vllm"
+    vllm_pythonpath: str = ""
+    vllm_args: list[str] = field(default_factory=list)  # extra flags for every vllm serve
+    gpu_memory_utilization: float = 0.9
+    vllm_return_token_ids: bool = False
+
+    @property
+    def on_gpu(self) -> bool:
+        return not self.devices[0].startswith("cpu-")
