@@ -926,7 +926,7 @@ def test_an_unreadable_result_payload_aborts_the_rest_of_its_batch_on_the_shard(
     def unreadable(reply):
         raise ValueError("unreadable result payload")
 
-    client.dispatch.decode = unreadable
+    client.dispatch.codec.decode = unreadable
     try:
         sps = [SamplingParams(temperature=0.0, max_tokens=2)] + [
             SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)] * 3

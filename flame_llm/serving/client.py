@@ -1,8 +1,8 @@
 """The Python client: checks prompts against the limits every shard publishes, hands them to its
 Dispatcher (flame_llm/serving/dispatch.py: routing, per-shard batchers, compressed payloads, retries) and
-returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_completed` as they finish;
-streams one request's tokens (client_stream.py). A result whose error is retryable does not reach the caller
-while the retry policy (retry.py) says to send it again.
+returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_completed` as they finish
+(client_generate.py); streams one request's tokens (client_stream.py). A result whose error is retryable does not
+reach the caller while the retry policy (retry.py) says to send it again.
 
 All client work runs on one event loop, so `generate` (sync) and `agenerate` (from any asyncio loop) share the
 batchers and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
@@ -29,7 +29,8 @@ from flame_llm.protocol.types import (
     Result,
 )
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import ClientCounters, Pending
+from flame_llm.serving.batcher import ClientCounters
+from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
 from flame_llm.serving.prompts import RequestMaker
@@ -94,8 +95,8 @@ class Client:
         overload_deadline_s: how long a request may be retried on overloaded shards before `overloaded` is its
         result (None: ClientConfig.overload_deadline_s)."""
         self._not_on_loop("generate")
-        fut = asyncio.run_coroutine_threadsafe(
-            self._call(self._generate(prompts, sampling_params, use_tqdm, overload_deadline_s)), self._loop)
+        call = generate_call(self.dispatch, self.requests, prompts, sampling_params, use_tqdm, overload_deadline_s)
+        fut = asyncio.run_coroutine_threadsafe(self._call(call), self._loop)
         try:
             return fut.result()
         except BaseException:  # interrupted (Ctrl-C): the shards abort what this call sent
@@ -108,7 +109,8 @@ class Client:
         whose turn its requests take while they wait for a shard's credit (stream_chunks)."""
         if not isinstance(user, str):
             raise ValueError(f"user must be a string; got {type(user).__name__}")
-        call = self._generate(prompts, sampling_params, False, overload_deadline_s, user=user)
+        call = generate_call(self.dispatch, self.requests, prompts, sampling_params, False, overload_deadline_s,
+                             user=user)
         if self._on_loop():
             return await self._call(call)
         fut = asyncio.run_coroutine_threadsafe(self._call(call), self._loop)
@@ -121,8 +123,9 @@ class Client:
         prompt's position). Leaving the loop early aborts the requests not yet answered."""
         self._not_on_loop("as_completed")
         landed: queue.SimpleQueue = queue.SimpleQueue()
-        fut = asyncio.run_coroutine_threadsafe(self._call(self._generate(
-            prompts, sampling_params, use_tqdm, overload_deadline_s, lambda i, r: landed.put((i, r)))), self._loop)
+        call = generate_call(self.dispatch, self.requests, prompts, sampling_params, use_tqdm, overload_deadline_s,
+                             lambda i, r: landed.put((i, r)))
+        fut = asyncio.run_coroutine_threadsafe(self._call(call), self._loop)
         fut.add_done_callback(lambda _: landed.put(None))
         try:
             while (item := landed.get()) is not None:
@@ -241,70 +244,6 @@ class Client:
         result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
         result.timings["client_s"] = time.perf_counter() - t0
         push(StreamChunk([], result))
-
-    async def _generate(self, prompts: list, sampling_params, use_tqdm: bool, deadline_s: float | None,
-                        on_result: Callable[[int, Result], None] | None = None, user: str = "") -> list[Result]:
-        """Each prompt's Result in input order; on_result(index, result) is called as each lands."""
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries; prompts has {len(prompts)}")
-        if deadline_s is None:
-            deadline_s = self.config.overload_deadline_s
-        elif isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s >= 0:
-            raise ValueError(f"overload_deadline_s must be a number >= 0 (seconds); got {deadline_s!r}")
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="requests")
-
-        def landed(i: int, fut: asyncio.Future) -> None:
-            if fut.cancelled():
-                return
-            r = fut.result()
-            r.timings["client_s"] = time.perf_counter() - t0  # this request's time in the call
-            tok = self.requests.tokenizer
-            if tok is not None and r.error is None:
-                r.text = tok.decode(r.output_token_ids)
-            if bar is not None:
-                bar.update(1)
-            if on_result is not None:
-                on_result(i, r)
-
-        pend = [self.requests.prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
-                                                                                    strict=True)]
-        for i, p in enumerate(pend):
-            p.user = user
-            p.future.add_done_callback(lambda f, i=i: landed(i, f))
-        try:
-            routed = [p for p in pend if not p.future.done()]
-            if routed:
-                await self.dispatch.route(routed)
-            return await asyncio.gather(*(p.future for p in pend))  # after each `landed`: added first
-        except asyncio.CancelledError:
-            self._abort(pend)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def _abort(self, pend: list[Pending]) -> None:
-        """The caller gave up on these requests: the unanswered ones still queued at the client leave their
-        queues unsent (Dispatcher.abandon); the shards are told to abort the others (fire and forget: a shard
-        that is gone has nothing to abort)."""
-        gone = []
-        for p in pend:
-            if not p.future.done() or p.future.cancelled():
-                p.future.cancel()
-                gone.append(p)
-        by_shard: dict[int, list[str]] = {}
-        for p in self.dispatch.abandon(gone):
-            if p.shard >= 0:
-                by_shard.setdefault(p.shard, []).append(p.request.id)
-        for shard, ids in by_shard.items():
-            self.dispatch.abort_on(shard, ids)
 
     def _failed(self, e: BaseException) -> Result:
         return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}"))

@@ -23,9 +23,10 @@ import ray
 from flame_llm.protocol.types import Request, Result, prompt_digest
 from flame_llm.protocol.wire import request_wire_size
 from flame_llm.serving.batcher import Pending, failed_result, set_estimates
-from flame_llm.serving.dispatch import SHARD_LOST, Dispatcher, completion
+from flame_llm.serving.dispatch import Dispatcher, completion
 from flame_llm.serving.resume import continuation, stream_end
 from flame_llm.serving.retry import Action, decide
+from flame_llm.serving.shard_loss import SHARD_LOST
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         if not isinstance(shard, int):  # the router is down, or no shard is left to serve it
             result = p.future.result()
             break
-        payload = d.encode([p])
+        payload = d.codec.encode([p])
         r, lost, before = None, None, len(streamed)
         split.pop("first_chunk_at_client", None)  # this attempt's
         try:
@@ -104,7 +105,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         decision = decide(p, d.max_retries, r, lost, shard, streamed=now_streamed, resume=d.stream_resume,
                           complete=end)
         if decision.action is Action.DONE and r is None:  # the shard died after the stream's last token
-            d.watch_loss(shard, lost)
+            d.loss.watch_loss(shard, lost)
             result = Result(rid, finish_reason=decision.finish_reason, shard=shard)
             _as_asked(result, original)
             break
@@ -113,7 +114,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             break
         if decision.action is Action.FAIL:
             if lost is not None:  # the stream ends here, but new requests avoid the shard while it restarts
-                d.watch_loss(shard, lost)
+                d.loss.watch_loss(shard, lost)
             result = failed_result(p, decision.error)
             break
         await d.apply(shard, p, decision, r, lost)
@@ -167,7 +168,7 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, strea
                 if untold and not telling:
                     telling = asyncio.get_running_loop().call_later(TELL_AFTER_S, _tell, d, untold, shard)
                 continue
-            (r,) = d.decode(item)
+            (r,) = d.codec.decode(item)
             return r
     raise SHARD_LOST[0]()  # the generator ended without its result: the actor died under it
 

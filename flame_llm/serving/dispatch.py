@@ -1,32 +1,31 @@
-"""How the client's requests reach the shards: one router call per formed batch, per-shard batchers, compressed
-payloads to the engine actors within each shard's flow-control credit, each result handed to its caller as it
-lands (submit_streaming; with ClientConfig.results_as_finished off, a batch's results at once), and the one
-retry policy of flame_llm/serving/retry.py carried out: an overloaded shard's request goes back to it after
-its hint until the request's overload deadline; a draining shard's requests, and those of a shard that died
-and did not come back, are routed to the other shards (its ShardWatch avoids that shard until its health says
-it serves again); a router call lost with a restarting router is made again. Runs on the client's loop."""
+"""How the client's requests reach the shards: one router call per formed batch (routing.py), per-shard batchers
+(batcher.py), each formed batch sent within its shard's flow-control credit (credit.py) and its results read as
+they finish (batch_send.py), and the one retry policy of flame_llm/serving/retry.py carried out on the answers: an
+overloaded shard's request goes back to it after its hint until the request's overload deadline; a draining
+shard's requests are routed to the other shards (its ShardWatch avoids that shard until its health says it serves
+again), and so are those of a shard that died and did not come back (shard_loss.py). The router hears which
+routed requests are done (their completions, one call per loop tick). Runs on the client's loop."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
 import ray
-from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from flame_llm.protocol.routing_key import Completion
-from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result, ShardHealth
-from flame_llm.protocol.wire import decode_results, decoded_size, encode_requests
-from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher, failed_result
+from flame_llm.protocol.types import ErrorInfo, Result, ShardHealth
+from flame_llm.serving.batch_send import BatchSender
+from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher
+from flame_llm.serving.client_codec import ClientCodec
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.service_config import ClientConfig
+from flame_llm.serving.shard_loss import ShardLoss
 from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
 
 log = logging.getLogger(__name__)
-SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
 COMPLETIONS_PER_CALL = 256  # router completions buffered: sent once per loop tick, or when this many wait
 ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
@@ -36,17 +35,18 @@ class Dispatcher:
                  zstd_level: int, health: list[ShardHealth], max_payload_bytes: int, namespace: str,
                  client_id: str):
         self.router, self.actors, self.model_revision = router, actors, model_revision
-        self.zstd_level, self.max_retries = zstd_level, config.max_retries
+        self.max_retries = config.max_retries
         self.restart_timeout_s, self.flush_formed = config.restart_timeout_s, config.flush_formed
         self.as_finished, self.stream_transport = config.results_as_finished, config.stream_transport
         self.stream_resume, self.max_model_len = config.stream_resume, min(h.limits.max_model_len for h in health)
         self.namespace, self.counters = namespace, ClientCounters()
+        self.codec = ClientCodec(model_revision, zstd_level, self.counters)
         # the shards abort this client's requests when its Ray job (this process) dies; (job, client id) is this
         # client's turn in the shards' fair admission
         self.caller, self.client_id = ray.get_runtime_context().get_job_id(), client_id
         self.shards = ShardWatch(actors, router, health, config.restart_timeout_s, self.counters,
                                  lookup=shard_by_name(namespace), on_drop=lambda s: self.routing.drop_shard(s),
-                                 on_conn_lost=self.watch_loss)  # a stream connection the shard's end closed
+                                 on_conn_lost=lambda s, e: self.loss.watch_loss(s, e))  # its shard's end closed
         policy, max_entries = "cumulative", 100_000
         if config.local_routing and len(actors) > 1:  # a known prefix is placed by the client only under cumulative
             _, rc = ray.get(router.config.remote())
@@ -59,6 +59,9 @@ class Dispatcher:
                     for s, h in zip(actors, health, strict=True)}
         self.credit = Credit(capacity, config.max_batch_prompts, max_payload_bytes, self.shards.avoid,
                              self.counters, self._send_part, self._held_back, self.shards.restarting)
+        self.loss = ShardLoss(self.shards, self.credit, self.max_retries, self.forget, self.route_again, self._spawn)
+        self.sender = BatchSender(actors, self.caller, self.client_id, self.as_finished, self.counters, self.codec,
+                                  self.credit, self.settle, self.loss.shard_lost, self.forget, self.abort_on)
         self._tasks: set[asyncio.Task] = set()
         self._completions: list[Completion] = []  # for the router's next complete call
         self._retrying: dict[int, tuple[asyncio.TimerHandle, Pending]] = {}  # id(p) -> its resend timer, p
@@ -78,7 +81,7 @@ class Dispatcher:
         """The callers gave up on ps (their futures are done): those still queued at the client (batch window,
         flow-control credit, overload resend delay) leave the queue and the router's count now and are never
         sent. The others are returned: in flight (to be aborted on their shards), or between shards (being
-        routed, or their shard died: routing or shard_lost forgets them)."""
+        routed, or their shard died: routing or ShardLoss.shard_lost forgets them)."""
         queued: list[Pending] = []
         for s in {p.shard for p in ps if p.shard >= 0}:
             gone = self.batchers[s].drop_abandoned() + self.credit.drop_abandoned(s)
@@ -106,33 +109,17 @@ class Dispatcher:
     async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
         return await self.routing.route_shards(batch)
 
-    def encode(self, batch: list[Pending]) -> bytes:
-        t0 = time.perf_counter()
-        payload = encode_requests([p.request for p in batch], self.model_revision, self.zstd_level)
-        c = self.counters
-        c.encode_s += time.perf_counter() - t0
-        c.payload_wire_bytes += len(payload)
-        c.payload_raw_bytes += decoded_size(payload)  # the msgpack size, from the header
-        return payload
-
-    def decode(self, reply: bytes) -> list[Result]:
-        t0 = time.perf_counter()
-        results = decode_results(reply)
-        self.counters.result_decode_s += time.perf_counter() - t0
-        self.counters.result_payloads += 1
-        return results
-
     # --- credit: the shard's flow control (credit.py) ---
 
     async def send(self, shard: int, batch: list[Pending]) -> None:
         """A formed batch of the shard's batcher: sent within the shard's credit (at once without flow control)."""
         if not self.credit.enabled(shard):
-            await self._send_guarded(shard, batch, 0)
+            await self.sender.send(shard, batch, 0)
         else:
             self.credit.hold(shard, batch)
 
     def _send_part(self, shard: int, part: list[Pending]) -> None:
-        self._spawn(self._send_guarded(shard, part, len(part)))
+        self._spawn(self.sender.send(shard, part, len(part)))
 
     def _held_back(self, shard: int, gone: list[Pending], again: list[Pending]) -> None:
         """Held requests that leave the credit queue unsent: abandoned ones, and those of an avoided shard
@@ -221,78 +208,7 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # --- sending a batch and settling its results ---
-
-    async def _send_guarded(self, shard: int, batch: list[Pending], credit: int) -> None:
-        """Send the batch; `credit`: the units of the shard's credit it holds, given back as its results land
-        (all of them when it ends)."""
-        held = [credit]
-        waiting = {p.request.id: p for p in batch}  # sent and not yet answered (nor handed on: lost shard)
-        try:
-            await self._send_batch(shard, batch, held, waiting)
-        except asyncio.CancelledError:  # the client closes: the shard need not serve them, the router not count them
-            left = list(waiting.values())
-            self.forget(shard, left)
-            if left:
-                self.abort_on(shard, [p.request.id for p in left])
-            raise
-        except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
-            log.exception("shard %d: batch of %d failed", shard, len(batch))
-            left = list(waiting.values())  # abandoned ones too: the router counts them until told
-            for p in left:
-                if not p.future.done():
-                    p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR,
-                                                                   f"{type(e).__name__}: {e}")))
-            self.forget(shard, left)
-            if left:  # the shard may still be serving them
-                self.abort_on(shard, [p.request.id for p in left])
-        finally:
-            if held[0]:
-                self.give_credit(shard, held[0])
-
-    async def _send_batch(self, shard: int, batch: list[Pending], held: list[int], waiting: dict[str, Pending]
-                          ) -> None:
-        self.counters.batches += 1
-        t0 = time.perf_counter()
-        payload = self.encode(batch)
-        t1 = time.perf_counter()
-        sent = (t0, t1)
-        if not self.as_finished:
-            try:
-                results = self.decode(await self.actors[shard].submit.remote(payload, self.caller, self.client_id))
-            except SHARD_LOST as e:
-                waiting.clear()
-                await self.shard_lost(shard, batch, e)
-                return
-            waiting.clear()
-            if len(results) != len(batch):  # the actor could not read the batch: one record for all
-                assert len(results) == 1 and results[0].id is None, "one result per request or one batch error"
-                results = [_for(p, results[0]) for p in batch]
-            await self.settle(shard, list(zip(batch, results, strict=True)), sent)
-            return
-        gen = self.actors[shard].submit_streaming.remote(payload, self.caller, self.client_id)
-        try:
-            async for ref in gen:
-                results = self.decode(await ref)
-                if len(results) == 1 and results[0].id is None:  # the actor could not read the batch
-                    pairs = [(p, _for(p, results[0])) for p in waiting.values()]
-                    waiting.clear()
-                else:
-                    pairs = [(waiting.pop(r.id), r) for r in results]
-                n = min(len(pairs), held[0])  # credit comes back per result, not per batch
-                held[0] -= n
-                if n:
-                    self.give_credit(shard, n)
-                await self.settle(shard, pairs, sent)
-        except SHARD_LOST as e:
-            lost = list(waiting.values())
-            waiting.clear()
-            await self.shard_lost(shard, lost, e)
-            return
-        if waiting:  # the generator ended without their results: the actor died under it
-            lost = list(waiting.values())
-            waiting.clear()
-            await self.shard_lost(shard, lost, RayActorError())
+    # --- the retry policy carried out ---
 
     async def settle(self, shard: int, pairs: list[tuple[Pending, Result]], sent: tuple[float, float]) -> None:
         """Each answered request's result goes to its caller, or the request is retried as the policy says.
@@ -322,45 +238,6 @@ class Dispatcher:
         if reroute:
             await self.route_again(reroute)
 
-    async def shard_lost(self, shard: int, batch: list[Pending], e: Exception) -> None:
-        """The shard died with the batch in flight: wait for its restart and route the batch again (its
-        engine is cold and the router dropped its prefixes); when it does not come back, or cannot (its node
-        is gone), the other shards serve it. The dead shard will not answer them: their work leaves its count at
-        the router now, once (whatever becomes of them: routed again, failed, or abandoned meanwhile); the
-        restart's drop_shard, sent after this, only clears what other clients had there."""
-        log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
-                    shard, len(batch), type(e).__name__)
-        self.forget(shard, batch)
-        restarted = await self.after_loss(shard, e)
-        again = []
-        for p in batch:
-            if p.future.done():
-                continue
-            d = decide(p, self.max_retries, lost=e, shard=shard)
-            if d.action is Action.RESTART:
-                again.append(p)
-            elif restarted:  # a request that keeps killing shards stops here
-                p.future.set_result(failed_result(p, d.error))
-            else:
-                p.future.set_result(failed_result(p, self.shards.avoid[shard]))
-        await self.route_again(again)
-
-    async def after_loss(self, shard: int, e: BaseException) -> bool:
-        """The shard died: wait for its restart (True); when it does not come back (or cannot), route around it.
-        Meanwhile the requests held for its credit go to the other shards (a restart takes an engine's startup)."""
-        fut = self.shards.restart(shard, e)
-        if self.credit.enabled(shard):
-            self.credit.release(shard)
-        if fut is not None and await asyncio.shield(fut):
-            return True
-        self.shards.lose_shard(shard, e)
-        return False
-
-    def watch_loss(self, shard: int, e: BaseException) -> None:
-        """The shard died under a request that is not sent again (a stream past its first token): its restart is
-        still waited for, so new requests avoid it meanwhile."""
-        self._spawn(self.after_loss(shard, e))
-
     async def apply(self, shard: int, p: Pending, d: Decision, r: Result | None, lost: BaseException | None) -> None:
         """Carry out a RETRY, REROUTE or RESTART decision for one request that is then sent again by its
         caller (a stream): the wait, the shard avoided, or the shard's restart awaited."""
@@ -373,7 +250,7 @@ class Dispatcher:
             self.shards.avoid_shard(shard, r.error)
         else:
             assert d.action is Action.RESTART and lost is not None
-            await self.after_loss(shard, lost)
+            await self.loss.after_loss(shard, lost)
 
     async def route_again(self, ps: list[Pending]) -> None:
         ps = [p for p in ps if not p.future.done()]
@@ -404,7 +281,3 @@ def completion(shard: int, p: Pending, r: Result | None = None) -> Completion:
     ok = r is not None and r.error is None
     return Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0, r.cached_tokens if ok else 0)
 
-
-def _for(p: Pending, r: Result) -> Result:
-    """A batch-wide result (id None) as one request's."""
-    return dataclasses.replace(r, id=p.request.id, timings=dict(r.timings))

@@ -1,0 +1,118 @@
+"""One formed batch's trip to its shard: encoded (client_codec.py), submitted to the shard's engine actor, and its
+results read as they finish (the actor's `submit_streaming`; with ClientConfig.results_as_finished off, `submit`:
+the batch's results at once). The shard's flow-control credit comes back per result; the answered requests go to
+`settle` (their callers, or the retry policy), those of a shard that died to `lost` (shard_loss.py). Cancelled
+(the client closes) or failed (a bug, an unreadable reply), the unanswered requests leave the router's count and
+are aborted on the shard, and a failure is every waiting caller's result."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError
+
+from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
+from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
+from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.credit import Credit
+from flame_llm.serving.shard_loss import SHARD_LOST
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BatchSender:
+    """Sends a client's batches, with the dispatcher's (dispatch.py) parts it needs."""
+    actors: dict[int, ray.actor.ActorHandle]  # shard -> its engine actor (ShardWatch puts a replacement's here)
+    caller: str  # this client's Ray job (the shards abort its requests when it dies) and id (its turn there)
+    client_id: str
+    as_finished: bool  # ClientConfig.results_as_finished
+    counters: ClientCounters
+    codec: ClientCodec
+    credit: Credit
+    # (shard, [(request, its result)], (encoding began, the payload left)): each to its caller, or retried
+    settle: Callable[[int, list[tuple[Pending, Result]], tuple[float, float]], Awaitable[None]]
+    lost: Callable[[int, list[Pending], BaseException], Awaitable[None]]  # the shard died with these in flight
+    forget: Callable[[int, list[Pending]], None]  # (shard, requests) that shard will not answer: the router is told
+    abort_on: Callable[[int, list[str]], None]  # (shard, request ids): it need not serve them
+
+    async def send(self, shard: int, batch: list[Pending], credit: int) -> None:
+        """Send the batch; `credit`: the units of the shard's credit it holds, given back as its results land
+        (all of them when it ends)."""
+        held = [credit]
+        waiting = {p.request.id: p for p in batch}  # sent and not yet answered (nor handed on: lost shard)
+        try:
+            await self._send(shard, batch, held, waiting)
+        except asyncio.CancelledError:  # the client closes: the shard need not serve them, the router not count them
+            left = list(waiting.values())
+            self.forget(shard, left)
+            if left:
+                self.abort_on(shard, [p.request.id for p in left])
+            raise
+        except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
+            log.exception("shard %d: batch of %d failed", shard, len(batch))
+            left = list(waiting.values())  # abandoned ones too: the router counts them until told
+            for p in left:
+                if not p.future.done():
+                    p.future.set_result(failed_result(p, ErrorInfo(ErrorCode.CLIENT_ERROR,
+                                                                   f"{type(e).__name__}: {e}")))
+            self.forget(shard, left)
+            if left:  # the shard may still be serving them
+                self.abort_on(shard, [p.request.id for p in left])
+        finally:
+            if held[0]:
+                self.credit.give(shard, held[0])
+
+    async def _send(self, shard: int, batch: list[Pending], held: list[int], waiting: dict[str, Pending]) -> None:
+        self.counters.batches += 1
+        t0 = time.perf_counter()
+        payload = self.codec.encode(batch)
+        t1 = time.perf_counter()
+        sent = (t0, t1)
+        if not self.as_finished:
+            try:
+                reply = await self.actors[shard].submit.remote(payload, self.caller, self.client_id)
+                results = self.codec.decode(reply)
+            except SHARD_LOST as e:
+                waiting.clear()
+                await self.lost(shard, batch, e)
+                return
+            waiting.clear()
+            if len(results) != len(batch):  # the actor could not read the batch: one record for all
+                assert len(results) == 1 and results[0].id is None, "one result per request or one batch error"
+                results = [_for(p, results[0]) for p in batch]
+            await self.settle(shard, list(zip(batch, results, strict=True)), sent)
+            return
+        gen = self.actors[shard].submit_streaming.remote(payload, self.caller, self.client_id)
+        try:
+            async for ref in gen:
+                results = self.codec.decode(await ref)
+                if len(results) == 1 and results[0].id is None:  # the actor could not read the batch
+                    pairs = [(p, _for(p, results[0])) for p in waiting.values()]
+                    waiting.clear()
+                else:
+                    pairs = [(waiting.pop(r.id), r) for r in results]
+                n = min(len(pairs), held[0])  # credit comes back per result, not per batch
+                held[0] -= n
+                if n:
+                    self.credit.give(shard, n)
+                await self.settle(shard, pairs, sent)
+        except SHARD_LOST as e:
+            lost = list(waiting.values())
+            waiting.clear()
+            await self.lost(shard, lost, e)
+            return
+        if waiting:  # the generator ended without their results: the actor died under it
+            lost = list(waiting.values())
+            waiting.clear()
+            await self.lost(shard, lost, RayActorError())
+
+
+def _for(p: Pending, r: Result) -> Result:
+    """A batch-wide result (id None) as one request's."""
+    return dataclasses.replace(r, id=p.request.id, timings=dict(r.timings))

@@ -1,0 +1,70 @@
+"""What the client does when a shard dies under its requests: the shard's restart is waited for (ShardWatch.restart,
+one wait shared by everyone who saw it die) while the requests held for its credit go to the other shards; a shard
+that does not come back, or cannot (its node is gone), is routed around. A batch that was in flight there is
+routed again, or failed, as the retry policy (retry.py) says. Runs on the client's loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+
+from ray.exceptions import ActorUnschedulableError, RayActorError
+
+from flame_llm.serving.batcher import Pending, failed_result
+from flame_llm.serving.credit import Credit
+from flame_llm.serving.retry import Action, decide
+from flame_llm.serving.shard_watch import ShardWatch
+
+log = logging.getLogger(__name__)
+SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
+
+
+@dataclass(slots=True)
+class ShardLoss:
+    """A client's handling of its shards' deaths, with the dispatcher's (dispatch.py) parts it needs."""
+    shards: ShardWatch
+    credit: Credit
+    max_retries: int  # ClientConfig.max_retries
+    forget: Callable[[int, list[Pending]], None]  # (shard, requests) that shard will not answer: the router is told
+    route_again: Callable[[list[Pending]], Awaitable[None]]  # requests sent again: routed anew
+    spawn: Callable[[Coroutine], None]  # run as a task the client awaits or cancels when it closes
+
+    async def shard_lost(self, shard: int, batch: list[Pending], e: BaseException) -> None:
+        """The shard died with the batch in flight: wait for its restart and route the batch again (its
+        engine is cold and the router dropped its prefixes); when it does not come back, or cannot (its node
+        is gone), the other shards serve it. The dead shard will not answer them: their work leaves its count at
+        the router now, once (whatever becomes of them: routed again, failed, or abandoned meanwhile); the
+        restart's drop_shard, sent after this, only clears what other clients had there."""
+        log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
+                    shard, len(batch), type(e).__name__)
+        self.forget(shard, batch)
+        restarted = await self.after_loss(shard, e)
+        again = []
+        for p in batch:
+            if p.future.done():
+                continue
+            d = decide(p, self.max_retries, lost=e, shard=shard)
+            if d.action is Action.RESTART:
+                again.append(p)
+            elif restarted:  # a request that keeps killing shards stops here
+                p.future.set_result(failed_result(p, d.error))
+            else:
+                p.future.set_result(failed_result(p, self.shards.avoid[shard]))
+        await self.route_again(again)
+
+    async def after_loss(self, shard: int, e: BaseException) -> bool:
+        """The shard died: wait for its restart (True); when it does not come back (or cannot), route around it.
+        Meanwhile the requests held for its credit go to the other shards (a restart takes an engine's startup)."""
+        fut = self.shards.restart(shard, e)
+        if self.credit.enabled(shard):
+            self.credit.release(shard)
+        if fut is not None and await asyncio.shield(fut):
+            return True
+        self.shards.lose_shard(shard, e)
+        return False
+
+    def watch_loss(self, shard: int, e: BaseException) -> None:
+        """The shard died under a request that is not sent again (a stream past its first token): its restart is
+        still waited for, so new requests avoid it meanwhile."""
+        self.spawn(self.after_loss(shard, e))
