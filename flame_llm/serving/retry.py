@@ -16,7 +16,8 @@ can cure):
 - its shard died: once the shard is back (or given up on), routed again (RESTART);
 - REROUTE and RESTART count against max_retries; past them the error is the result (FAIL for a death).
 
-Dispatcher (dispatch.py) carries the decisions out for batches, client_stream.py for streams."""
+Dispatcher (dispatch.py) carries the decisions out for batches (shard_loss.py after a shard died under them),
+client_stream.py for streams."""
 from __future__ import annotations
 
 import time
