@@ -177,7 +177,8 @@ class EngineActor:
                 res.timings["first_chunk_at"] = first_chunk_at
             yield self._encode([res])
         finally:
-            task.cancel()
+            if not task.done():  # its reader left (a cancel, a closed connection, ray.cancel): an abort, counted
+                self.inflight.abort([items[0].id])
 
     async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
                      emit=None, client: str | None = None) -> Result:
