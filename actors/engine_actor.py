@@ -21,9 +21,10 @@ import ray
 
 from actors.admission import Admission, Overloaded, request_cost
 from actors.as_finished import as_finished
+from actors.coalesce import coalesced
 from actors.host import EngineHost
 from actors.inflight import Inflight
-from actors.metrics import shard_histograms
+from actors.metrics import ShardMetrics
 from actors.pinning import ShardPlacement
 from actors.shard_options import ShardOptions
 from actors.stream_server import StreamServer
@@ -63,11 +64,7 @@ class EngineActor:
                                    options.max_queued_requests, fair=options.fair_admission)
         self.result_window_s = options.result_window_ms / 1000.0
         self.draining = False
-        self.counters = {"batches": 0, "requests": 0, "streams": 0, "bad_batches": 0, "errors": 0, "cached_tokens": 0,
-                         "prompt_tokens": 0, "output_tokens": 0, "decode_s": 0.0, "encode_s": 0.0,
-                         # request payloads as they travel (zstd) and decoded (msgpack, from the frame header)
-                         "payload_wire_bytes": 0, "payload_raw_bytes": 0, "result_wire_bytes": 0}
-        self.hist = shard_histograms()
+        self.metrics = ShardMetrics()
         self.inflight = Inflight()
         self.stream_server: StreamServer | None = None  # the socket transport's, once asked for
         log.info("shard %s on %s (node %s)%s", self.name, self.device, self.node_id,
@@ -78,23 +75,21 @@ class EngineActor:
 
     def _decode(self, payload: bytes) -> list[Request | RequestError] | Result:
         """The batch's requests, or the one result that says why the payload is unusable."""
-        self.counters["batches"] += 1
+        self.metrics.counters["batches"] += 1
         try:
             batch = decode_requests(payload, self.limits, expected_revision=self.model_revision)
             raw = decoded_size(payload)  # a readable frame: its header says the decoded size
         except WireError as e:
-            self.counters["bad_batches"] += 1
+            self.metrics.counters["bad_batches"] += 1
             return self._result(None, error=ErrorInfo(e.code, str(e)))
-        self.counters["payload_wire_bytes"] += len(payload)
-        self.counters["payload_raw_bytes"] += max(raw, 0)
-        self.hist["batch_requests"].observe(len(batch.items))
+        self.metrics.batch(len(payload), raw, len(batch.items))
         return batch.items
 
     def _encode(self, results: list[Result]) -> bytes:
         t0 = time.perf_counter()
         out = encode_results(results, self.zstd_level)
-        self.counters["encode_s"] += time.perf_counter() - t0
-        self.counters["result_wire_bytes"] += len(out)
+        self.metrics.counters["encode_s"] += time.perf_counter() - t0
+        self.metrics.counters["result_wire_bytes"] += len(out)
         return out
 
     async def submit(self, payload: bytes, caller: str | None = None, client: str | None = None) -> bytes:
@@ -106,7 +101,7 @@ class EngineActor:
         if isinstance(items, Result):
             return self._encode([items])
         t1 = time.perf_counter()
-        self.counters["decode_s"] += t1 - t0
+        self.metrics.counters["decode_s"] += t1 - t0
         results = await asyncio.gather(*(self._serve(item, t1, caller, client=client) for item in items))
         for r in results:
             r.timings["decode_s"] = t1 - t0
@@ -125,7 +120,7 @@ class EngineActor:
             yield self._encode([items])
             return
         t1 = time.perf_counter()
-        self.counters["decode_s"] += t1 - t0
+        self.metrics.counters["decode_s"] += t1 - t0
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(self._serve(item, t1, caller, client=client)) for item in items]
         try:
@@ -165,21 +160,14 @@ class EngineActor:
         if isinstance(items, Result):
             yield self._encode([items])
             return
-        self.counters["streams"] += 1
+        self.metrics.counters["streams"] += 1
         chunks: asyncio.Queue = asyncio.Queue()
         task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
                                                                   chunks.put_nowait, client))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         first_chunk_at = None
         try:
-            done = False
-            while not done and (chunk := await chunks.get()) is not None:
-                while not chunks.empty():  # what queued while the last chunk was in transit leaves as one object
-                    more = chunks.get_nowait()
-                    if more is None:
-                        done = True
-                        break
-                    chunk = chunk + more
+            async for chunk in coalesced(chunks):
                 if first_chunk_at is None:
                     first_chunk_at = time.time()
                 yield chunk
@@ -189,16 +177,17 @@ class EngineActor:
                 res.timings["first_chunk_at"] = first_chunk_at
             yield self._encode([res])
         finally:
-            task.cancel()
+            if not task.done():  # its reader left (a cancel, a closed connection, ray.cancel): an abort, counted
+                self.inflight.abort([items[0].id])
 
     async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
                      emit=None, client: str | None = None) -> Result:
         if isinstance(item, RequestError):
-            self.counters["errors"] += 1
+            self.metrics.counters["errors"] += 1
             return self._result(item.id, error=item.info())
         res = self._result(item.id, prompt_tokens=len(item.prompt_token_ids))
         if self.draining:
-            self.counters["errors"] += 1
+            self.metrics.counters["errors"] += 1
             res.error = ErrorInfo(ErrorCode.DRAINING, f"shard {self.name} is draining")
             return res
         if not self.inflight.add(item.id, caller):  # aborted on its way here
@@ -216,16 +205,13 @@ class EngineActor:
         finally:
             self.inflight.remove(item.id, caller)
 
-    def _cost(self, item: Request) -> int:
-        """Admission tokens of a request: its prompt and the output it may still produce in max_model_len."""
-        return request_cost(len(item.prompt_token_ids), item.sampling.max_tokens, self.limits.max_model_len)
-
     async def _admit_and_run(self, item: Request, res: Result, t_start: float, emit, sender: tuple) -> Result:
-        sp, cost = item.sampling, self._cost(item)
+        sp = item.sampling
+        cost = request_cost(len(item.prompt_token_ids), sp.max_tokens, self.limits.max_model_len)
         try:
             await self.admission.acquire(cost, sender)
         except Overloaded as e:
-            self.counters["errors"] += 1
+            self.metrics.counters["errors"] += 1
             res.error = ErrorInfo(ErrorCode.OVERLOADED, f"shard {self.name}: {e}", e.retry_after_s)
             res.timings = {"queue_s": time.perf_counter() - t_start}
             return res
@@ -240,7 +226,7 @@ class EngineActor:
                     else:
                         out = x
         except Exception as e:  # one request's failure must not fail its batch
-            self.counters["errors"] += 1
+            self.metrics.counters["errors"] += 1
             if self.engine.failed:
                 # the step loop is dead and every later request would fail: crash so that Ray
                 # restarts this actor on its device; the client resubmits the unanswered batch
@@ -258,17 +244,10 @@ class EngineActor:
         finally:
             self.admission.release(cost, sender)
         t_done = time.perf_counter()
-        c = self.counters
-        c["requests"] += 1
-        c["prompt_tokens"] += out.num_prompt_tokens
-        c["cached_tokens"] += out.num_cached_tokens
-        c["output_tokens"] += len(out.output_token_ids)
         timings = {"queue_s": t_admit - t_start, "engine_s": t_done - t_admit, "total_s": t_done - t_start}
         res = Result.from_output(out, item.prompt_token_ids, timings, shard=self.shard, device=self.device,
                                  node=self.node_id)
-        for key, name in (("queue_s", "queue_s"), ("total_s", "e2e_s"), ("ttft", "ttft_s"), ("tpot", "tpot_s")):
-            if key in res.timings:
-                self.hist[name].observe(res.timings[key])
+        self.metrics.served(res)
         return res
 
     @ray.method(concurrency_group=CONTROL_GROUP)
@@ -297,9 +276,9 @@ class EngineActor:
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
         sock = self.stream_server.counters if self.stream_server is not None else {}
-        return {**self.health().to_dict(), **self.counters, **self.inflight.counters, **self.admission.stats(), **sock,
-                "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects, "engine": self.engine.stats(),
-                "histograms": {k: h.to_dict() for k, h in self.hist.items()}}
+        return {**self.health().to_dict(), **self.metrics.to_dict(), **self.inflight.counters, **self.admission.stats(),
+                **sock, "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects,
+                "engine": self.engine.stats()}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def drain(self, timeout_s: float = 60.0) -> bool:

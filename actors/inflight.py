@@ -86,21 +86,24 @@ class Inflight:
             return rid in self.aborted
 
     def abort(self, rids: list[str]) -> int:
-        """Cancel the tasks serving `rids` (from any thread); remember the others. The number found."""
+        """Cancel the tasks serving `rids` (from any thread); remember the others. The number found. A request
+        counts in "aborted" once, however many aborts reach it (a client's and its stream's end, say)."""
         now = time.monotonic()
-        found = 0
+        found = counted = 0
         with self._lock:
             for rid in rids:
+                again = rid in self.aborted
                 self.aborted[rid] = now
                 self.aborted.move_to_end(rid)
                 task = self.tasks.get(rid)
                 if task is not None and self.loop is not None:
                     found += 1
+                    counted += not again
                     self.loop.call_soon_threadsafe(task.cancel)
             while self.aborted and (len(self.aborted) > REMEMBER_ABORTS
                                     or now - next(iter(self.aborted.values())) > REMEMBER_ABORTS_S):
                 self.aborted.popitem(last=False)
-            self.counters["aborted"] += found
+            self.counters["aborted"] += counted
         return found
 
     def forget(self, rid: str) -> None:

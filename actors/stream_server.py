@@ -5,7 +5,8 @@ as the actor's Ray `stream` method (EngineActor.stream_items): token chunks, the
 
 A connection presents the actor's secret token first, or it is closed. A stream ends on its shard when its
 client cancels it or when its connection closes (the caller is gone, as the dead-caller watcher decides for Ray
-callers): its task is cancelled, which aborts its request in the engine and frees its admission slot."""
+callers): its task is cancelled, and the actor aborts its request as `EngineActor.abort` would (counted in the
+shard's "aborted"), which frees its admission slot."""
 from __future__ import annotations
 
 import asyncio

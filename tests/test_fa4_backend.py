@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from helpers import CASES_ATTENTION, make_case, reference  # noqa: E402
 
-from flame_llm.engine.model_runner import resolve_backend  # noqa: E402
+from flame_llm.engine.selector import resolve_backend  # noqa: E402
 from flame_llm.kernels import fa4_backend  # noqa: E402
 from flame_llm.kernels.torch_attention import dense_causal_attention, paged_attention  # noqa: E402
 

@@ -78,3 +78,29 @@ def test_the_watcher_backs_off_and_aborts_a_dead_callers_requests(local_ray, mon
     assert aborted and not live_aborted and inf.counters["aborted_dead_caller"] == 1
     assert gaps[0] < 0.12 and max(gaps) >= 0.19  # backed off from 0.05 s to the 0.2 s cap while all lived
     assert inf.counters["caller_checks"] == len(looks) and inf.counters["caller_check_s"] > 0
+
+
+def test_a_request_aborted_twice_counts_once():
+    """Two aborts reaching one running request (its client's abort and its stream's end) count one abort."""
+    async def scenario() -> tuple[list[int], bool, int]:
+        inf = Inflight()
+        started = asyncio.Event()
+
+        async def serve() -> bool:
+            assert inf.add("r", None)
+            started.set()
+            try:
+                await asyncio.sleep(30)
+                return False
+            except asyncio.CancelledError:
+                return inf.was_aborted("r")
+            finally:
+                inf.forget("r")
+                inf.remove("r", None)
+
+        task = asyncio.ensure_future(serve())
+        await started.wait()
+        found = [inf.abort(["r"]), inf.abort(["r", "unknown"])]
+        return found, await asyncio.wait_for(task, 5), inf.counters["aborted"]
+
+    assert asyncio.run(scenario()) == ([1, 1], True, 1)

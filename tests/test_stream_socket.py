@@ -105,21 +105,26 @@ def client_conn_count(svc):
     return sum(s.get("socket_connections", 0) for s in _stats(svc))
 
 
-def test_a_cancelled_socket_stream_is_aborted_on_its_shard(service):
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_a_cancelled_stream_is_aborted_on_its_shard(service, transport):
+    """A stream its reader leaves mid-way is aborted on its shard and counted there once, in the shard's "aborted"
+    (what the metrics export), on either transport: a socket CANCEL frame or the Ray transport's abort call."""
     svc, clients = service
     cancels = sum(s.get("socket_cancels", 0) for s in _stats(svc))
     done = sum(s["requests"] for s in _stats(svc))  # requests served to their end
+    aborted = sum(s["aborted"] for s in _stats(svc))
 
     async def left_early(prompt):
-        async for chunk in clients["socket"].stream_chunks(prompt, LONG):
+        async for chunk in clients[transport].stream_chunks(prompt, LONG):
             if chunk.token_ids:
                 return chunk.token_ids
 
     got = asyncio.run(left_early(_prompts(1, 16, seed=2)[0]))
     assert got
     _wait(lambda: _idle(svc), what="the cancelled stream still runs on its shard")
-    assert sum(s.get("socket_cancels", 0) for s in _stats(svc)) - cancels == 1
+    assert sum(s.get("socket_cancels", 0) for s in _stats(svc)) - cancels == (transport == "socket")
     assert sum(s["requests"] for s in _stats(svc)) == done  # aborted, not run to its 400 tokens
+    assert sum(s["aborted"] for s in _stats(svc)) - aborted == 1
     _wait(lambda: all(s["outstanding_work"] == 0 for s in ray.get(svc.router.stats.remote())["shards"]),
           what="the router still counts the cancelled stream's work")
 
@@ -169,7 +174,7 @@ def test_a_connection_closed_by_the_client_aborts_its_streams(service):
     svc, _ = service
     actor = svc.actors[0]
     ep = ray.get(actor.stream_endpoint.remote())
-    dropped, done = _stats(svc)[0].get("socket_dropped", 0), _stats(svc)[0]["requests"]
+    dropped, done, aborted = (_stats(svc)[0].get(k, 0) for k in ("socket_dropped", "requests", "aborted"))
 
     async def main():
         reader, writer = await _raw(ep, ep.token)
@@ -187,6 +192,7 @@ def test_a_connection_closed_by_the_client_aborts_its_streams(service):
     _wait(lambda: _stats(svc)[0].get("socket_dropped", 0) - dropped == 2, what="the shard missed the connection's end")
     _wait(lambda: _idle(svc), what="the streams of a closed connection still run on their shard")
     assert _stats(svc)[0]["requests"] == done  # aborted, not run to their 400 tokens
+    assert _stats(svc)[0]["aborted"] - aborted == 2  # a gone connection's streams count, as a dead caller's do
 
 
 def test_a_raw_stream_ends_with_the_result_payload_of_the_ray_method(service):

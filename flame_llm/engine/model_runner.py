@@ -19,6 +19,7 @@ from flame_llm.engine.cuda_graphs import DecodeGraphs
 from flame_llm.engine.kv_sizing import cpu_num_blocks, kv_block_bytes, profile_num_blocks
 from flame_llm.engine.mixed_graphs import MixedGraphs, build_mixed_graphs
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from flame_llm.engine.selector import BACKEND_STEPS, resolve_backend, resolve_device, resolve_dtype
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
 from flame_llm.engine.warmup import warmup_fa4, warmup_triton
@@ -30,50 +31,6 @@ from flame_llm.models.llama import MODELS, set_mlp_row_split
 from flame_llm.models.loader import init_dummy, load_model
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"config field 'device' is {name!r} but CUDA is not available")
-    return device
-
-
-def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int,
-                    fresh_prefill_backend: str = "triton") -> str:
-    """The attention backend to use: `name`, or for "auto" the fastest one this machine has. ValueError when
-    the triton backend's fresh_prefill_backend "fa4" cannot run here (checked now, not at the first prefill)."""
-    backend = _choose_backend(name, device, block_size, dtype, head_dim)
-    if backend == "triton" and fresh_prefill_backend == "fa4":
-        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
-        reason = fa4_unavailable_reason(device, dtype, head_dim)
-        if reason is not None:
-            raise ValueError(f"fresh_prefill_backend 'fa4' (attention_backend {name!r}) cannot run here: {reason}")
-    return backend
-
-
-def _choose_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
-    if name == "flash_attn" and block_size % 256:
-        raise ValueError(f"attention_backend 'flash_attn' needs block_size % 256 == 0; got {block_size}")
-    if name == "fa4":
-        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
-        reason = fa4_unavailable_reason(device, dtype, head_dim)
-        if reason is not None:
-            raise ValueError(f"attention_backend 'fa4' cannot run here: {reason}")
-    if name != "auto":
-        return name
-    if device.type != "cuda":
-        return "torch"
-    from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
-    reason = fa4_unavailable_reason(device, dtype, head_dim)
-    if reason is None:
-        return "fa4"
-    logger.info("attention: flash-attn-4 not used (%s)", reason)
-    from flame_llm.kernels.flash_backend import FLASH_ATTN_AVAILABLE
-    return "flash_attn" if FLASH_ATTN_AVAILABLE and block_size % 256 == 0 else "triton"
 
 
 class ModelRunner:
@@ -85,8 +42,7 @@ class ModelRunner:
         mc, rc = config.model_config, config.runner_config
         hf = mc.hf_config
         self.device = resolve_device(mc.device)
-        dtype = mc.dtype if mc.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.dtype = _DTYPES[dtype]
+        self.dtype = resolve_dtype(mc.dtype, self.device)
         self.block_size = config.cache_config.block_size
         self.vocab_size = hf.vocab_size
         prev_dtype = torch.get_default_dtype()
@@ -141,7 +97,7 @@ class ModelRunner:
                                         self.attn_layers[0], self.device,
                                         self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None)
         set_mlp_row_split(self.model, rc.mlp_row_split_tokens)  # after every capture: eager steps alone split
-        logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", _BACKEND_STEPS[self.backend],
+        logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager",
                     f"CUDA graphs up to {self.mixed.max_tokens} tokens" if self.mixed and self.use_graphs
                     else "padded, eager" if self.mixed else "eager")
@@ -259,14 +215,6 @@ class ModelRunner:
     def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """One step, waited for."""
         return self.launch(scheduled).output()
-
-
-_BACKEND_STEPS = {
-    "fa4": "prefill and mixed steps on flash-attn-4 (paged varlen), decode-only steps on our Triton kernel",
-    "triton": "every step on our Triton paged-attention kernel",
-    "flash_attn": "every step on flash-attn (FA2, paged)",
-    "torch": "every step on the torch reference path",
-}
 
 
 @dataclass(slots=True)
