@@ -129,6 +129,30 @@ def test_a_cancelled_stream_is_aborted_on_its_shard(service, transport):
           what="the router still counts the cancelled stream's work")
 
 
+def test_a_stream_closed_before_its_result_is_aborted_on_its_shard(service):
+    """The socket transport's item generator closed (aclose) after a token but before its result, without a
+    cancel: the shard is told to abort it (it once sent CANCEL only on CancelledError, so a close left the shard
+    making the stream's 400 tokens for nobody)."""
+    svc, clients = service
+    client = clients["socket"]
+    done = sum(s["requests"] for s in _stats(svc))
+    aborted = sum(s["aborted"] for s in _stats(svc))
+    d = client.dispatch
+    payload = _payload(svc, "closed-early", _prompts(1, 16, seed=3)[0], LONG)
+
+    async def close_early():
+        items = d.shards.streams.items(0, payload, d.caller, d.client_id)
+        first = await items.__anext__()
+        await items.aclose()
+        return first
+
+    first = asyncio.run_coroutine_threadsafe(close_early(), client._loop).result(timeout=60)
+    assert isinstance(first, list) and first
+    _wait(lambda: _idle(svc), what="the closed stream still runs on its shard")
+    assert sum(s["requests"] for s in _stats(svc)) == done  # aborted, not run to its 400 tokens
+    assert sum(s["aborted"] for s in _stats(svc)) - aborted == 1
+
+
 async def _closed(reader: asyncio.StreamReader) -> bytes:
     """What the peer sent before it closed the connection (a close with our frames unread resets it)."""
     try:

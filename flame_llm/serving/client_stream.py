@@ -174,14 +174,17 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, strea
 
 
 async def _ray_items(d: Dispatcher, shard: int, payload: bytes, rid: str) -> AsyncIterator[list[int] | bytes]:
-    """The items of one stream over the shard's Ray `stream` generator; cancelled: the shard aborts it."""
+    """The items of one stream over the shard's Ray `stream` generator; cancelled, or closed before its result:
+    the shard aborts it."""
     gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
+    item = None
     try:
         async for ref in gen:
             item = _ready_value(ref)
             if item is _NOT_HERE:
                 item = await ref
             yield item
-    except asyncio.CancelledError:
-        d.abort_on(shard, [rid])
+    except (asyncio.CancelledError, GeneratorExit):
+        if not isinstance(item, bytes):
+            d.abort_on(shard, [rid])
         raise

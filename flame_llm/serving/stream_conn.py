@@ -134,6 +134,7 @@ class StreamConns:
         RayActorError when the connection cannot be made or breaks; cancelled, the shard is told to abort it."""
         conn = await self.get(shard)
         sid, q = conn.open(payload, caller, client)
+        item = None
         try:
             while True:
                 item = await q.get()
@@ -142,9 +143,10 @@ class StreamConns:
                 yield item
                 if isinstance(item, bytes):
                     return
-        except asyncio.CancelledError:
-            self.counters.aborts_sent += 1
-            conn.cancel(sid)
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled, or closed before its result: abort it there
+            if not isinstance(item, bytes):
+                self.counters.aborts_sent += 1
+                conn.cancel(sid)
             raise
         finally:
             conn.done(sid)
