@@ -15,12 +15,13 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench.http_system import stop_group
 
 log = logging.getLogger(__name__)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,17 +73,9 @@ def wait_jobs_api(head: subprocess.Popen, address: str, timeout_s: float = 180.0
 
 
 def stop_head(head: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    """SIGTERM the head's process group (`ray start --block` stops its cluster; ~30 s on 2 cores), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(head.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            head.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """Stop the head's process group (`ray start --block` stops its cluster; ~30 s on 2 cores): SIGTERM, then
+    SIGKILL what remains."""
+    stop_group(head, timeout_s)
 
 
 def submit(address: str, sid: str, pairs_argv: list[str], timeout_s: float) -> int:
