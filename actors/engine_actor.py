@@ -28,17 +28,9 @@ from actors.metrics import ShardMetrics
 from actors.pinning import ShardPlacement
 from actors.shard_options import ShardOptions
 from actors.stream_server import StreamServer
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
 from flame_llm.protocol.stream_frames import StreamEndpoint
-from flame_llm.protocol.types import (
-    EngineLimits,
-    ErrorCode,
-    ErrorInfo,
-    Request,
-    RequestError,
-    Result,
-    ShardHealth,
-    WireError,
-)
+from flame_llm.protocol.types import EngineLimits, Request, Result, ShardHealth
 from flame_llm.protocol.wire import decode_requests, decoded_size, encode_results
 
 log = logging.getLogger(__name__)

@@ -33,17 +33,8 @@ import msgpack
 import numpy as np
 import zstandard
 
-from flame_llm.protocol.types import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    MAX_BATCH_REQUESTS,
-    EngineLimits,
-    ErrorCode,
-    ErrorInfo,
-    Request,
-    RequestError,
-    Result,
-    WireError,
-)
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
+from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, MAX_BATCH_REQUESTS, EngineLimits, Request, Result
 from flame_llm.protocol.wire import WIRE_VERSION, decode_requests, decode_results, encode_requests, encode_results
 from flame_llm.sampling_params import SamplingParams
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from bench.traces import TraceRequest
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import RouteItem, estimate_prefill_work, prefix_chain
-from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
+from flame_llm.protocol.types import Result
 from router.policy import RouterConfig, RouterPolicy
 
 SERVED_MODEL_NAME = "bench"  # the model name every benchmarked HTTP server serves under

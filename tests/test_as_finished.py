@@ -9,7 +9,8 @@ import pytest
 
 from actors.as_finished import as_finished
 from actors.engine_actor import ShardOptions
-from flame_llm.protocol.types import ErrorCode, ErrorInfo, Request, Result
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
+from flame_llm.protocol.types import Request, Result
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending
 from flame_llm.serving.retry import Action, decide

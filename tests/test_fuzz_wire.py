@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.fuzz_wire import MAX_SECONDS, Deep, Fuzzer, _encode, memory_limit
-from flame_llm.protocol.types import EngineLimits, Request, RequestError, Result, WireError
+from flame_llm.protocol.errors import RequestError, WireError
+from flame_llm.protocol.types import EngineLimits, Request, Result
 from flame_llm.protocol.wire import decode_requests, decode_results
 
 BUDGET = 256 << 10

@@ -334,7 +334,7 @@ def test_the_default_model_speaks_text_and_chat_through_the_openai_client(text_s
 def test_http_error_codes_are_the_protocols_where_it_has_one():
     """One spelling per error: a 400 with nothing more specific is the protocol's INVALID_REQUEST, and a failed
     result answers 503 (retryable), 400 (the request's fault) or 500 with its ErrorCode's value as the code."""
-    from flame_llm.protocol.types import ErrorCode
+    from flame_llm.protocol.errors import ErrorCode
     from flame_llm.serving.openai_api import STATUS_CODES, ApiError, result_error
 
     assert ApiError(400, "x").code == STATUS_CODES[400] == ErrorCode.INVALID_REQUEST.value

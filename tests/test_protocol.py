@@ -4,15 +4,8 @@ import numpy as np
 import pytest
 
 from flame_llm.limits import max_prompt_tokens
-from flame_llm.protocol.types import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    EngineLimits,
-    ErrorCode,
-    ErrorInfo,
-    RequestError,
-    Result,
-    sampling_from_map,
-)
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError
+from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, EngineLimits, Result, sampling_from_map
 from flame_llm.sampling_params import SamplingParams, brief
 
 LIMITS = EngineLimits.of(vocab_size=100, max_model_len=8)

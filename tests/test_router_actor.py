@@ -118,7 +118,8 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
     the router to drop the shard's prefixes (they were skipped when the shard was already avoided)."""
     import asyncio
 
-    from flame_llm.protocol.types import EngineLimits, ErrorCode, ErrorInfo, ShardHealth
+    from flame_llm.protocol.errors import ErrorCode, ErrorInfo
+    from flame_llm.protocol.types import EngineLimits, ShardHealth
     from flame_llm.serving.batcher import ClientCounters
     from flame_llm.serving.shard_watch import ShardWatch
 

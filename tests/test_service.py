@@ -885,7 +885,7 @@ def test_close_leaves_no_task_timer_or_router_work_behind(service):
 def test_a_watcher_outlives_a_router_that_does_not_answer(service):
     """An avoided shard seen back as a new incarnation is served again even when the router's drop_shard call fails
     (a restarting router): before, its RayActorError ended the watcher and the shard stayed avoided for good."""
-    from flame_llm.protocol.types import ErrorCode, ErrorInfo
+    from flame_llm.protocol.errors import ErrorCode, ErrorInfo
     from flame_llm.serving.batcher import ClientCounters
     from flame_llm.serving.shard_watch import ShardWatch
     from router.actor import start_router

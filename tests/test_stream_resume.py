@@ -16,7 +16,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from flame_llm import SamplingParams
-from flame_llm.protocol.types import ErrorCode, Request, prompt_digest
+from flame_llm.protocol.errors import ErrorCode
+from flame_llm.protocol.types import Request, prompt_digest
 from flame_llm.serving import client_stream
 from flame_llm.serving.batcher import Pending
 from flame_llm.serving.client import Client

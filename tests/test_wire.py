@@ -8,18 +8,15 @@ import numpy as np
 import pytest
 import zstandard
 
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
 from flame_llm.protocol.types import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_BATCH_REQUESTS,
     MAX_ID_BYTES,
     RESULT_FIELDS,
     EngineLimits,
-    ErrorCode,
-    ErrorInfo,
     Request,
-    RequestError,
     Result,
-    WireError,
 )
 from flame_llm.protocol.wire import (
     BATCH_OVERHEAD,

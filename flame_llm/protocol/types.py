@@ -4,21 +4,21 @@ its batcher, the engine actor, the router, the HTTP server and the bench all use
 
 Requests are checked against the EngineLimits the engines publish in health(), by the same checks wherever
 they enter (the client, the wire decoder, the HTTP server); an invalid request is a RequestError naming its
-field. ErrorCode.retryable says which failures the client retries, and the caller may.
+field (the error types are in flame_llm.protocol.errors).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from flame_llm.limits import max_prompt_tokens
 from flame_llm.outputs import RequestOutput
-from flame_llm.protocol.checks import finite, fits_utf8, key_list, token_bytes
+from flame_llm.protocol.checks import fits_utf8, key_list, token_bytes
 from flame_llm.protocol.checks import prompt_digest as prompt_digest  # re-exported: part of the protocol's types
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
 from flame_llm.sampling_params import SamplingParams, brief
 
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 20  # decoded bytes of one request batch
@@ -26,105 +26,9 @@ DEFAULT_ZSTD_LEVEL = 1  # zstd level of request and result payloads
 MAX_RESULT_PAYLOAD_BYTES = 256 << 20  # decoded bytes of one result payload a client accepts
 MAX_ID_BYTES = 256  # UTF-8 bytes of a request id
 MAX_BATCH_REQUESTS = 8192  # requests in one batch (and results in one result payload); an invalid slot costs ~0.5 kB
-MAX_RETRY_AFTER_S = 3600.0  # the longest retry hint a result may carry
 TOKEN_COUNT_LIMIT = 1 << 32  # prompt and cached token counts in results are below this
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 _SAMPLING_FIELD_SET = frozenset(SAMPLING_FIELDS)
-
-
-class ErrorCode(str, Enum):
-    """Every way a request or a batch can fail; the value is what travels and what callers see."""
-    # the whole payload is unusable (WireError)
-    BAD_ZSTD = "bad_zstd"
-    OVER_BUDGET = "over_budget"
-    BAD_MSGPACK = "bad_msgpack"
-    BAD_SCHEMA = "bad_schema"
-    BAD_VERSION = "bad_version"
-    WRONG_REVISION = "wrong_revision"
-    BAD_RESULT = "bad_result"
-    # one request is invalid at entry (RequestError)
-    BAD_REQUEST = "bad_request"
-    BAD_ID = "bad_id"
-    DUPLICATE_ID = "duplicate_id"
-    EMPTY_PROMPT = "empty_prompt"
-    BAD_PROMPT = "bad_prompt"
-    TOKEN_OUT_OF_RANGE = "token_out_of_range"
-    PROMPT_TOO_LONG = "prompt_too_long"
-    BAD_SAMPLING = "bad_sampling"
-    # from the engine actor
-    OVERLOADED = "overloaded"  # the admission queue is full; retry_after_s says when to come back
-    DRAINING = "draining"  # the shard takes no new requests; another shard can serve them
-    INVALID_REQUEST = "invalid_request"  # the engine's own checks (e.g. the request needs more KV than the pool)
-    ENGINE_ERROR = "engine_error"
-    # from the client
-    ROUTER_ERROR = "router_error"  # the router did not answer (it restarts on its own: Ray max_restarts=-1)
-    SHARD_UNAVAILABLE = "shard_unavailable"  # its shard died and did not come back, and no other shard took it
-    SHARD_DIED = "shard_died"  # shards died under this request more than max_retries times
-    CLIENT_ERROR = "client_error"
-    # the bench's HTTP client
-    HTTP_ERROR = "http_error"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-    @property
-    def retryable(self) -> bool:
-        """The request itself was fine: sent again (later, or to another shard) it can succeed."""
-        return self in RETRYABLE
-
-
-RETRYABLE = frozenset({ErrorCode.OVERLOADED, ErrorCode.DRAINING, ErrorCode.ROUTER_ERROR,
-                       ErrorCode.SHARD_UNAVAILABLE})
-
-
-class WireError(ValueError):
-    """A whole payload is unusable; `code` is one of the payload-level codes."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class RequestError(ValueError):
-    """One request is invalid: its `code`, the request `field` at fault and a message naming the field and
-    the limit; `id` is the request's id when it is known."""
-
-    def __init__(self, code: ErrorCode, message: str, field: str, request_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.field, self.id = code, message, field, request_id
-
-    def info(self) -> ErrorInfo:
-        return ErrorInfo(self.code, self.message)
-
-
-@dataclass(slots=True)
-class ErrorInfo:
-    """The error of a result record."""
-    code: ErrorCode
-    message: str
-    retry_after_s: float | None = None
-
-    def to_dict(self) -> dict:
-        """The error map, on the wire and in the client's result dicts."""
-        return {"code": self.code.value, "message": self.message, "retry_after_s": self.retry_after_s}
-
-    @classmethod
-    def from_dict(cls, m: Any, where: str) -> ErrorInfo:
-        ok = (isinstance(m, dict) and set(m) == {"code", "message", "retry_after_s"} and isinstance(m["code"], str)
-              and isinstance(m["message"], str) and isinstance(m["retry_after_s"], (int, float, type(None))))
-        if not ok:
-            raise WireError(ErrorCode.BAD_RESULT, f"{where} error must be a map {{code: str, message: str, "
-                                                  f"retry_after_s: number or None}}; got {brief(m, 120)}")
-        try:
-            code = ErrorCode(m["code"])
-        except ValueError:
-            raise WireError(ErrorCode.BAD_RESULT, f"{where} error code {brief(m['code'], 40)} is not one of the "
-                                                  "protocol's codes") from None
-        retry = m["retry_after_s"]
-        if retry is not None and not (finite(retry) and 0 <= retry <= MAX_RETRY_AFTER_S):
-            raise WireError(ErrorCode.BAD_RESULT, f"{where} error retry_after_s must be None or a number in "
-                                                  f"[0, {MAX_RETRY_AFTER_S:g}]; got {brief(retry, 40)}")
-        return cls(code, m["message"], retry)
 
 
 @dataclass(slots=True, frozen=True)

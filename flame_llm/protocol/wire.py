@@ -27,16 +27,14 @@ from typing import Any
 import msgpack
 import zstandard
 
+from flame_llm.protocol.errors import ErrorCode, RequestError, WireError
 from flame_llm.protocol.types import (
     DEFAULT_ZSTD_LEVEL,
     MAX_BATCH_REQUESTS,
     MAX_RESULT_PAYLOAD_BYTES,
     EngineLimits,
-    ErrorCode,
     Request,
-    RequestError,
     Result,
-    WireError,
     fits_utf8,
     key_list,
 )

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 
-from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
+from flame_llm.protocol.types import Result
 from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
 from flame_llm.serving.client_codec import ClientCodec
 from flame_llm.serving.credit import Credit

@@ -8,8 +8,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from flame_llm.limits import max_output_tokens
+from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
-from flame_llm.protocol.types import ErrorInfo, Request, Result
+from flame_llm.protocol.types import Request, Result
 from flame_llm.protocol.wire import BATCH_OVERHEAD
 
 

@@ -21,13 +21,8 @@ from collections.abc import Callable, Iterator
 
 import ray
 
-from flame_llm.protocol.types import (
-    DEFAULT_ZSTD_LEVEL,
-    EngineLimits,
-    ErrorCode,
-    ErrorInfo,
-    Result,
-)
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
+from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, EngineLimits, Result
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import ClientCounters
 from flame_llm.serving.client_generate import generate_call

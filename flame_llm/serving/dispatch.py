@@ -13,8 +13,9 @@ import time
 
 import ray
 
+from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import Completion
-from flame_llm.protocol.types import ErrorInfo, Result, ShardHealth
+from flame_llm.protocol.types import Result, ShardHealth
 from flame_llm.serving.batch_send import BatchSender
 from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher
 from flame_llm.serving.client_codec import ClientCodec

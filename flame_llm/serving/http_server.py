@@ -15,7 +15,8 @@ import os
 import time
 import uuid
 
-from flame_llm.protocol.types import EngineLimits, ErrorCode, ErrorInfo, Result, prompt_digest
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
+from flame_llm.protocol.types import EngineLimits, Result, prompt_digest
 from flame_llm.serving.client_stream import StreamChunk
 from flame_llm.serving.http_app import HttpConfig, build_app
 

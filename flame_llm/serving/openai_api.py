@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flame_llm.protocol.types import EngineLimits, RequestError, sampling_from_map
+from flame_llm.protocol.errors import RequestError
+from flame_llm.protocol.types import EngineLimits, sampling_from_map
 from flame_llm.sampling_params import SamplingParams
 
 # the errors and the prompt parsing live beside this module; ApiError, STATUS_CODES and result_error stay

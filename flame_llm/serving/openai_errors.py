@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flame_llm.protocol.types import ErrorCode
+from flame_llm.protocol.errors import ErrorCode
 
 # an HTTP error's `code` when nothing more specific is known: always a string, as OpenAI's are (the protocol's
 # ErrorCode values, "model_not_found", "invalid_api_key" and "context_length_exceeded" are the specific ones);

@@ -10,7 +10,8 @@ import time
 
 import numpy as np
 
-from flame_llm.protocol.types import EngineLimits, ErrorCode, Request, RequestError
+from flame_llm.protocol.errors import ErrorCode, RequestError
+from flame_llm.protocol.types import EngineLimits, Request
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import Pending, failed_result, set_estimates

@@ -1,5 +1,5 @@
 """The client's one retry policy, for batched and streamed requests alike: what happens to a request after its
-shard answered (or died under it). The rules (flame_llm.protocol.types.RETRYABLE says which errors a resend
+shard answered (or died under it). The rules (flame_llm.protocol.errors.RETRYABLE says which errors a resend
 can cure):
 
 - an answer without error, or with one a resend cannot cure, is the request's result (DONE);
@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
-from flame_llm.protocol.types import ErrorCode, ErrorInfo, Result
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
+from flame_llm.protocol.types import Result
 from flame_llm.serving.batcher import Pending
 
 

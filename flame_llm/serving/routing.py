@@ -16,8 +16,8 @@ from collections import OrderedDict
 
 from ray.exceptions import RayActorError
 
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import RouteItem
-from flame_llm.protocol.types import ErrorCode, ErrorInfo
 from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
 from flame_llm.serving.shard_watch import ShardWatch
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import ActorUnschedulableError, RayError
 
-from flame_llm.protocol.types import ErrorCode, ErrorInfo, ShardHealth
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
+from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.batcher import ClientCounters
 from flame_llm.serving.service import SHARD_PREFIX
 from flame_llm.serving.stream_conn import StreamConns
