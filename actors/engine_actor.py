@@ -21,13 +21,13 @@ import ray
 
 from actors.admission import Admission, Overloaded, request_cost
 from actors.as_finished import as_finished
-from actors.coalesce import coalesced
 from actors.host import EngineHost
 from actors.inflight import Inflight
 from actors.metrics import ShardMetrics
 from actors.pinning import ShardPlacement
 from actors.shard_options import ShardOptions
 from actors.stream_server import StreamServer
+from flame_llm.engine.coalesce import coalesced
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
 from flame_llm.protocol.stream_frames import StreamEndpoint
 from flame_llm.protocol.types import EngineLimits, Request, Result, ShardHealth

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flame_llm.config import Config
+from flame_llm.engine.coalesce import coalesced
 from flame_llm.engine.llm_engine import LLMEngine
 from flame_llm.engine.sequence import Sequence
 from flame_llm.outputs import RequestOutput
@@ -120,17 +121,7 @@ class AsyncEngine:
         reading it) aborts the request."""
         rid, pending = self._submit(prompt_token_ids, sampling_params, request_id, stream=True, checked=checked)
         try:
-            done = False
-            while not done:
-                chunk = await pending.stream.get()  # each step's new tokens arrive as one list
-                if chunk is None:
-                    break
-                while not pending.stream.empty():
-                    more = pending.stream.get_nowait()
-                    if more is None:
-                        done = True
-                        break
-                    chunk += more
+            async for chunk in coalesced(pending.stream):  # each step's new tokens arrive as one list
                 yield chunk
             yield await pending.future
         finally:

@@ -1,6 +1,6 @@
-"""A stream's token chunks as they leave the actor: what the engine emitted while the last chunk was in transit
-(its reader had not asked for the next yet) leaves as one chunk, so a slow reader gets fewer, larger objects
-rather than falling behind one object per step."""
+"""A stream's token chunks as its reader takes them: what the engine emitted while the reader was away (the last
+chunk in transit, or its loop busy) leaves as one chunk, so a slow reader gets fewer, larger objects rather than
+falling behind one object per step. AsyncEngine.stream_chunks and the engine actor's streams read through it."""
 from __future__ import annotations
 
 import asyncio
