@@ -49,7 +49,8 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-noprune, "
-                                         "flame-split, flame-raystream, flame-noresume, engine, engine-nomix, "
+                                         "flame-split, flame-raystream, flame-noresume, flame-noreroute, engine, "
+                                         "engine-nomix, "
                                          "engine-noprune, "
                                          "engine-split, vllm, vllm-seed"):
         parse_system("sglang")
@@ -59,6 +60,7 @@ def test_system_labels():
     # the stream transport's A/B: the old Ray streaming path, for the client and the front door alike
     assert parse_system("flame-raystream").client == {"stream_transport": "ray"}
     assert parse_system("flame-noresume").client == {"stream_resume": False}
+    assert parse_system("flame-noreroute").client == {"reroute_on_loss": False}
     # the mixed-step graphs' one-flag A/B: the label sets the engine field, nothing else
     nomix = parse_system("flame-nomix")
     assert (nomix.kind, nomix.engine, nomix.client) == ("flame", {"cuda_graph_mixed_tokens": 0}, {})

@@ -82,13 +82,25 @@ def service(tiny_llama):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
                         policy="cumulative", namespace="test-service", max_inflight_requests=8,
-                        max_queued_requests=8)
+                        max_queued_requests=8, max_restarts=-1)  # this module kills shard actors four times
     svc = start_service(cfg)
     client = Client.for_service(svc)
     yield svc, client
     client.close()
     svc.stop(timeout_s=10)
     ray.shutdown()
+
+
+def _answering(actor, timeout_s: float = 120.0):
+    """The actor's health once it answers (a killed shard's restart may outlast the requests, which went on
+    elsewhere: ClientConfig.reroute_on_loss)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.health.remote(), timeout=10)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "the shard did not come back"
+            time.sleep(0.1)
 
 
 def _prompts(n, length, seed, prefix=None):
@@ -631,8 +643,12 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     assert len(res) == 32 and len({r.id for r in res}) == 32
     assert [r.error for r in res] == [None] * 32
     assert all(len(r.output_token_ids) == 24 for r in res)
-    new = ray.get(victim.health.remote())
+    new = _answering(victim)
     assert new.restarted and new.incarnation != old.incarnation and new.device == old.device
+    deadline = time.monotonic() + 60
+    while client.counters.restarts_seen == 0:  # the client's restart watch sees the new incarnation too
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     assert client.counters.restarts_seen == 1
     # the restarted shard's engine is cold: the router forgot the prefixes it owned (this burst's among them)
     assert ray.get(svc.router.stats.remote())["counters"]["dropped"] > dropped
@@ -650,8 +666,9 @@ def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(servic
         res = client.generate(_prompts(6, 30, seed=21), SamplingParams(temperature=0.0, max_tokens=4))
         assert [r.error for r in res] == [None] * 6 and len({r.id for r in res}) == 6
         assert all(len(r.output_token_ids) == 4 for r in res)
-        new = [ray.get(a.health.remote()) for a in svc.actors.values()]
-        assert {r.shard for r in res} == {0, 1}  # six unseen prefixes balance: both broken shards served
+        new = [_answering(a) for a in svc.actors.values()]
+        # six unseen prefixes balance: both broken shards got requests, died and restarted (the requests went on
+        # wherever a shard could serve them first)
         for o, n in zip(old, new):
             assert not n.engine_failed and n.device == o.device and n.incarnation != o.incarnation
         assert client.counters.restarts_seen >= 1
@@ -695,8 +712,49 @@ def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
         assert [r.error for r in during + [streamed]] == [None] * 4
         assert {r.shard for r in during + [streamed]} == {live}
         burst.join(timeout=180)
-        assert [r.error for r in out["res"]] == [None] * 4  # the burst waited for the restart and completed
-        assert dead not in watch.restarting
+        assert [r.error for r in out["res"]] == [None] * 4  # went on elsewhere (reroute_on_loss)
+        deadline = time.monotonic() + 120
+        while dead in watch.restarting:  # the restart was watched all along
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("reroute", [True, False])
+def test_a_batch_in_flight_on_a_dying_shard_goes_on_at_once_on_the_live_one(service, reroute):
+    """ClientConfig.reroute_on_loss: the requests a shard had in flight when it died go to the live shard at once
+    (the dead shard's cache is gone anyway) instead of waiting out its restart (~20 s for an 8B engine on an H200,
+    seconds here); off: they wait for the restart, as before."""
+    svc, _ = service
+    client = make_client(svc.cfg, svc.router, svc.actors, reroute_on_loss=reroute)
+    try:
+        doc = _prompts(1, 300, seed=81 + reroute)[0]
+        (first,) = client.generate([doc + [1, 2]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        dead, live = first.shard, 1 - first.shard
+        victim, watch = svc.actors[dead], client.dispatch.shards
+        old = ray.get(victim.health.remote()).incarnation
+        out = {}
+        burst = threading.Thread(target=lambda: out.update(res=client.generate(
+            _prompts(4, 8, seed=82, prefix=doc), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))))
+        burst.start()
+        deadline = time.monotonic() + 60
+        while ray.get(victim.stats.remote())["inflight_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        ray.kill(victim, no_restart=False)
+        burst.join(timeout=180)
+        assert [r.error for r in out["res"]] == [None] * 4
+        if reroute:  # done on the live shard while the dead one was still coming back
+            assert {r.shard for r in out["res"]} == {live}
+            assert dead in watch.restarting, "the requests waited for the restart"
+        else:  # waited for the restart: served after it, on the new incarnation or the live shard
+            assert dead not in watch.restarting
+            assert ray.get(victim.health.remote()).incarnation != old
+        deadline = time.monotonic() + 120
+        while dead in watch.restarting:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
         client.close()
 

@@ -60,7 +60,8 @@ class Dispatcher:
                     for s, h in zip(actors, health, strict=True)}
         self.credit = Credit(capacity, config.max_batch_prompts, max_payload_bytes, self.shards.avoid,
                              self.counters, self._send_part, self._held_back, self.shards.restarting)
-        self.loss = ShardLoss(self.shards, self.credit, self.max_retries, self.forget, self.route_again, self._spawn)
+        self.loss = ShardLoss(self.shards, self.credit, self.max_retries, self.forget, self.route_again, self._spawn,
+                              config.reroute_on_loss)
         self.sender = BatchSender(actors, self.caller, self.client_id, self.as_finished, self.counters, self.codec,
                                   self.credit, self.settle, self.loss.shard_lost, self.forget, self.abort_on)
         self._tasks: set[asyncio.Task] = set()
@@ -241,7 +242,8 @@ class Dispatcher:
 
     async def apply(self, shard: int, p: Pending, d: Decision, r: Result | None, lost: BaseException | None) -> None:
         """Carry out a RETRY, REROUTE or RESTART decision for one request that is then sent again by its
-        caller (a stream): the wait, the shard avoided, or the shard's restart awaited."""
+        caller (a stream): the wait, the shard avoided, or the shard's restart watched (awaited when no other
+        shard can serve it)."""
         p.attempts += 1
         self.counters.retries += 1
         if d.action is Action.RETRY:
@@ -251,7 +253,7 @@ class Dispatcher:
             self.shards.avoid_shard(shard, r.error)
         else:
             assert d.action is Action.RESTART and lost is not None
-            await self.loss.after_loss(shard, lost)
+            await self.loss.settle(shard, lost)
 
     async def route_again(self, ps: list[Pending]) -> None:
         ps = [p for p in ps if not p.future.done()]

@@ -47,6 +47,9 @@ class ClientConfig:
     overload_deadline_s: float = 300.0  # a request is retried on overloaded shards this long before it fails
     local_routing: bool = True  # a stream with a prefix the router placed before goes without a router call
     stream_transport: str = "socket"  # streams' requests and tokens: "socket" (TCP to the shard) or "ray" (Ray calls)
+    # requests a dying shard had in flight go to the other shards at once (its restart, ~20 s for an 8B engine on
+    # an H200, is watched meanwhile); false: they wait for the restart, as new requests do on a one-shard service
+    reroute_on_loss: bool = True
     stream_resume: bool = True  # a stream whose shard died after its first token goes on from its last token
 
     def __post_init__(self) -> None:
@@ -59,6 +62,7 @@ class ClientConfig:
         check_bool("flow_control", self.flow_control, where=w)
         check_bool("results_as_finished", self.results_as_finished, where=w)
         check_number("overload_deadline_s", self.overload_deadline_s, 0, where=w)
+        check_bool("reroute_on_loss", self.reroute_on_loss, where=w)
         check_bool("local_routing", self.local_routing, where=w)
         check(self.stream_transport in STREAM_TRANSPORTS, "stream_transport", " or ".join(map(repr, STREAM_TRANSPORTS)),
               self.stream_transport, where=w)

@@ -1,7 +1,9 @@
-"""What the client does when a shard dies under its requests: the shard's restart is waited for (ShardWatch.restart,
-one wait shared by everyone who saw it die) while the requests held for its credit go to the other shards; a shard
-that does not come back, or cannot (its node is gone), is routed around. A batch that was in flight there is
-routed again, or failed, as the retry policy (retry.py) says. Runs on the client's loop."""
+"""What the client does when a shard dies under its requests: the shard's restart is watched (ShardWatch.restart,
+one wait shared by everyone who saw it die; routing leaves a restarting shard out while another can serve) and
+the requests held for its credit go to the other shards; a shard that does not come back, or cannot (its node is
+gone), is routed around. A batch (or stream) that was in flight there is routed again at once when another shard
+can serve it (ClientConfig.reroute_on_loss), else after the restart, or failed, as the retry policy (retry.py)
+says. Runs on the client's loop."""
 from __future__ import annotations
 
 import asyncio
@@ -29,17 +31,17 @@ class ShardLoss:
     forget: Callable[[int, list[Pending]], None]  # (shard, requests) that shard will not answer: the router is told
     route_again: Callable[[list[Pending]], Awaitable[None]]  # requests sent again: routed anew
     spawn: Callable[[Coroutine], None]  # run as a task the client awaits or cancels when it closes
+    reroute: bool = True  # ClientConfig.reroute_on_loss
 
     async def shard_lost(self, shard: int, batch: list[Pending], e: BaseException) -> None:
-        """The shard died with the batch in flight: wait for its restart and route the batch again (its
-        engine is cold and the router dropped its prefixes); when it does not come back, or cannot (its node
-        is gone), the other shards serve it. The dead shard will not answer them: their work leaves its count at
-        the router now, once (whatever becomes of them: routed again, failed, or abandoned meanwhile); the
+        """The shard died with the batch in flight: route the batch again, at once when another shard can serve
+        it (the dead one's cache is gone either way), else once it is back; when it does not come back, or cannot
+        (its node is gone), the other shards serve it. The dead shard will not answer them: their work leaves its
+        count at the router now, once (whatever becomes of them: routed again, failed, or abandoned meanwhile); the
         restart's drop_shard, sent after this, only clears what other clients had there."""
-        log.warning("shard %d failed with %d requests in flight (%s); waiting for its restart",
-                    shard, len(batch), type(e).__name__)
+        log.warning("shard %d failed with %d requests in flight (%s)", shard, len(batch), type(e).__name__)
         self.forget(shard, batch)
-        restarted = await self.after_loss(shard, e)
+        restarted = await self.settle(shard, e)
         again = []
         for p in batch:
             if p.future.done():
@@ -47,11 +49,25 @@ class ShardLoss:
             d = decide(p, self.max_retries, lost=e, shard=shard)
             if d.action is Action.RESTART:
                 again.append(p)
-            elif restarted:  # a request that keeps killing shards stops here
+            elif restarted is not False:  # a request that keeps killing shards stops here
                 p.future.set_result(failed_result(p, d.error))
             else:
                 p.future.set_result(failed_result(p, self.shards.avoid[shard]))
         await self.route_again(again)
+
+    async def settle(self, shard: int, e: BaseException) -> bool | None:
+        """After the shard died under requests that are sent again: None at once when another shard can serve
+        them (reroute; the restart is watched meanwhile and routing leaves the shard out until it is back), else
+        after_loss's answer once the restart is over."""
+        if self.reroute and not isinstance(e, ActorUnschedulableError) and self._others_serve(shard):
+            self.shards.restart(shard, e)  # restarting from now on: the requests routed again go elsewhere
+            self.spawn(self.after_loss(shard, e))
+            return None
+        return await self.after_loss(shard, e)
+
+    def _others_serve(self, shard: int) -> bool:
+        w = self.shards
+        return any(s != shard and s not in w.avoid and s not in w.restarting for s in w.actors)
 
     async def after_loss(self, shard: int, e: BaseException) -> bool:
         """The shard died: wait for its restart (True); when it does not come back (or cannot), route around it.
