@@ -90,14 +90,7 @@ def test_a_lost_shard_takes_back_its_work_at_the_router(service, max_retries):
         else:
             assert errors and set(errors) == {"shard_died"}
         _settled(svc, before, 10.0)
-        deadline = time.monotonic() + 120
-        while True:  # the burst may end before the restart (its requests went on elsewhere): wait for the shard
-            try:
-                ray.get(victim.health.remote(), timeout=10)
-                break
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                assert time.monotonic() < deadline, "the killed shard did not come back"
-                time.sleep(0.1)
+        _wait_back(victim, 120.0)  # the burst may end before the restart (its requests went on elsewhere)
     finally:
         client.close()
 

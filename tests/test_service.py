@@ -103,6 +103,20 @@ def _answering(actor, timeout_s: float = 120.0):
             time.sleep(0.1)
 
 
+def _kill_mid_burst(client, victim, prompts, sp) -> tuple[threading.Thread, dict]:
+    """client.generate(prompts, sp) in a thread (its results land in the dict's "res"); `victim` killed (Ray
+    restarts it) once it has requests of it in flight."""
+    out: dict = {}
+    burst = threading.Thread(target=lambda: out.update(res=client.generate(prompts, sp)))
+    burst.start()
+    deadline = time.monotonic() + 60
+    while ray.get(victim.stats.remote())["inflight_requests"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    ray.kill(victim, no_restart=False)
+    return burst, out
+
+
 def _prompts(n, length, seed, prefix=None):
     rng = np.random.default_rng(seed)
     out = []
@@ -689,15 +703,9 @@ def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
         (first,) = client.generate([doc + [1, 2]], sp)
         dead, live = first.shard, 1 - first.shard
         victim = svc.actors[dead]
-        out = {}
-        burst = threading.Thread(target=lambda: out.update(res=client.generate(
-            _prompts(4, 8, seed=72, prefix=doc), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))))
-        burst.start()
+        burst, out = _kill_mid_burst(client, victim, _prompts(4, 8, seed=72, prefix=doc),
+                                     SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         deadline = time.monotonic() + 60
-        while ray.get(victim.stats.remote())["inflight_requests"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        ray.kill(victim, no_restart=False)
         watch = client.dispatch.shards
         while dead not in watch.restarting:  # the client saw it die and waits for its restart
             assert time.monotonic() < deadline and burst.is_alive()
@@ -734,15 +742,8 @@ def test_a_batch_in_flight_on_a_dying_shard_goes_on_at_once_on_the_live_one(serv
         dead, live = first.shard, 1 - first.shard
         victim, watch = svc.actors[dead], client.dispatch.shards
         old = ray.get(victim.health.remote()).incarnation
-        out = {}
-        burst = threading.Thread(target=lambda: out.update(res=client.generate(
-            _prompts(4, 8, seed=82, prefix=doc), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))))
-        burst.start()
-        deadline = time.monotonic() + 60
-        while ray.get(victim.stats.remote())["inflight_requests"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        ray.kill(victim, no_restart=False)
+        burst, out = _kill_mid_burst(client, victim, _prompts(4, 8, seed=82, prefix=doc),
+                                     SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         burst.join(timeout=180)
         assert [r.error for r in out["res"]] == [None] * 4
         if reroute:  # done on the live shard while the dead one was still coming back
