@@ -241,3 +241,18 @@ CASES_ATTENTION = {
     "verify_k4_gqa4_d64_bs16": dict(seq_lens=[90, 41, 5], q_lens=[5, 5, 5], num_heads=4, num_kv_heads=1,
                                     head_dim=64, block_size=16, max_seqlen_k=2048),
 }
+
+
+def answering(actor, timeout_s: float = 120.0):
+    """The actor's health() once it answers: a killed actor is asked again until its next incarnation does (a
+    kill lands a moment after ray.kill returns; a restart may outlast the requests, which went on elsewhere)."""
+    import time
+
+    import ray
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.health.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "the actor did not answer again"
+            time.sleep(0.1)

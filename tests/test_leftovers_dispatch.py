@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import ray
+from helpers import answering
 
 from flame_llm import SamplingParams
 from flame_llm.serving.client import Client
@@ -90,7 +91,7 @@ def test_a_lost_shard_takes_back_its_work_at_the_router(service, max_retries):
         else:
             assert errors and set(errors) == {"shard_died"}
         _settled(svc, before, 10.0)
-        _wait_back(victim, 120.0)  # the burst may end before the restart (its requests went on elsewhere)
+        answering(victim, 120.0)  # the burst may end before the restart (its requests went on elsewhere)
     finally:
         client.close()
 
@@ -259,18 +260,7 @@ def test_requests_left_while_their_dead_shard_restarts_are_forgotten_once(servic
         _settled(svc, before, 60.0)  # the restart's drop_shard and the answers of the shard that lived
     finally:
         client.close()
-        _wait_back(victim, 120.0)  # for the next test
-
-
-def _wait_back(actor, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            ray.get(actor.health.remote(), timeout=10)
-            return
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            assert time.monotonic() < deadline, "the killed shard did not come back"
-            time.sleep(0.2)
+        answering(victim, 120.0)  # for the next test
 
 
 def test_requests_held_for_a_dead_shards_credit_go_to_the_other_shard(service):
@@ -300,4 +290,4 @@ def test_requests_held_for_a_dead_shards_credit_go_to_the_other_shard(service):
         assert held and {served[i] for i in held} == {1}, {i: served[i] for i in held}
     finally:
         client.close()
-        _wait_back(victim, 120.0)  # for the next test
+        answering(victim, 120.0)  # for the next test

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import ray
 import zstandard
+from helpers import answering
 from ray.exceptions import RayActorError
 
 from actors.admission import Admission, Overloaded
@@ -89,18 +90,6 @@ def service(tiny_llama):
     client.close()
     svc.stop(timeout_s=10)
     ray.shutdown()
-
-
-def _answering(actor, timeout_s: float = 120.0):
-    """The actor's health once it answers (a killed shard's restart may outlast the requests, which went on
-    elsewhere: ClientConfig.reroute_on_loss)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return ray.get(actor.health.remote(), timeout=10)
-        except (RayActorError, ray.exceptions.GetTimeoutError):
-            assert time.monotonic() < deadline, "the shard did not come back"
-            time.sleep(0.1)
 
 
 def _kill_mid_burst(client, victim, prompts, sp) -> tuple[threading.Thread, dict]:
@@ -657,7 +646,7 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     assert len(res) == 32 and len({r.id for r in res}) == 32
     assert [r.error for r in res] == [None] * 32
     assert all(len(r.output_token_ids) == 24 for r in res)
-    new = _answering(victim)
+    new = answering(victim)
     assert new.restarted and new.incarnation != old.incarnation and new.device == old.device
     deadline = time.monotonic() + 60
     while client.counters.restarts_seen == 0:  # the client's restart watch sees the new incarnation too
@@ -680,7 +669,7 @@ def test_failed_engine_loop_restarts_the_actor_and_requests_complete_once(servic
         res = client.generate(_prompts(6, 30, seed=21), SamplingParams(temperature=0.0, max_tokens=4))
         assert [r.error for r in res] == [None] * 6 and len({r.id for r in res}) == 6
         assert all(len(r.output_token_ids) == 4 for r in res)
-        new = [_answering(a) for a in svc.actors.values()]
+        new = [answering(a) for a in svc.actors.values()]
         # six unseen prefixes balance: both broken shards got requests, died and restarted (the requests went on
         # wherever a shard could serve them first)
         for o, n in zip(old, new):

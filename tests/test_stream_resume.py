@@ -13,6 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import ray
+from helpers import answering
 from ray.exceptions import RayActorError
 
 from flame_llm import SamplingParams
@@ -112,20 +113,10 @@ def service(tiny_llama):
     ray.shutdown()
 
 
-def _healthy(actor, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return ray.get(actor.health.remote(), timeout=timeout_s)
-        except RayActorError:  # killed or restarting: ask the next incarnation
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-
-
 def _restarted(actor, old: str, timeout_s=120.0) -> None:
     """Wait until the actor answers as a new incarnation (a kill lands a moment after ray.kill returns)."""
     deadline = time.monotonic() + timeout_s
-    while _healthy(actor).incarnation == old:
+    while answering(actor).incarnation == old:
         assert time.monotonic() < deadline, "the shard did not restart"
         time.sleep(0.1)
 
@@ -140,7 +131,7 @@ def test_a_stream_waits_for_its_restarted_shard_and_resumes_there(service, trans
     client, actor = clients[transport], svc.actors[0]
     prompt = _prompt(1 + len(transport))
     (want,) = clients["ray"].generate([prompt], LONG)
-    old = _healthy(actor).incarnation
+    old = answering(actor).incarnation
     retries, resumes = client.counters.retries, client.counters.stream_resumes
 
     async def main():
@@ -189,7 +180,7 @@ def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, 
         sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[plain.output_token_ids[4]])
     (want,) = client.generate([prompt], sp)
     assert want.finish_reason == how
-    old, retries = _healthy(svc.actors[0]).incarnation, client.counters.retries
+    old, retries = answering(svc.actors[0]).incarnation, client.counters.retries
     monkeypatch.setattr(client_stream, "_ray_items", _dies_before_the_result(client_stream._ray_items))
 
     async def main():
@@ -206,7 +197,7 @@ def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, 
 
 def test_the_front_doors_sse_stream_goes_on_after_the_shard_dies(service, tmp_path):
     svc, clients = service
-    _healthy(svc.actors[0])
+    answering(svc.actors[0])
     handle, url = start_frontdoor(NS, HttpConfig(port=0))
     try:
         prompt = _prompt(7)
@@ -240,4 +231,4 @@ def test_the_front_doors_sse_stream_goes_on_after_the_shard_dies(service, tmp_pa
     finally:
         del handle
         stop_frontdoor(NS)
-        _healthy(svc.actors[0])
+        answering(svc.actors[0])

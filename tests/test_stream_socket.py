@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import ray
+from helpers import answering
 
 from flame_llm import SamplingParams
 from flame_llm.protocol.stream_frames import Frame, StreamEndpoint, encode_frame, read_frame
@@ -260,7 +261,7 @@ def test_a_shard_dying_before_the_first_token_is_retried_after_its_restart(servi
     assert res.error is None and res.timings["attempts"] >= 2, res
     (want,) = clients["ray"].generate([doc + [2, 3]], GREEDY)
     assert toks == want.output_token_ids == res.output_token_ids
-    assert _healthy(svc.actors[shard]).incarnation != old.incarnation
+    assert answering(svc.actors[shard]).incarnation != old.incarnation
     if transport == "socket" and res.shard == shard:  # the new incarnation's server, over a new connection
         assert client.dispatch.shards.streams.conns[shard].endpoint.incarnation != old.incarnation
     _wait(lambda: _idle(svc), what="work left on the shards")
@@ -278,18 +279,8 @@ def _died_after_first_token(svc, client):
                 return toks, chunk.result, victim
 
     toks, res, victim = asyncio.run(main())
-    _healthy(svc.actors[victim])  # restarted before the next test
+    answering(svc.actors[victim])  # restarted before the next test
     return toks, res, victim
-
-
-def _healthy(actor, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return ray.get(actor.health.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:  # killed or restarting: ask the next incarnation
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
 
 
 def test_a_shard_dying_after_the_first_token_fails_the_stream_without_stream_resume(service):
@@ -342,7 +333,7 @@ def test_a_shard_that_dies_idle_is_routed_around_at_once_not_waited_for(service)
     toks, res = _tokens_and_result(asyncio.run(_chunks(client, doc + [3], GREEDY)))
     took = time.monotonic() - t0
     assert res.error is None and res.shard != victim and len(toks) == GREEDY.max_tokens, res
-    restarted = _healthy(svc.actors[victim])
+    restarted = answering(svc.actors[victim])
     assert took < 5.0 and restarted.restarted  # served by the other shard, not after the restart
     _wait(lambda: victim not in client.dispatch.shards.restarting, timeout_s=30.0, what="still restarting")
     _wait(lambda: _idle(svc), what="work left on the shards")
@@ -367,7 +358,7 @@ def test_a_batch_only_client_sees_an_idle_shard_die_and_routes_its_batches_aroun
         t0 = time.monotonic()
         (again,) = client.generate([doc + [2]], GREEDY)
         assert again.error is None and again.shard != victim and time.monotonic() - t0 < 5.0, again
-        assert _healthy(svc.actors[victim]).incarnation != old
+        assert answering(svc.actors[victim]).incarnation != old
         _wait(lambda: victim in client.dispatch.shards.streams.conns
               and client.dispatch.shards.streams.conns[victim].broken is None
               and client.dispatch.shards.streams.conns[victim].endpoint.incarnation != old, timeout_s=30.0,
