@@ -256,3 +256,41 @@ def answering(actor, timeout_s: float = 120.0):
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             assert time.monotonic() < deadline, "the actor did not answer again"
             time.sleep(0.1)
+
+
+def kill_mid_burst(client, victim, prompts, sp):
+    """client.generate(prompts, sp) in a thread (its results land in the returned dict's "res"); `victim` killed
+    (Ray restarts it) once it has requests of the burst in flight. Returns (thread, dict)."""
+    import threading
+    import time
+
+    import ray
+    out: dict = {}
+    burst = threading.Thread(target=lambda: out.update(res=client.generate(prompts, sp)))
+    burst.start()
+    deadline = time.monotonic() + 60
+    while ray.get(victim.stats.remote())["inflight_requests"] == 0:  # mid-burst: the shard is busy
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    ray.kill(victim, no_restart=False)
+    return burst, out
+
+
+def service_with_both_transports(model: str, engine: dict, num_shards: int, namespace: str):
+    """A service on a fresh local Ray (killed shards restart without limit) and a client per stream transport
+    ({"ray": ..., "socket": ...}): yields (service, clients), then stops them and Ray. For module fixtures."""
+    import ray
+
+    from flame_llm.serving.client import Client
+    from flame_llm.serving.service import start_service
+    from flame_llm.serving.service_config import ServiceConfig
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = ServiceConfig.from_kwargs(model=model, engine=engine, num_shards=num_shards, cpu_per_shard=0.5,
+                                    namespace=namespace, restart_timeout_s=120.0, max_restarts=-1)
+    svc = start_service(cfg)
+    clients = {t: Client.for_service(svc, stream_transport=t) for t in ("ray", "socket")}
+    yield svc, clients
+    for c in clients.values():
+        c.close()
+    svc.stop(timeout_s=10)
+    ray.shutdown()

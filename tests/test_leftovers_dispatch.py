@@ -5,13 +5,12 @@ router's count of its shard exactly once (the router's `routed` and `completed` 
 a request nobody waits for any more is never sent."""
 import asyncio
 import concurrent.futures
-import threading
 import time
 
 import numpy as np
 import pytest
 import ray
-from helpers import answering
+from helpers import answering, kill_mid_burst
 
 from flame_llm import SamplingParams
 from flame_llm.serving.client import Client
@@ -73,15 +72,8 @@ def test_a_lost_shard_takes_back_its_work_at_the_router(service, max_retries):
     try:
         before = _router_open(svc)
         victim = svc.actors[0]
-        out = {}
-        t = threading.Thread(target=lambda: out.update(res=client.generate(
-            _prompts(32, 60, seed=1 + max_retries), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))))
-        t.start()
-        deadline = time.monotonic() + 60
-        while ray.get(victim.stats.remote())["inflight_requests"] == 0:  # mid-burst: the shard is busy
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        ray.kill(victim, no_restart=False)
+        t, out = kill_mid_burst(client, victim, _prompts(32, 60, seed=1 + max_retries),
+                                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
         t.join(timeout=180)
         res = out["res"]
         assert len(res) == 32

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 import zstandard
-from helpers import answering
+from helpers import answering, kill_mid_burst
 from ray.exceptions import RayActorError
 
 from actors.admission import Admission, Overloaded
@@ -90,20 +90,6 @@ def service(tiny_llama):
     client.close()
     svc.stop(timeout_s=10)
     ray.shutdown()
-
-
-def _kill_mid_burst(client, victim, prompts, sp) -> tuple[threading.Thread, dict]:
-    """client.generate(prompts, sp) in a thread (its results land in the dict's "res"); `victim` killed (Ray
-    restarts it) once it has requests of it in flight."""
-    out: dict = {}
-    burst = threading.Thread(target=lambda: out.update(res=client.generate(prompts, sp)))
-    burst.start()
-    deadline = time.monotonic() + 60
-    while ray.get(victim.stats.remote())["inflight_requests"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    ray.kill(victim, no_restart=False)
-    return burst, out
 
 
 def _prompts(n, length, seed, prefix=None):
@@ -632,15 +618,7 @@ def test_killed_actor_restarts_and_every_request_completes_once(service):
     old = ray.get(victim.health.remote())
     dropped = ray.get(svc.router.stats.remote())["counters"]["dropped"]
     prompts = _prompts(32, 60, seed=14)
-    out = {}
-    t = threading.Thread(target=lambda: out.update(res=client.generate(prompts, SamplingParams(
-        temperature=0.0, max_tokens=24, ignore_eos=True))))
-    t.start()
-    deadline = time.monotonic() + 60
-    while ray.get(victim.stats.remote())["inflight_requests"] == 0:  # mid-burst: the shard is busy
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    ray.kill(victim, no_restart=False)
+    t, out = kill_mid_burst(client, victim, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     t.join(timeout=180)
     res = out["res"]
     assert len(res) == 32 and len({r.id for r in res}) == 32
@@ -692,7 +670,7 @@ def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
         (first,) = client.generate([doc + [1, 2]], sp)
         dead, live = first.shard, 1 - first.shard
         victim = svc.actors[dead]
-        burst, out = _kill_mid_burst(client, victim, _prompts(4, 8, seed=72, prefix=doc),
+        burst, out = kill_mid_burst(client, victim, _prompts(4, 8, seed=72, prefix=doc),
                                      SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         deadline = time.monotonic() + 60
         watch = client.dispatch.shards
@@ -731,7 +709,7 @@ def test_a_batch_in_flight_on_a_dying_shard_goes_on_at_once_on_the_live_one(serv
         dead, live = first.shard, 1 - first.shard
         victim, watch = svc.actors[dead], client.dispatch.shards
         old = ray.get(victim.health.remote()).incarnation
-        burst, out = _kill_mid_burst(client, victim, _prompts(4, 8, seed=82, prefix=doc),
+        burst, out = kill_mid_burst(client, victim, _prompts(4, 8, seed=82, prefix=doc),
                                      SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         burst.join(timeout=180)
         assert [r.error for r in out["res"]] == [None] * 4

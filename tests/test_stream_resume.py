@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 import ray
-from helpers import answering
+from helpers import answering, service_with_both_transports
 from ray.exceptions import RayActorError
 
 from flame_llm import SamplingParams
@@ -21,13 +21,11 @@ from flame_llm.protocol.errors import ErrorCode
 from flame_llm.protocol.types import Request, prompt_digest
 from flame_llm.serving import client_stream
 from flame_llm.serving.batcher import Pending
-from flame_llm.serving.client import Client
 from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
 from flame_llm.serving.http_app import HttpConfig
 from flame_llm.serving.resume import continuation, stream_end
 from flame_llm.serving.retry import Action, decide
-from flame_llm.serving.service import start_service
-from flame_llm.serving.service_config import ClientConfig, ServiceConfig, config_from_dict
+from flame_llm.serving.service_config import ClientConfig, config_from_dict
 
 NS = "test-stream-resume"
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
@@ -100,17 +98,8 @@ def test_the_flag_is_checked_and_read_from_the_config():
 # ---- a one-shard service on a real local Ray ----
 
 @pytest.fixture(scope="module")
-def service(tiny_llama):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=1, cpu_per_shard=0.5, namespace=NS,
-                                    restart_timeout_s=120.0, max_restarts=-1)  # this module kills the shard often
-    svc = start_service(cfg)
-    clients = {t: Client.for_service(svc, stream_transport=t) for t in ("ray", "socket")}
-    yield svc, clients
-    for c in clients.values():
-        c.close()
-    svc.stop(timeout_s=10)
-    ray.shutdown()
+def service(tiny_llama):  # this module kills the shard often: restarts without limit
+    yield from service_with_both_transports(tiny_llama, ENGINE, 1, NS)
 
 
 def _restarted(actor, old: str, timeout_s=120.0) -> None:

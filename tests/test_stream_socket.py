@@ -10,15 +10,14 @@ import time
 import numpy as np
 import pytest
 import ray
-from helpers import answering
+from helpers import answering, service_with_both_transports
 
 from flame_llm import SamplingParams
 from flame_llm.protocol.stream_frames import Frame, StreamEndpoint, encode_frame, read_frame
 from flame_llm.protocol.types import Request
 from flame_llm.protocol.wire import decode_results, encode_requests
 from flame_llm.serving.client import Client
-from flame_llm.serving.service import start_service
-from flame_llm.serving.service_config import ClientConfig, ServiceConfig, config_from_dict
+from flame_llm.serving.service_config import ClientConfig, config_from_dict
 
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -26,18 +25,8 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def service(tiny_llama):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
-                                    namespace="test-stream-socket", restart_timeout_s=120.0,
-                                    max_restarts=-1)  # this module kills shards four times
-    svc = start_service(cfg)
-    clients = {t: Client.for_service(svc, stream_transport=t) for t in ("ray", "socket")}
-    yield svc, clients
-    for c in clients.values():
-        c.close()
-    svc.stop(timeout_s=10)
-    ray.shutdown()
+def service(tiny_llama):  # this module kills shards four times: restarts without limit
+    yield from service_with_both_transports(tiny_llama, ENGINE, 2, "test-stream-socket")
 
 
 def _prompts(n, length, seed, prefix=None):
