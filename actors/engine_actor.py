@@ -263,7 +263,7 @@ class EngineActor:
         def broken(*args, **kwargs):
             raise RuntimeError(f"injected engine step failure on shard {self.name}")
 
-        self.engine.engine.model_runner.launch = broken
+        self.engine.engine.model_runner.prepare_launch = broken
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:

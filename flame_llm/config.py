@@ -95,6 +95,11 @@ class SchedulerConfig:
     # GIL) until each of those loops has run them, at most this long; on CPU the engine thread otherwise keeps
     # the GIL and the loop that carries a token onwards waits for it. 0: off (no wait)
     handoff_wait_ms: float = 0.0  # AsyncEngine: wait up to this long for callers' loops to take a step's tokens
+    # asynchronous scheduling reads a step's tokens once the next step is enqueued; an eager step of 8K tokens takes
+    # the host ~40 ms to enqueue on the H200 (a decode step runs ~5), so the tokens before it wait that long. With
+    # this many tokens or more, an eager step is enqueued only after the step before it is read and its tokens are
+    # handed to callers (the GPU waits that hand-off, ~1 ms). 0: off. Serving (AsyncEngine) only
+    emit_before_long_launch: int = 0  # eager steps of >= this many tokens launch after the last step's tokens go out
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1, **_F)
@@ -106,6 +111,7 @@ class SchedulerConfig:
             check_bool(name, getattr(self, name), **_F)
         check_bool("async_scheduling", self.async_scheduling, optional=True, **_F)
         check_number("handoff_wait_ms", self.handoff_wait_ms, 0, HANDOFF_WAIT_MAX_MS, **_F)
+        check_int("emit_before_long_launch", self.emit_before_long_launch, 0, **_F)
 
 
 @dataclass(slots=True)

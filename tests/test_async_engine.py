@@ -118,7 +118,7 @@ def test_failed_step_loop_is_reported(tiny_llama):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    eng.engine.model_runner.launch = broken
+    eng.engine.model_runner.prepare_launch = broken
 
     async def main():
         await eng.generate([1, 2], SamplingParams(max_tokens=2))

@@ -180,11 +180,7 @@ class AsyncEngine:
                     if seq is not None:
                         self._deliver(seq)
                 if not engine.is_finished():
-                    finished, _ = engine.step()
-                    for p in list(self._streams.values()):
-                        self._push_tokens(p)
-                    for seq in finished:
-                        self._deliver(seq)
+                    engine.step(self._commit)
                 if self._handed:
                     self._wait_handoff()
             except BaseException as e:  # the step failed: every waiting caller gets the error
@@ -192,6 +188,14 @@ class AsyncEngine:
                 self._error = e
                 self._fail_all(e)
                 return
+
+    def _commit(self, finished: list[Sequence]) -> None:
+        """A step's tokens are committed: hand new tokens to streams and results to callers (LLMEngine.step may
+        call this before it enqueues a long step)."""
+        for p in list(self._streams.values()):
+            self._push_tokens(p)
+        for seq in finished:
+            self._deliver(seq)
 
     def _push_tokens(self, p: _Pending) -> None:
         seq = p.seq

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -9,7 +10,7 @@ from tqdm.auto import tqdm
 
 from flame_llm.config import Config
 from flame_llm.engine.block_manager import BlockManager
-from flame_llm.engine.model_runner import ModelRunner, StepHandle
+from flame_llm.engine.model_runner import ModelRunner, PreparedStep, StepHandle
 from flame_llm.engine.scheduler import Scheduler
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.speculative.decoder import SpecDecoder
@@ -39,6 +40,8 @@ class LLMEngine:
         if self.async_scheduling is None:
             self.async_scheduling = self.model_runner.device.type == "cuda" and self.spec is None
         self._inflight: StepHandle | None = None  # the launched step whose tokens are not read yet
+        self.emit_before_long_launch = config.scheduler_config.emit_before_long_launch if self.async_scheduling else 0
+        self.num_early_commits = 0  # steps read (and handed out) before the long step after them was enqueued
         self._gc = process_gc_pauses()
         self._jit_base = triton_kernel_variants()  # variants compiled by startup (graph capture, warmup)
         logger.info("scheduling: %s", "asynchronous (step N+1 launched before step N's tokens are read)"
@@ -112,20 +115,41 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def step(self) -> tuple[list[Sequence], int]:
+    def step(self, on_commit: Callable[[list[Sequence]], None] | None = None) -> tuple[list[Sequence], int]:
         """Schedule and launch a step, then finish one: this one (synchronous) or the one launched before
-        it (asynchronous). Returns the finished sequences and the tokens launched."""
+        it (asynchronous). Returns the finished sequences and the tokens launched. on_commit(finished), when
+        given, runs as soon as the finished step's tokens are committed: with emit_before_long_launch, before a
+        long eager step is enqueued (its callers get their tokens before the host spends that launch). It must
+        not call into the engine."""
         if self.spec is not None:
-            return self.spec.step()
-        sched = self.scheduler
+            finished, n = self.spec.step()
+            if on_commit is not None:
+                on_commit(finished)
+            return finished, n
+        sched, runner = self.scheduler, self.model_runner
         scheduled = sched.schedule()
-        handle = self.model_runner.launch(scheduled, self._inflight) if scheduled.seqs else None
-        if self.async_scheduling:
-            done, self._inflight = self._inflight, handle
+        prepared = runner.prepare_launch(scheduled, self._inflight) if scheduled.seqs else None
+        if not self.async_scheduling:
+            done = runner.launch_prepared(prepared) if prepared is not None else None
+        elif on_commit is not None and self._inflight is not None and self._emit_first(prepared):
+            # read the running step and hand its tokens out first; the prepared step's blocks stay as prepared,
+            # since nothing is scheduled before it is enqueued
+            finished = sched.update_from_output(self._inflight.output())
+            on_commit(finished)
+            self._inflight = runner.launch_prepared(prepared)
+            self.num_early_commits += 1
+            return finished, scheduled.total_num_scheduled_tokens
         else:
-            done = handle
+            done, self._inflight = self._inflight, (runner.launch_prepared(prepared) if prepared is not None else None)
         finished = sched.update_from_output(done.output() if done is not None else None)
+        if on_commit is not None:
+            on_commit(finished)
         return finished, scheduled.total_num_scheduled_tokens
+
+    def _emit_first(self, prepared: PreparedStep | None) -> bool:
+        n = self.emit_before_long_launch
+        return bool(n) and prepared is not None and prepared.path == "eager" and \
+            prepared.scheduled.total_num_scheduled_tokens >= n
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
@@ -142,6 +166,7 @@ class LLMEngine:
                 "jit_compiles": triton_kernel_variants() - self._jit_base + attention_jit,
                 "gc_pauses_over_10ms": self._gc.num_over, "gc_pause_max_s": self._gc.max_s,
                 "mixed_graph_steps": runner.mixed.replays if runner.mixed is not None else 0,
+                "early_commits": self.num_early_commits,
                 **(self.spec.stats() if self.spec else {})}
 
     def make_output(self, seq: Sequence) -> RequestOutput:

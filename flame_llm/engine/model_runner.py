@@ -173,9 +173,13 @@ class ModelRunner:
         """Logits [N, vocab] of N hidden-state rows."""
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         """Enqueue one step; sequences whose next input the running step `prev` samples take it from there."""
+        return self.launch_prepared(self.prepare_launch(scheduled, prev))
+
+    def prepare_launch(self, scheduled: SchedulerOutput, prev: StepHandle | None = None) -> PreparedStep:
+        """The step's inputs on the host (block tables and positions copied out of its sequences, so committing
+        the step before it may free their blocks meanwhile) and the path it will take; nothing is enqueued."""
         seqs = scheduled.seqs
         x = self.prepare(seqs, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens)
         prev_sampled = None
@@ -183,12 +187,24 @@ class ModelRunner:
             assert prev is not None and prev.sampled is not None, "a pending token needs the step that samples it"
             x.pending_src = np.asarray([prev.rows[seqs[i].seq_id] for i in x.pending_seqs], dtype=np.int64)
             prev_sampled = prev.sampled
-        handle = StepHandle(scheduled, x.sample_idx)
         if self.use_graphs and self.graphs is not None and self.graphs.fits(x):
+            path = "decode graph"
+        elif self.mixed is not None and self.mixed.fits(x):
+            path = "mixed graph"
+        else:
+            path = "eager"
+        return PreparedStep(scheduled, x, prev_sampled, path)
+
+    @torch.inference_mode()
+    def launch_prepared(self, p: PreparedStep) -> StepHandle:
+        """Enqueue a prepared step (before any later step is scheduled: its blocks are as prepare_launch saw)."""
+        seqs, x, prev_sampled = p.scheduled.seqs, p.x, p.prev_sampled
+        handle = StepHandle(p.scheduled, x.sample_idx)
+        if p.path == "decode graph":
             logits = self.graphs.replay(x, self.staging, prev_sampled)  # every row's
             if len(x.sample_idx) < len(seqs):
                 logits = logits[self.staging.put({"idx": np.asarray(x.sample_idx, dtype=np.int64)})["idx"]]
-        elif self.mixed is not None and self.mixed.fits(x):
+        elif p.path == "mixed graph":
             logits = self.mixed.replay(x, self.staging, prev_sampled)  # the sampling rows'
             if not x.sample_idx:
                 return handle
@@ -215,6 +231,15 @@ class ModelRunner:
     def run(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """One step, waited for."""
         return self.launch(scheduled).output()
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step's inputs built on the host, not yet enqueued (ModelRunner.prepare_launch)."""
+    scheduled: SchedulerOutput
+    x: StepInputs
+    prev_sampled: torch.Tensor | None  # the running step's sampled tokens, where this step's pending rows read
+    path: str  # "decode graph" | "mixed graph" | "eager"
 
 
 @dataclass(slots=True)
