@@ -49,10 +49,9 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-noprune, "
-                                         "flame-split, flame-raystream, flame-noresume, flame-noreroute, engine, "
-                                         "engine-nomix, "
-                                         "engine-noprune, "
-                                         "engine-split, vllm, vllm-seed"):
+                                         "flame-split, flame-early, flame-raystream, flame-noresume, flame-noreroute, "
+                                         "engine, engine-nomix, engine-noprune, engine-split, engine-early, vllm, "
+                                         "vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -73,8 +72,13 @@ def test_system_labels():
     split = parse_system("engine-split")
     assert (split.kind, split.engine) == ("engine", {"mlp_row_split_tokens": 4096})
     assert parse_system("flame-split-rr").engine == {"mlp_row_split_tokens": 4096}
+    # the early hand-out before a long eager step's launch (off by default): the label turns it on at 2,048 tokens
+    early = parse_system("flame-early")
+    assert (early.kind, early.engine, early.client) == ("flame", {"emit_before_long_launch": 2048}, {})
+    assert parse_system("engine-early").engine == {"emit_before_long_launch": 2048}
     from flame_llm.config import EngineConfig
-    EngineConfig.from_kwargs(**split.engine)  # a label's fields are real, valid engine fields
+    for label in ("engine-split", "engine-early"):  # a label's fields are real, valid engine fields
+        EngineConfig.from_kwargs(**parse_system(label).engine)
 
 
 def _records(trace, placement=("cpu-0", "cpu-1")):
