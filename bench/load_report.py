@@ -125,6 +125,23 @@ def _pauses(rec: dict) -> list[str]:
     return ([""] + out) if out else []
 
 
+def _long_gaps(rec: dict) -> list[str]:
+    """Per window, the inter-token gaps over 100 ms (a long prefill step the decoding streams waited through) and
+    the gaps just before and after them (bench/long_gaps.py): where the ITL p99 lands when they are ~1% of gaps."""
+    from bench.long_gaps import window_gaps
+
+    out = []
+    for w, raw in sorted(zip(rec["windows"], rec.get("outcomes") or []), key=lambda x: x[0]["offered_rps"]):
+        g = window_gaps(raw, 100.0)
+        if g["long"]:
+            ms = " / ".join("n/a" if g[k] is None else f"{g[k]:.1f}" for k in ("before_ms_p50", "long_ms_p50",
+                                                                                  "after_ms_p50"))
+            out.append(f"- at {w['offered_rps']:.2f} req/s, {g['long']} inter-token gaps over 100 ms "
+                       f"({g['long_share_pct']:.2f}% of {g['gaps']}); the gap before / the long one / the gap after, "
+                       f"p50: {ms} ms")
+    return ([""] + out) if out else []
+
+
 def _kill(w: dict) -> str:
     k = w["kill"]
     if not k.get("fired"):
@@ -169,7 +186,7 @@ def render(records: list[dict]) -> str:
                          f"{'yes' if w['saturated'] else 'no'} | {w['goodput_rps']:.3f} | {w['slo_met_pct']:.1f} | "
                          f"{w['rejected']} | {w['failed']} | {_trio(t)} | {_ms(p, 'p50')} / {_ms(p, 'p99')} | "
                          f"{_ms(i, 'p99')} | {_pair(e)} | {_cache(w)} | {_stalls(w)} |")
-        lines += _pauses(rec)
+        lines += _pauses(rec) + _long_gaps(rec)
         kills = [_kill(w) for w in rec["windows"] if "kill" in w]
         lines += ([""] + [f"- shard kill {x}" for x in kills]) if kills else []
         lines.append("")

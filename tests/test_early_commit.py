@@ -12,8 +12,9 @@ from flame_llm import LLM, SamplingParams
 from flame_llm.config import Config
 from flame_llm.engine.async_engine import AsyncEngine
 
+# cuda_graph_mixed_tokens 0: on a GPU too, steps with prefill tokens run eagerly (CPU steps always do)
 ENGINE = dict(block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=8,
-              max_model_len=320)
+              max_model_len=320, cuda_graph_mixed_tokens=0)
 
 
 def _drive(llm: LLM, prompts, params, log: list | None = None) -> list:

@@ -35,3 +35,11 @@ def test_a_built_record(tmp_path, capsys):
     path.write_text(json.dumps(rec))
     assert long_gaps.main([str(path)]) == 0
     assert "| x | 2 | 4 |" in capsys.readouterr().out
+
+
+def test_the_load_report_says_where_the_long_gaps_and_their_neighbours_lie():
+    from bench.load_report import load_records, render
+    text = render(load_records(str(RAW.parent)))
+    assert ("- at 8.00 req/s, 21 inter-token gaps over 100 ms (0.59% of 3585); the gap before / the long one / the "
+            "gap after, p50: 45.1 / 168.5 / 9.4 ms") in text
+    assert "p50: 30.0 / 181.2 / 29.2 ms" in text  # vLLM's, in its own section
