@@ -4,16 +4,17 @@
   HTTP front door (load mode).
 - engine: one `flame_llm.serving.http_server` process per device, driven by the sticky-prefix HTTP client.
 - vllm: one `vllm serve` process per device, same client; config "default" or "seed" (eager, Triton attention).
-Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label
-ending in "-rr" places requests round-robin instead of by prefix (the affinity A/B); "flame-batch" is flame
-with each shard batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18
-item 1); "flame-nomix" and "engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the
-A/B of the mixed-step graphs); "flame-noprune" and "engine-noprune" run eager steps' last layer on every
-row (prune_last_layer off: the A/B of issue 19's pruning, on by default); "flame-split" and "engine-split" run
-eager steps' MLP gate/up GEMM as row blocks of at most 4,096 rows (mlp_row_split_tokens 4096, off by default:
-issue 19's A/B of cuBLAS's kernel at 8,192 rows); "flame-raystream" streams over the
-engine actors' Ray method instead of their stream servers (ClientConfig.stream_transport "ray": the transport
-A/B of load mode); "flame-noresume" fails a stream whose shard dies after its first token instead of resuming it
+Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label ending in
+"-rr" places requests round-robin instead of by prefix (the affinity A/B); "flame-batch" is flame with each shard
+batch's results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18 item 1); "flame-nomix"
+and "engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the A/B of the mixed-step
+graphs), "flame-mix2k" and "engine-mix2k" replay them from graphs up to 2,048 tokens (512 by default: the A/B of
+medium steps whose eager launch may outlast their GPU time); "flame-noprune" and "engine-noprune" run eager steps'
+last layer on every row (prune_last_layer off: the A/B of issue 19's pruning, on by default); "flame-split" and
+"engine-split" run eager steps' MLP gate/up GEMM as row blocks of at most 4,096 rows (mlp_row_split_tokens 4096, off
+by default: issue 19's A/B of cuBLAS's kernel at 8,192 rows); "flame-raystream" streams over the engine actors' Ray
+method instead of their stream servers (ClientConfig.stream_transport "ray": the transport A/B of load mode);
+"flame-noresume" fails a stream whose shard dies after its first token instead of resuming it
 (ClientConfig.stream_resume off: the A/B of load mode's --kill-shard-at); "flame-noreroute" sends the requests a
 dying shard had in flight on only after its restart (ClientConfig.reroute_on_loss off: the same A/B on 2+ shards);
 "flame-early" and "engine-early" enqueue an eager step of 2,048+ tokens only after the step before it is read and
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("flame", "flame-batch", "flame-nomix", "flame-noprune", "flame-split", "flame-early", "flame-raystream",
-         "flame-noresume", "flame-noreroute", "engine", "engine-nomix", "engine-noprune", "engine-split",
-         "engine-early", "vllm", "vllm-seed")
+KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-split", "flame-early",
+         "flame-raystream", "flame-noresume", "flame-noreroute", "engine", "engine-nomix", "engine-mix2k",
+         "engine-noprune", "engine-split", "engine-early", "vllm", "vllm-seed")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
+                "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
                 "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False},
                 "flame-split": {"mlp_row_split_tokens": 4096}, "engine-split": {"mlp_row_split_tokens": 4096},
                 "flame-early": {"emit_before_long_launch": 2048}, "engine-early": {"emit_before_long_launch": 2048}}

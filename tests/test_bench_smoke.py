@@ -48,10 +48,10 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").vllm_config == "seed"
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
-    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-noprune, "
-                                         "flame-split, flame-early, flame-raystream, flame-noresume, flame-noreroute, "
-                                         "engine, engine-nomix, engine-noprune, engine-split, engine-early, vllm, "
-                                         "vllm-seed"):
+    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
+                                         "flame-noprune, flame-split, flame-early, flame-raystream, flame-noresume, "
+                                         "flame-noreroute, engine, engine-nomix, engine-mix2k, engine-noprune, "
+                                         "engine-split, engine-early, vllm, vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -64,6 +64,8 @@ def test_system_labels():
     nomix = parse_system("flame-nomix")
     assert (nomix.kind, nomix.engine, nomix.client) == ("flame", {"cuda_graph_mixed_tokens": 0}, {})
     assert parse_system("engine-nomix-rr").kind == "engine" and parse_system("flame").engine == {}
+    assert parse_system("engine-mix2k").engine == parse_system("flame-mix2k").engine == {
+        "cuda_graph_mixed_tokens": 2048}
     # issue 19's last-layer pruning (on by default): the same one-flag A/B, the label turning it off
     prune = parse_system("engine-noprune")
     assert (prune.kind, prune.engine) == ("engine", {"prune_last_layer": False})
@@ -77,7 +79,7 @@ def test_system_labels():
     assert (early.kind, early.engine, early.client) == ("flame", {"emit_before_long_launch": 2048}, {})
     assert parse_system("engine-early").engine == {"emit_before_long_launch": 2048}
     from flame_llm.config import EngineConfig
-    for label in ("engine-split", "engine-early"):  # a label's fields are real, valid engine fields
+    for label in ("engine-split", "engine-early", "engine-mix2k"):  # a label's fields are real, valid engine fields
         EngineConfig.from_kwargs(**parse_system(label).engine)
 
 

@@ -73,6 +73,10 @@ def test_token_buckets_and_launches():
     assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
     assert token_buckets(300) == [16, 32, 64, 128, 256, 300]
     assert token_buckets(8) == [8]
+    # past 512 every 256 tokens (a compute-bound step padded to a power of two could run twice its length)
+    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert len(token_buckets(8192)) == 6 + 29 + 1
     for t in token_buckets(8192):
         cfg, splits = mixed_launch(t, 4)
         # a variant the startup warmup compiles (no JIT under load), splits a power of two

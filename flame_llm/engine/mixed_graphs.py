@@ -21,13 +21,18 @@ from flame_llm.engine.cuda_graphs import capture_graph
 from flame_llm.engine.step_inputs import Staging, StepInputs
 from flame_llm.kernels.metadata import AttentionMetadata, set_context
 
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SMALL_BUCKETS = (16, 32, 64, 128, 256, 512)
+# past 512 tokens a step's GEMMs are compute-bound: padded to the next power of two it could run up to twice its
+# length, so the buckets there are this far apart (a 1,100-token step runs as 1,280, not 2,048)
+LARGE_BUCKET_STEP = 256
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """The graphs' token counts: the powers of two from 16 below max_tokens, and max_tokens itself."""
+    """The graphs' token counts below max_tokens: powers of two from 16 to 512, then every LARGE_BUCKET_STEP tokens;
+    and max_tokens itself."""
     assert max_tokens >= 1
-    return sorted({t for t in TOKEN_BUCKETS if t < max_tokens} | {max_tokens})
+    large = range(512 + LARGE_BUCKET_STEP, max_tokens, LARGE_BUCKET_STEP)
+    return sorted({t for t in SMALL_BUCKETS if t < max_tokens} | set(large) | {max_tokens})
 
 
 def build_mixed_graphs(model: torch.nn.Module, config: Config, backend: str, use_graphs: bool,
