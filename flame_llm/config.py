@@ -97,8 +97,8 @@ class SchedulerConfig:
     handoff_wait_ms: float = 0.0  # AsyncEngine: wait up to this long for callers' loops to take a step's tokens
     # asynchronous scheduling reads a step's tokens once the next step is enqueued; an eager step of 8K tokens takes
     # the host ~40 ms to enqueue on the H200 (a decode step runs ~5), so the tokens before it wait that long. With
-    # this many tokens or more, an eager step is enqueued only after the step before it is read and its tokens are
-    # handed to callers (the GPU waits that hand-off, ~1 ms). 0: off. Serving (AsyncEngine) only
+    # this many tokens or more, an eager step after a shorter one is enqueued only once that one is read and its
+    # tokens are handed to callers (the GPU waits that hand-off, ~1 ms). 0: off. Serving (AsyncEngine) only
     emit_before_long_launch: int = 0  # eager steps of >= this many tokens launch after the last step's tokens go out
 
     def __post_init__(self) -> None:

@@ -147,9 +147,13 @@ class LLMEngine:
         return finished, scheduled.total_num_scheduled_tokens
 
     def _emit_first(self, prepared: PreparedStep | None) -> bool:
+        """A long eager step after a short one: the short one's tokens would wait out the long launch. After a long
+        step they would not gain (each hand-out shifts by a launch, the gaps stay), so back-to-back long steps (a
+        burst's prefill) keep the GPU fed."""
         n = self.emit_before_long_launch
         return bool(n) and prepared is not None and prepared.path == "eager" and \
-            prepared.scheduled.total_num_scheduled_tokens >= n
+            prepared.scheduled.total_num_scheduled_tokens >= n and \
+            self._inflight.scheduled.total_num_scheduled_tokens < n
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
