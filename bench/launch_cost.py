@@ -11,7 +11,9 @@ that directly, in one engine (asynchronous scheduling, as serving runs it):
   takes on the host is enqueueing alone; a launch that takes the whole busy time waited for the GPU (a sync
   inside it). Eager steps also get their host time split by layer part (norms, projections, RoPE, attention
   with its K/V store, SiLU-mul; input upload, sampling; the rest).
-- stream pass: no busy time; each step's host launch time and the gaps of one decoding stream around the miss.
+- stream passes: no busy time; each step's host launch time and the gaps of one decoding stream around the miss,
+  with emit_before_long_launch off and at --early (asynchronous scheduling only: a GPU): the gap before the miss's
+  long step should shrink to a decode step's with it on.
 
 Each pass: --docs documents of --doc-tokens cached, --streams streams over them decoding, then one 64-token
 question (a short prefill: mixed CUDA graph), --burst questions at once (a longer short prefill: eager), and one
@@ -132,44 +134,71 @@ def busy_cycles_for(ms: float) -> int:
     return int(cycles * ms / start.elapsed_time(end))
 
 
-def run_pass(llm: LLM, a, docs: list[list[int]], rng: np.random.Generator, busy_cycles: int) -> dict:
+def run_pass(llm: LLM, a, docs: list[list[int]], rng: np.random.Generator, busy_cycles: int, early: int = 0) -> dict:
+    """One pass of the scenario; `early`: the engine's emit_before_long_launch meanwhile (steps are run with an
+    on_commit hook, as serving runs them, so it applies where scheduling is asynchronous)."""
     eng = llm.engine
     vocab = eng.vocab_size
 
     def question(doc: list[int]) -> list[int]:
         return doc + rng.integers(0, vocab, a.question_tokens).tolist()
 
+    def on_commit(finished) -> None:  # serving hands tokens out here; the stream's token_times are these moments
+        pass
+
     long = SamplingParams(temperature=0, max_tokens=a.steps + 64, ignore_eos=True)
     short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     streams = [eng.add_request(question(docs[i % len(docs)]), long) for i in range(a.streams)]
     while any(s.num_completion_tokens == 0 for s in streams):  # every stream past its prefill
-        eng.step()
+        eng.step(on_commit)
     events = {a.steps // 4: "question", a.steps // 2: "burst", (3 * a.steps) // 4: "miss"}
     marks: dict[str, int] = {}
-    with Probe(eng.model_runner, busy_cycles) as probe:
-        for i in range(a.steps):
-            what = events.get(i)
-            if what == "question":
-                eng.add_request(question(docs[0]), short)
-            elif what == "burst":
-                for j in range(a.burst):
-                    eng.add_request(question(docs[j % len(docs)]), short)
-            elif what == "miss":
-                eng.add_request(rng.integers(0, vocab, a.doc_tokens + a.question_tokens).tolist(), short)
-            if what:
-                marks[what] = len(probe.steps)
-            eng.step()
+    miss_at = None
+    built = eng.emit_before_long_launch
+    eng.emit_before_long_launch = early
+    try:
+        with Probe(eng.model_runner, busy_cycles) as probe:
+            for i in range(a.steps):
+                what = events.get(i)
+                if what == "question":
+                    eng.add_request(question(docs[0]), short)
+                elif what == "burst":
+                    for j in range(a.burst):
+                        eng.add_request(question(docs[j % len(docs)]), short)
+                elif what == "miss":
+                    eng.add_request(rng.integers(0, vocab, a.doc_tokens + a.question_tokens).tolist(), short)
+                    miss_at = time.perf_counter()
+                if what:
+                    marks[what] = len(probe.steps)
+                eng.step(on_commit)
+    finally:
+        eng.emit_before_long_launch = built
     for s in streams:
         eng.abort(s.request_id)
     while not eng.is_finished():
-        eng.step()
+        eng.step(on_commit)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     times = streams[0].token_times
-    return {"steps": probe.steps, "marks": marks, "stream_gaps_ms": [(b - t) * 1e3 for t, b in zip(times, times[1:])]}
+    gaps = [(b - t) * 1e3 for t, b in zip(times, times[1:])]
+    return {"early": early, "steps": probe.steps, "marks": marks, "stream_gaps_ms": gaps,
+            "around_miss_ms": around_miss(times, miss_at)}
 
 
-def summarize(host: dict, stream: dict, busy_ms: float) -> dict:
+def around_miss(times: list[float], miss_at: float | None) -> dict | None:
+    """Stream gaps at the miss: the longest gap ending after it arrived, and the gaps just before and after."""
+    if miss_at is None:
+        return None
+    gaps = [(i, (b - t) * 1e3) for i, (t, b) in enumerate(zip(times, times[1:])) if b > miss_at]
+    if not gaps:
+        return None
+    i, long = max(gaps, key=lambda g: g[1])
+    all_gaps = [(b - t) * 1e3 for t, b in zip(times, times[1:])]
+    return {"before_ms": all_gaps[i - 1] if i > 0 else None, "long_ms": long,
+            "after_ms": all_gaps[i + 1] if i + 1 < len(all_gaps) else None}
+
+
+def summarize(host: dict, streams: list[dict], busy_ms: float) -> dict:
     by_path: dict[str, list[float]] = defaultdict(list)
     for s in host["steps"]:
         kind = s["path"] if s["path"] != "eager" else f"eager, {'>' if s['tokens'] > 2048 else '<='} 2048 tokens"
@@ -182,11 +211,13 @@ def summarize(host: dict, stream: dict, busy_ms: float) -> dict:
         if rows:
             parts[kind] = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
     synced = [i for i, s in enumerate(host["steps"]) if busy_ms and s["host_ms"] >= 0.9 * busy_ms]
+    stream = streams[0]
     miss = stream["marks"].get("miss", 0)
     around = [{"step": i - miss, **stream["steps"][i]} for i in range(max(0, miss - 2), min(miss + 4,
                                                                                          len(stream["steps"])))]
     return {"paths": paths, "eager_parts_ms_p50": parts, "launches_that_waited_for_the_gpu": synced,
-            "steps_around_the_miss": around, "stream_gaps_ms": stream["stream_gaps_ms"]}
+            "steps_around_the_miss": around, "stream_gaps_ms": stream["stream_gaps_ms"],
+            "gaps_at_the_miss_ms": {str(p["early"]): p["around_miss_ms"] for p in streams}}
 
 
 def table(s: dict, busy_ms: float) -> str:
@@ -202,6 +233,10 @@ def table(s: dict, busy_ms: float) -> str:
         top = sorted(gaps, reverse=True)[:4]
         lines.append(f"\nstream 0's inter-token gaps: p50 {statistics.median(gaps):.2f} ms, longest "
                      + " / ".join(f"{g:.1f}" for g in top) + " ms")
+    for early, g in s["gaps_at_the_miss_ms"].items():
+        if g:
+            ms = " / ".join("n/a" if g[k] is None else f"{g[k]:.1f}" for k in ("before_ms", "long_ms", "after_ms"))
+            lines.append(f"stream 0 at the miss, emit_before_long_launch {early}: gap before / long / after {ms} ms")
     if busy_ms:
         waited = s["launches_that_waited_for_the_gpu"]
         lines.append(f"launches that waited for the GPU (host >= 90% of the {busy_ms:.0f} ms busy time): "
@@ -220,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=12, help="questions added at once (12 x 64 > the 512-token graphs)")
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--busy-ms", type=float, default=200.0, help="GPU busy time before each launch, host pass")
+    p.add_argument("--early", type=int, default=2048, help="emit_before_long_launch of the second stream pass")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--engine-json", default="{}", help="more engine fields (JSON object)")
     a = p.parse_args(argv)
@@ -240,14 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(docs, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # cached from here on
     busy = busy_cycles_for(a.busy_ms)
     host = run_pass(llm, a, docs, rng, busy)
-    stream = run_pass(llm, a, docs, rng, 0)
+    streams = [run_pass(llm, a, docs, rng, 0, early) for early in (0, a.early)]
     busy_ms = a.busy_ms if busy else 0.0
-    s = summarize(host, stream, busy_ms)
+    s = summarize(host, streams, busy_ms)
     runner = llm.engine.model_runner
     write_json(a.out, {"config": {**kw, "model": model, **{k: v for k, v in vars(a).items() if k != "out"}},
                        "backend": runner.backend, "cuda_graphs": runner.use_graphs,
                        "async_scheduling": llm.engine.async_scheduling, "summary": s,
-                       "host_pass": host, "stream_pass": stream})
+                       "host_pass": host, "stream_passes": streams})
     print(table(s, busy_ms))
     return 0
 
