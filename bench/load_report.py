@@ -142,6 +142,20 @@ def _long_gaps(rec: dict) -> list[str]:
     return ([""] + out) if out else []
 
 
+def _launches(rec: dict) -> list[str]:
+    """Per window, the engines' eager steps of 2,048+ tokens and their mean host launch time (the tokens of the
+    step before each wait that long with asynchronous scheduling, unless handed out first: early hand-outs)."""
+    out = []
+    for w in sorted(rec["windows"], key=lambda w: w["offered_rps"]):
+        e = (w.get("stalls") or {}).get("engine") or {}
+        n, s = e.get("long_launches"), e.get("long_launch_s")
+        if n and s is not None:
+            early = f"; {e['early_commits']:.0f} steps handed out before them" if e.get("early_commits") else ""
+            out.append(f"- at {w['offered_rps']:.2f} req/s, {n:.0f} eager steps of 2,048+ tokens, host launch mean "
+                       f"{1e3 * s / n:.1f} ms{early}")
+    return ([""] + out) if out else []
+
+
 def _kill(w: dict) -> str:
     k = w["kill"]
     if not k.get("fired"):
@@ -186,7 +200,7 @@ def render(records: list[dict]) -> str:
                          f"{'yes' if w['saturated'] else 'no'} | {w['goodput_rps']:.3f} | {w['slo_met_pct']:.1f} | "
                          f"{w['rejected']} | {w['failed']} | {_trio(t)} | {_ms(p, 'p50')} / {_ms(p, 'p99')} | "
                          f"{_ms(i, 'p99')} | {_pair(e)} | {_cache(w)} | {_stalls(w)} |")
-        lines += _pauses(rec) + _long_gaps(rec)
+        lines += _pauses(rec) + _long_gaps(rec) + _launches(rec)
         kills = [_kill(w) for w in rec["windows"] if "kill" in w]
         lines += ([""] + [f"- shard kill {x}" for x in kills]) if kills else []
         lines.append("")

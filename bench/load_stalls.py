@@ -15,7 +15,9 @@ log = logging.getLogger(__name__)
 
 # engine stats() keys: kernel variants compiled after warmup (any kernel; attention's alone on older engines),
 # GC pauses over 10 ms and the longest pause so far
-COUNT_KEYS = ("jit_compiles", "attention_jit_compiles", "gc_pauses_over_10ms")
+# and the long eager launches (count, host seconds) with the hand-outs emit_before_long_launch moved before them
+COUNT_KEYS = ("jit_compiles", "attention_jit_compiles", "gc_pauses_over_10ms", "long_launches", "long_launch_s",
+              "early_commits")
 MAX_KEYS = ("gc_pause_max_s",)
 
 
@@ -42,7 +44,8 @@ def parse_metrics(text: str) -> dict:
     gc_pause_max_seconds) counts as that key; counts summed over labels, the pause maximum maxed."""
     suffixes = (("attention_jit_compiles", "attention_jit_compiles"), ("jit_compiles", "jit_compiles"),
                 ("gc_pauses_over_10ms", "gc_pauses_over_10ms"), ("gc_pause_max_s", "gc_pause_max_s"),
-                ("gc_pause_max_seconds", "gc_pause_max_s"))
+                ("gc_pause_max_seconds", "gc_pause_max_s"), ("long_launches", "long_launches"),
+                ("long_launch_seconds", "long_launch_s"), ("early_commits", "early_commits"))
     found: dict = {}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)

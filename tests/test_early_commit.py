@@ -145,3 +145,17 @@ def test_a_serving_engine_streams_the_same_tokens_with_it(tiny_llama):
         finally:
             eng.shutdown()
     assert got[0] == got[32] and all(len(s) == 200 for s in got[0][0])
+
+
+def test_long_eager_launches_are_counted_and_exported(tiny_llama):
+    from flame_llm.engine.llm_engine import LONG_LAUNCH_TOKENS
+    from flame_llm.serving.metrics import render_engine
+
+    llm = LLM(tiny_llama, block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=4096, max_model_len=4096)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    _drive(llm, [[7] * (LONG_LAUNCH_TOKENS + 50), [8] * 40], [sp, sp])  # one long prefill step, then decodes
+    st = llm.engine.stats()
+    assert st["long_launches"] == 1 and 0 < st["long_launch_max_s"] == st["long_launch_s"]
+    text = render_engine({"device": "cpu"}, st, {"requests": 2}).decode()
+    assert 'flame_shard_long_launches_total{device="cpu",shard="0"} 1.0' in text
+    assert "flame_shard_long_launch_seconds_total" in text and "flame_shard_early_commits_total" in text

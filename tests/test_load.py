@@ -185,17 +185,23 @@ def test_the_shard_kill_effect_is_read_from_the_outcomes():
 
 def test_stall_figures_read_around_a_window():
     text = ("# HELP x\nflame_engine_jit_compiles_total{shard=\"0\"} 3.0\nflame_engine_attention_jit_compiles 1\n"
-            "flame_engine_gc_pauses_over_10ms_total 2\nflame_engine_gc_pause_max_seconds 0.0123\nother 5\n")
+            "flame_engine_gc_pauses_over_10ms_total 2\nflame_engine_gc_pause_max_seconds 0.0123\nother 5\n"
+            "flame_shard_long_launches_total{shard=\"0\"} 4\nflame_shard_long_launch_seconds_total 0.08\n"
+            "flame_shard_early_commits_total 1\n")
     assert parse_metrics(text) == {"jit_compiles": 3.0, "attention_jit_compiles": 1.0, "gc_pauses_over_10ms": 2.0,
-                                   "gc_pause_max_s": 0.0123}
-    before = merge([{"jit_compiles": 1, "gc_pauses_over_10ms": 0, "gc_pause_max_s": 0.004},
+                                   "gc_pause_max_s": 0.0123, "long_launches": 4.0, "long_launch_s": 0.08,
+                                   "early_commits": 1.0}
+    before = merge([{"jit_compiles": 1, "gc_pauses_over_10ms": 0, "gc_pause_max_s": 0.004, "long_launches": 2,
+                     "long_launch_s": 0.03},
                     {"jit_compiles": 2, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.02}])
-    assert before == {"jit_compiles": 3, "attention_jit_compiles": None, "gc_pauses_over_10ms": 1,
-                      "gc_pause_max_s": 0.02}
-    after = {**before, "jit_compiles": 5, "gc_pauses_over_10ms": 2, "gc_pause_max_s": 0.05}
+    none = {"attention_jit_compiles": None, "early_commits": None}
+    assert before == {"jit_compiles": 3, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.02, "long_launches": 2,
+                      "long_launch_s": 0.03, **none}
+    after = {**before, "jit_compiles": 5, "gc_pauses_over_10ms": 2, "gc_pause_max_s": 0.05, "long_launches": 6,
+             "long_launch_s": 0.11}
     st = window_stalls(before, after, {"gc_pauses_over_10ms": 0, "gc_pause_max_s": 0.001, "collections": 3})
-    assert st["engine"] == {"jit_compiles": 2, "attention_jit_compiles": None, "gc_pauses_over_10ms": 1,
-                            "gc_pause_max_s": 0.05}
+    assert st["engine"] == {"jit_compiles": 2, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.05, "long_launches": 4,
+                            "long_launch_s": pytest.approx(0.08), **none}
     assert window_stalls(None, None, {})["engine"]["jit_compiles"] is None  # a system without counters: n/a
     assert window_cache({"prefix_hit_tokens": 10, "prefix_query_tokens": 100, "evictions": 2},
                         {"prefix_hit_tokens": 70, "prefix_query_tokens": 300, "evictions": 5}) == {

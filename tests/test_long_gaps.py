@@ -43,3 +43,13 @@ def test_the_load_report_says_where_the_long_gaps_and_their_neighbours_lie():
     assert ("- at 8.00 req/s, 21 inter-token gaps over 100 ms (0.59% of 3585); the gap before / the long one / the "
             "gap after, p50: 45.1 / 168.5 / 9.4 ms") in text
     assert "p50: 30.0 / 181.2 / 29.2 ms" in text  # vLLM's, in its own section
+
+
+def test_the_load_report_gives_the_long_launches_of_a_window():
+    from bench.load_report import _launches
+    rec = {"windows": [{"offered_rps": 8.0, "stalls": {"engine": {"long_launches": 4, "long_launch_s": 0.08,
+                                                                  "early_commits": 1}}},
+                       {"offered_rps": 2.0, "stalls": {"engine": {"long_launches": 0, "long_launch_s": 0.0}}},
+                       {"offered_rps": 4.0, "stalls": None}]}  # vLLM: no counters
+    assert _launches(rec) == ["", "- at 8.00 req/s, 4 eager steps of 2,048+ tokens, host launch mean 20.0 ms; 1 "
+                                  "steps handed out before them"]

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -21,6 +22,9 @@ from flame_llm.outputs import RequestMetrics, RequestOutput
 from flame_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# eager steps at least this long are "long launches" in stats(): with asynchronous scheduling the tokens of the
+# step before one wait for its host launch (on the H200 an 8K-token step's made the gap before it 45 ms, not ~6)
+LONG_LAUNCH_TOKENS = 2048
 
 
 class LLMEngine:
@@ -42,6 +46,8 @@ class LLMEngine:
         self._inflight: StepHandle | None = None  # the launched step whose tokens are not read yet
         self.emit_before_long_launch = config.scheduler_config.emit_before_long_launch if self.async_scheduling else 0
         self.num_early_commits = 0  # steps read (and handed out) before the long step after them was enqueued
+        # eager steps of LONG_LAUNCH_TOKENS or more: how many, and the host seconds preparing and enqueueing them
+        self.num_long_launches, self.long_launch_s, self.long_launch_max_s = 0, 0.0, 0.0
         self._gc = process_gc_pauses()
         self._jit_base = triton_kernel_variants()  # variants compiled by startup (graph capture, warmup)
         logger.info("scheduling: %s", "asynchronous (step N+1 launched before step N's tokens are read)"
@@ -126,25 +132,41 @@ class LLMEngine:
             if on_commit is not None:
                 on_commit(finished)
             return finished, n
-        sched, runner = self.scheduler, self.model_runner
+        sched = self.scheduler
         scheduled = sched.schedule()
-        prepared = runner.prepare_launch(scheduled, self._inflight) if scheduled.seqs else None
+        t0 = time.perf_counter()
+        prepared = self.model_runner.prepare_launch(scheduled, self._inflight) if scheduled.seqs else None
+        prepare_s = time.perf_counter() - t0
         if not self.async_scheduling:
-            done = runner.launch_prepared(prepared) if prepared is not None else None
+            done = self._launch(prepared, prepare_s)
         elif on_commit is not None and self._inflight is not None and self._emit_first(prepared):
             # read the running step and hand its tokens out first; the prepared step's blocks stay as prepared,
             # since nothing is scheduled before it is enqueued
             finished = sched.update_from_output(self._inflight.output())
             on_commit(finished)
-            self._inflight = runner.launch_prepared(prepared)
+            self._inflight = self._launch(prepared, prepare_s)
             self.num_early_commits += 1
             return finished, scheduled.total_num_scheduled_tokens
         else:
-            done, self._inflight = self._inflight, (runner.launch_prepared(prepared) if prepared is not None else None)
+            done, self._inflight = self._inflight, self._launch(prepared, prepare_s)
         finished = sched.update_from_output(done.output() if done is not None else None)
         if on_commit is not None:
             on_commit(finished)
         return finished, scheduled.total_num_scheduled_tokens
+
+    def _launch(self, prepared: PreparedStep | None, prepare_s: float) -> StepHandle | None:
+        """Enqueue a prepared step; the host time of an eager one of LONG_LAUNCH_TOKENS or more (with its
+        preparation) is counted: the time the tokens of the step before it wait with asynchronous scheduling."""
+        if prepared is None:
+            return None
+        t0 = time.perf_counter()
+        handle = self.model_runner.launch_prepared(prepared)
+        if prepared.path == "eager" and prepared.scheduled.total_num_scheduled_tokens >= LONG_LAUNCH_TOKENS:
+            s = prepare_s + time.perf_counter() - t0
+            self.num_long_launches += 1
+            self.long_launch_s += s
+            self.long_launch_max_s = max(self.long_launch_max_s, s)
+        return handle
 
     def _emit_first(self, prepared: PreparedStep | None) -> bool:
         """A long eager step after a short one: the short one's tokens would wait out the long launch. After a long
@@ -170,7 +192,8 @@ class LLMEngine:
                 "jit_compiles": triton_kernel_variants() - self._jit_base + attention_jit,
                 "gc_pauses_over_10ms": self._gc.num_over, "gc_pause_max_s": self._gc.max_s,
                 "mixed_graph_steps": runner.mixed.replays if runner.mixed is not None else 0,
-                "early_commits": self.num_early_commits,
+                "early_commits": self.num_early_commits, "long_launches": self.num_long_launches,
+                "long_launch_s": self.long_launch_s, "long_launch_max_s": self.long_launch_max_s,
                 **(self.spec.stats() if self.spec else {})}
 
     def make_output(self, seq: Sequence) -> RequestOutput:

@@ -66,10 +66,14 @@ class _StatusCollector:
             ("batches", "request batches received"), ("prompt_tokens", "prompt tokens served"),
             ("cached_tokens", "prompt tokens served from the prefix cache"), ("output_tokens", "tokens generated"))}
         # what can stall every stream of a shard (issue 18): kernels compiled after startup, long collector pauses
-        stalls = {k: CounterMetricFamily(f"flame_shard_{k}", doc, labels=["shard", "device"]) for k, doc in (
-            ("jit_compiles", "kernel variants compiled after startup"),
-            ("gc_pauses_over_10ms", "garbage-collector pauses over 10 ms in the engine's process"),
-            ("mixed_graph_steps", "steps with prefill tokens replayed from a CUDA graph"))}
+        # and the host time of long eager launches, which the tokens of the step before each wait for
+        stalls = {k: CounterMetricFamily(f"flame_shard_{name}", doc, labels=["shard", "device"]) for k, name, doc in (
+            ("jit_compiles", "jit_compiles", "kernel variants compiled after startup"),
+            ("gc_pauses_over_10ms", "gc_pauses_over_10ms", "collector pauses over 10 ms in the engine's process"),
+            ("mixed_graph_steps", "mixed_graph_steps", "steps with prefill tokens replayed from a CUDA graph"),
+            ("long_launches", "long_launches", "eager steps of 2,048+ tokens enqueued"),
+            ("long_launch_s", "long_launch_seconds", "host seconds preparing and enqueueing those steps"),
+            ("early_commits", "early_commits", "steps handed out before the long step after them was enqueued"))}
         payload = CounterMetricFamily("flame_shard_payload_bytes", "request payload bytes a shard received",
                                       labels=["shard", "device", "kind"])
         hists = {k: HistogramMetricFamily(name, doc, labels=["shard", "device"])
