@@ -1,21 +1,22 @@
 """One runner flag offline (issue 19): `prune_last_layer` (the last decoder layer past its KV store on the sampled
-rows only) or `mlp_row_split_tokens` (eager steps' gate/up GEMM as row blocks), on a no-reuse-like burst, A-B-B-A
-in one process.
+rows only), `mlp_row_split_tokens` (eager steps' gate/up GEMM as row blocks) or `fa4_call_reuse` (a step's later
+layers call FA4's recorded kernel call), on a no-reuse-like burst, A-B-B-A in one process.
 
-One engine, built with the flag at its `--on` value, and the flag toggled on the live engine between rounds. That
-is all either flag changes once the engine runs: prune_last_layer is read by ModelRunner.launch's eager branch
-each step (runner.prune; at startup it also warms the decode kernel the kept rows take, hence building with it
-on), and mlp_row_split_tokens is set on every gate/up projection after the CUDA graphs are captured
-(set_mlp_row_split; graphs never split). A fresh 8B engine per round would spend a minute of device time on dummy
-weights, warmups and graph captures. Prefix caching is off by default so every round computes the same steps and
-the tokens of every round can be compared with the flag-off warmup round's. The end-to-end one-flag A/Bs are
-`bash bench/device_run.sh burst no-reuse engine,engine-noprune` and `... engine,engine-split`.
+One engine, built with the flag at its `--on` value, and the flag toggled on the live engine between rounds. That is
+all any of these flags changes once the engine runs: prune_last_layer is read by ModelRunner.launch's eager branch each
+step (runner.prune; at startup it also warms the decode kernel the kept rows take, hence building with it on),
+fa4_call_reuse likewise (runner.fa4_reuse), and mlp_row_split_tokens is set on every gate/up projection after the
+CUDA graphs are captured (set_mlp_row_split; graphs never split). A fresh 8B engine per round would spend a minute
+of device time on dummy weights, warmups and graph captures. Prefix caching is off by default so every round
+computes the same steps and the tokens of every round can be compared with the flag-off warmup round's. The end-to-
+end one-flag A/Bs are `bash bench/device_run.sh burst no-reuse engine,engine-noprune` and `... engine,engine-split`.
 
 Printed per mode: median req/s of its rounds, median ms of a step with prefill tokens (steps with more tokens than
 the burst has requests), and whether every round's tokens equal the flag off's.
 
     python -m bench.flag_ab --flag mlp_row_split_tokens --on 4096 --out split.json   # Llama-3.1-8B shapes (GPU)
     python -m bench.flag_ab --flag prune_last_layer --out prune.json                 # = python -m bench.prune_ab
+    python -m bench.flag_ab --flag fa4_call_reuse --prompt-tokens 1024 --prompts 64 --out fa4reuse.json  # GPU, FA4
     python -m bench.flag_ab --model tiny --flag mlp_row_split_tokens --on 16 --prompts 4 --prompt-tokens 300 \\
         --max-num-batched-tokens 256                                                 # CPU
 """
@@ -56,6 +57,12 @@ def _set_row_split(runner: ModelRunner, value: int) -> None:
     set_mlp_row_split(runner.model, value)
 
 
+def _set_fa4_reuse(runner: ModelRunner, value: bool) -> None:
+    if value and runner.backend != "fa4":
+        raise SystemExit(f"fa4_call_reuse needs the fa4 attention backend; this engine runs {runner.backend}")
+    runner.fa4_reuse = value
+
+
 @dataclass(slots=True, frozen=True)
 class Flag:
     mode: str  # the flag-on mode's name in the table and the JSON
@@ -66,7 +73,8 @@ class Flag:
 
 
 FLAGS = {"prune_last_layer": Flag("prune", _bool, _set_prune, "true", "false"),
-         "mlp_row_split_tokens": Flag("split", int, _set_row_split, "4096", "0")}
+         "mlp_row_split_tokens": Flag("split", int, _set_row_split, "4096", "0"),
+         "fa4_call_reuse": Flag("fa4reuse", _bool, _set_fa4_reuse, "true", "false")}
 
 
 def _sync() -> None:

@@ -141,6 +141,9 @@ class RunnerConfig:
     # (same outputs, bitwise): cuBLAS's kernel for Llama-3.1-8B's gate/up at 8,192 rows ran 644 TFLOP/s on the
     # H200, as two 4,096-row GEMMs 676 (issue 19, bench.gemm_probe). 0: off. CUDA-graph steps never split
     mlp_row_split_tokens: int = 0  # eager steps: gate/up GEMM in row blocks of at most this many rows (0: off)
+    # fa4 backend, eager steps: FA4's compiled kernel call is recorded at a step's first layer and the later layers
+    # call it directly, skipping FA4's Python per call (kernels/fa4_reuse.py; the same kernel, the same arguments)
+    fa4_call_reuse: bool = False  # eager steps: later layers call FA4's recorded kernel call directly
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)
@@ -151,6 +154,7 @@ class RunnerConfig:
         parse_gemm_epilogues(self.gemm_epilogues)  # ValueError names the field and the allowed values
         check_int("cuda_graph_mixed_tokens", self.cuda_graph_mixed_tokens, 0, optional=True, **_F)
         check_bool("prune_last_layer", self.prune_last_layer, **_F)
+        check_bool("fa4_call_reuse", self.fa4_call_reuse, **_F)
         check_int("mlp_row_split_tokens", self.mlp_row_split_tokens, 0, limit="an integer >= 0 (0: off)", **_F)
 
 

@@ -99,3 +99,36 @@ def test_mixed_step_graphs_track_fa4_eager_steps(tiny_llama):
             assert runner.mixed.replays > 0
         firsts[mixed] = (first, again)
     assert firsts[None] == firsts[0]
+
+
+def test_fa4_call_reuse_gives_the_same_tokens_with_fewer_fa4_forwards(tiny_llama, monkeypatch):
+    """fa4_call_reuse (kernels/fa4_reuse.py): a step's later layers call FA4's recorded kernel call directly. The
+    same kernel with the same arguments: greedy bf16 tokens equal with it off, over fresh prompts, chunks, prefix
+    hits and mixed steps with decodes (its two call sites), while FA4's Python forward runs once per step and site
+    instead of once per layer. One engine, the flag toggled live; runs 2 (on) and 3 (off) start from the same
+    prefix cache."""
+    from flame_llm.kernels import fa4_backend
+
+    forwards = {"n": 0}
+    real = fa4_backend._fa4_call
+
+    def counted(*args, **kwargs):
+        forwards["n"] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fa4_backend, "_fa4_call", counted)
+    llm = LLM(tiny_llama, dtype="bfloat16", attention_backend="fa4", block_size=16, num_kvcache_blocks=4096,
+              max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True,
+              cuda_graph_mixed_tokens=0, fa4_call_reuse=True)
+    runner = llm.engine.model_runner
+    assert runner.fa4_reuse and len(runner.attn_layers) >= 2
+    prompts = _prompts(32, seed=2)
+    prompts += [p[:300] + [7, 8] for p in prompts[:6] if len(p) > 300]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for reuse in (False, True, False):
+        runner.fa4_reuse, forwards["n"] = reuse, 0
+        runs.append(([o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)], forwards["n"]))
+    (_, _), (tokens_on, n_on), (tokens_off, n_off) = runs
+    assert tokens_on == tokens_off
+    # one full forward per step and call site instead of one per layer (where FA4 split a call, it is not reused)
+    assert 0 < n_on < n_off and n_on * len(runner.attn_layers) == n_off, (n_on, n_off)

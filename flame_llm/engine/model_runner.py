@@ -77,6 +77,7 @@ class ModelRunner:
         self.staging = Staging(self.device)
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
         self.prune = rc.prune_last_layer  # eager steps: the last layer past its KV store on sampled rows only
+        self.fa4_reuse = rc.fa4_call_reuse and self.backend == "fa4"  # eager steps: FA4's call recorded, reused
         self._jit_logged = 0
         if self.backend == "fa4":
             warmup_fa4(config, self.attn_layers[0])  # compiles our Triton kernel's decode-row variants too
@@ -210,6 +211,8 @@ class ModelRunner:
                 return handle
         else:
             dev = self.upload(x, self.prune)
+            if self.fa4_reuse:
+                dev.meta.fa4_calls = {}  # this step's, filled at its first layer
             if prev_sampled is not None:
                 dev.input_ids[dev.pending_rows] = prev_sampled[dev.pending_src]
             hidden = self.forward(dev, self.prune)  # pruned: the logits_rows' alone

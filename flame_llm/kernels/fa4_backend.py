@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from flame_llm.kernels.fa4_reuse import reuse_call
 from flame_llm.kernels.metadata import AttentionMetadata
 from flame_llm.kernels.triton_attention import (
     paged_attention_triton,
@@ -90,12 +91,18 @@ def new_variants() -> list:
 
 
 def fa4_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, out: torch.Tensor | None = None, calls: dict | None = None, site: str = "paged",
+                        ) -> torch.Tensor:
     """Attention of q [T, H, D] (segments by meta.cu_seqlens_q) over the paged cache (no store), into `out`
-    when given (FA4's forward takes an output buffer; its public wrapper, an autograd Function, does not)."""
+    when given (FA4's forward takes an output buffer; its public wrapper, an autograd Function, does not).
+    calls: the step's recorded FA4 calls (fa4_reuse.py; None: FA4 in full every call), `site` this call's key."""
     kwargs = dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                   seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=scale, causal=True)
-    return _fa4_call(q, k_cache, v_cache, out, kwargs)
+    if calls is None:
+        return _fa4_call(q, k_cache, v_cache, out, kwargs)
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    return reuse_call(calls, site, q, k_cache, v_cache, out, lambda: _fa4_call(q, k_cache, v_cache, out, kwargs))
 
 
 def _fa4_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, kwargs: dict
@@ -162,11 +169,11 @@ def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     if meta.fresh_only and fresh_prefill_backend == "fa4":
         return fa4_dense_prefill(q, k, v, meta, scale)
     if meta.decode_split is None:
-        return fa4_paged_attention(q, k_cache, v_cache, meta, scale)
+        return fa4_paged_attention(q, k_cache, v_cache, meta, scale, calls=meta.fa4_calls)
     d, decode, rest = meta.decode_split
     out = torch.empty_like(q)
     paged_attention_triton(q[:d], k_cache, v_cache, decode, scale, out=out[:d])
-    fa4_paged_attention(q[d:], k_cache, v_cache, rest, scale, out=out[d:])
+    fa4_paged_attention(q[d:], k_cache, v_cache, rest, scale, out=out[d:], calls=meta.fa4_calls, site="rest")
     return out
 
 
