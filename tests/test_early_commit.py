@@ -128,10 +128,17 @@ def test_a_serving_engine_streams_the_same_tokens_with_it(tiny_llama):
     prompts = [rng.integers(3, 500, 8).tolist() for _ in range(3)]
     long_prompt = rng.integers(3, 500, 250).tolist()
     async def run(eng: AsyncEngine):
-        async def collect(p):
-            return [t async for t in eng.stream(p, sp)]
-        streams = [asyncio.ensure_future(collect(p)) for p in prompts]
-        await asyncio.sleep(0.05)  # the streams decode when the long prompt arrives
+        decoding = [asyncio.Event() for _ in prompts]
+
+        async def collect(p, started: asyncio.Event):
+            out = []
+            async for t in eng.stream(p, sp):
+                out.append(t)
+                started.set()
+            return out
+        streams = [asyncio.ensure_future(collect(p, e)) for p, e in zip(prompts, decoding)]
+        for e in decoding:  # the long prompt arrives while every stream decodes (its chunks follow decode steps)
+            await e.wait()
         long = await eng.generate(long_prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         return [await s for s in streams], long.output_token_ids
 
