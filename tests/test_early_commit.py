@@ -166,3 +166,47 @@ def test_long_eager_launches_are_counted_and_exported(tiny_llama):
     text = render_engine({"device": "cpu"}, st, {"requests": 2}).decode()
     assert 'flame_shard_long_launches_total{device="cpu",shard="0"} 1.0' in text
     assert "flame_shard_long_launch_seconds_total" in text and "flame_shard_early_commits_total" in text
+
+
+def test_aborts_and_long_prompts_mixed_leave_no_block_behind(tiny_llama):
+    """The early path under churn: streams aborted while long prompts arrive among them (their first chunks go
+    after a hand-out); the engine never fails and every block comes back."""
+    eng = AsyncEngine.from_args(tiny_llama, async_scheduling=True, emit_before_long_launch=32, **ENGINE)
+    rng = np.random.default_rng(5)
+
+    async def main():
+        decoding = [asyncio.Event() for _ in range(6)]
+
+        async def stream(i):
+            rid = f"s{i}"
+            got = []
+            async for t in eng.stream(rng.integers(3, 500, 8).tolist(),
+                                      SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), request_id=rid):
+                got.append(t)
+                decoding[i].set()
+                if i % 3 == 0 and len(got) == 5:
+                    eng.abort(rid)
+            return got
+
+        async def long(i):
+            for e in decoding:  # among decoding streams: the first chunk of each goes after a hand-out
+                await e.wait()
+            await asyncio.sleep(0.01 * i)
+            return await eng.generate(rng.integers(3, 500, 150 + 20 * i).tolist(),
+                                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        return await asyncio.gather(*[stream(i) for i in range(6)], *[long(i) for i in range(4)],
+                                    return_exceptions=True)
+
+    try:
+        res = asyncio.run(main())
+        assert not eng.failed and not [r for r in res if isinstance(r, BaseException)], res
+        assert all(len(r) == 60 for i, r in enumerate(res[:6]) if i % 3) and all(len(r.output_token_ids) == 4
+                                                                               for r in res[6:])
+        bm = eng.engine.block_manager
+        for _ in range(100):  # the loop frees the last blocks after the callers are answered
+            if bm.num_free_blocks == bm.num_blocks:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert bm.num_free_blocks == bm.num_blocks and eng.stats()["early_commits"] > 0
+    finally:
+        eng.shutdown()
