@@ -19,21 +19,23 @@ method instead of their stream servers (ClientConfig.stream_transport "ray": the
 dying shard had in flight on only after its restart (ClientConfig.reroute_on_loss off: the same A/B on 2+ shards);
 "flame-early" and "engine-early" enqueue an eager step of 2,048+ tokens only after the step before it is read and
 its tokens handed out (emit_before_long_launch 2048, off by default: the A/B of the inter-token gap before a long
-prefill, bench/launch_cost.py).
+prefill, bench/launch_cost.py); "flame-ropestore" and "engine-ropestore" rotate q/k and store k/v in one launch per
+layer (fused_rope_store, off by default: issue 19's fusion).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-split", "flame-early",
-         "flame-raystream", "flame-noresume", "flame-noreroute", "engine", "engine-nomix", "engine-mix2k",
-         "engine-noprune", "engine-split", "engine-early", "vllm", "vllm-seed")
+         "flame-ropestore", "flame-raystream", "flame-noresume", "flame-noreroute", "engine", "engine-nomix",
+         "engine-mix2k", "engine-noprune", "engine-split", "engine-early", "engine-ropestore", "vllm", "vllm-seed")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
                 "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False},
                 "flame-split": {"mlp_row_split_tokens": 4096}, "engine-split": {"mlp_row_split_tokens": 4096},
-                "flame-early": {"emit_before_long_launch": 2048}, "engine-early": {"emit_before_long_launch": 2048}}
+                "flame-early": {"emit_before_long_launch": 2048}, "engine-early": {"emit_before_long_launch": 2048},
+                "flame-ropestore": {"fused_rope_store": True}, "engine-ropestore": {"fused_rope_store": True}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's
 LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"},
                 "flame-noresume": {"stream_resume": False}, "flame-noreroute": {"reroute_on_loss": False}}

@@ -49,9 +49,10 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
-                                         "flame-noprune, flame-split, flame-early, flame-raystream, flame-noresume, "
-                                         "flame-noreroute, engine, engine-nomix, engine-mix2k, engine-noprune, "
-                                         "engine-split, engine-early, vllm, vllm-seed"):
+                                         "flame-noprune, flame-split, flame-early, flame-ropestore, flame-raystream, "
+                                         "flame-noresume, flame-noreroute, engine, engine-nomix, engine-mix2k, "
+                                         "engine-noprune, engine-split, engine-early, engine-ropestore, vllm, "
+                                         "vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -79,7 +80,9 @@ def test_system_labels():
     assert (early.kind, early.engine, early.client) == ("flame", {"emit_before_long_launch": 2048}, {})
     assert parse_system("engine-early").engine == {"emit_before_long_launch": 2048}
     from flame_llm.config import EngineConfig
-    for label in ("engine-split", "engine-early", "engine-mix2k"):  # a label's fields are real, valid engine fields
+    assert parse_system("flame-ropestore").engine == {"fused_rope_store": True}
+    # a label's fields are real, valid engine fields
+    for label in ("engine-split", "engine-early", "engine-mix2k", "engine-ropestore"):
         EngineConfig.from_kwargs(**parse_system(label).engine)
 
 

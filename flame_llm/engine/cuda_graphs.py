@@ -28,8 +28,9 @@ def capture_graph(fn: Callable[..., torch.Tensor], *args, pool=None) -> tuple[to
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_stored: bool = False) -> None:
         self.model = model
+        self.kv_stored = kv_stored  # RunnerConfig.fused_rope_store: the graphs' RoPE kernels store the K/V
         self.max_bs = max_bs = min(max_num_seqs, 512)
         self.buckets = sorted({b for b in BUCKETS + tuple(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         self.width = max_blocks_per_seq
@@ -58,7 +59,7 @@ class DecodeGraphs:
         pool = None
         for b in reversed(self.buckets):
             set_context(AttentionMetadata(self.g_cu_q[: b + 1], self.g_i32[:b], self.g_tables[:b], g_slots[:b], 1,
-                                          self.max_model_len, is_decode=True))
+                                          self.max_model_len, is_decode=True, kv_stored=self.kv_stored))
             g_slots.fill_(-1)
             self.graphs[b], self.out[b] = capture_graph(self._logits, b, pool=pool)
             pool = self.graphs[b].pool()

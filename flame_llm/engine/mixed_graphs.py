@@ -37,7 +37,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 def build_mixed_graphs(model: torch.nn.Module, config: Config, backend: str, use_graphs: bool,
                        max_blocks_per_seq: int, layer: torch.nn.Module, device: torch.device,
-                       pool=None) -> MixedGraphs | None:
+                       pool=None, kv_stored: bool = False) -> MixedGraphs | None:
     """The runner's mixed-step graphs (captured in `pool` when use_graphs), or None where Config leaves them off:
     cuda_graph_mixed_tokens 0, the torch backend (no Triton kernel), enforce_eager; None means MIXED_GRAPH_TOKENS
     where decode steps replay graphs."""
@@ -49,14 +49,15 @@ def build_mixed_graphs(model: torch.nn.Module, config: Config, backend: str, use
         return None
     graphs = MixedGraphs(model, min(tokens, sc.max_num_batched_tokens), sc.max_num_seqs, max_blocks_per_seq,
                          config.model_config.max_model_len, layer.num_heads // layer.num_kv_heads, device,
-                         capture=use_graphs)
+                         capture=use_graphs, kv_stored=kv_stored)
     graphs.capture(pool)
     return graphs
 
 
 class MixedGraphs:
     def __init__(self, model: torch.nn.Module, max_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_model_len: int, group: int, device: torch.device, capture: bool = True) -> None:
+                 max_model_len: int, group: int, device: torch.device, capture: bool = True,
+                 kv_stored: bool = False) -> None:
         from flame_llm.kernels.triton_attention import mixed_launch  # imports Triton: only where graphs are made
 
         self.model = model
@@ -67,6 +68,7 @@ class MixedGraphs:
         self.width = max_blocks_per_seq
         self.max_model_len = max_model_len
         self.use_graphs = capture
+        self.kv_stored = kv_stored  # RunnerConfig.fused_rope_store: the RoPE kernels store the K/V
         tmax, bmax = max_tokens, self.seats[max_tokens]
         # static inputs, kept on self (a graph holds raw pointers): int64 ids | positions | slots, sampling rows;
         # int32 cu_seqlens_q | seq_lens | block tables
@@ -85,7 +87,7 @@ class MixedGraphs:
     def _meta(self, t: int) -> AttentionMetadata:
         b = self.seats[t]
         return AttentionMetadata(self.g_cu[: b + 1], self.g_lens[:b], self.g_tables[:b], self.g_tok[2, :t], t,
-                                 self.max_model_len, fixed_launch=self.launch[t])
+                                 self.max_model_len, fixed_launch=self.launch[t], kv_stored=self.kv_stored)
 
     def _logits(self, t: int) -> torch.Tensor:
         hidden = self.model(self.g_tok[0, :t], self.g_tok[1, :t])

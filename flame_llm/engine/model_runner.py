@@ -78,6 +78,7 @@ class ModelRunner:
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
         self.prune = rc.prune_last_layer  # eager steps: the last layer past its KV store on sampled rows only
         self.fa4_reuse = rc.fa4_call_reuse and self.backend == "fa4"  # eager steps: FA4's call recorded, reused
+        self.rope_store = rc.fused_rope_store and self.backend != "torch"  # RoPE stores K/V (our Triton kernel)
         self._jit_logged = 0
         if self.backend == "fa4":
             warmup_fa4(config, self.attn_layers[0])  # compiles our Triton kernel's decode-row variants too
@@ -91,12 +92,13 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(self.model, config.scheduler_config.max_num_seqs, self.max_blocks_per_seq,
-                                       mc.max_model_len, self.device)
+                                       mc.max_model_len, self.device, kv_stored=self.rope_store)
             self.graphs.capture()
         self.mixed: MixedGraphs | None = None
         self.mixed = build_mixed_graphs(self.model, config, self.backend, self.use_graphs, self.max_blocks_per_seq,
                                         self.attn_layers[0], self.device,
-                                        self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None)
+                                        self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None,
+                                        kv_stored=self.rope_store)
         set_mlp_row_split(self.model, rc.mlp_row_split_tokens)  # after every capture: eager steps alone split
         logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager",
@@ -211,6 +213,7 @@ class ModelRunner:
                 return handle
         else:
             dev = self.upload(x, self.prune)
+            dev.meta.kv_stored = self.rope_store
             if self.fa4_reuse:
                 dev.meta.fa4_calls = {}  # this step's, filled at its first layer
             if prev_sampled is not None:

@@ -20,7 +20,7 @@ from flame_llm.kernels.fa4_reuse import reuse_call
 from flame_llm.kernels.metadata import AttentionMetadata
 from flame_llm.kernels.triton_attention import (
     paged_attention_triton,
-    store_kv,
+    store_step_kv,
     triton_attention_forward,
     warmup_all_variants,
 )
@@ -149,7 +149,7 @@ def triton_with_fa4_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     """The triton backend with fresh_prefill_backend "fa4": fresh-only prefill steps on FA4's dense kernel, every
     other step on our Triton kernel."""
     if meta.fresh_only and not meta.is_decode:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_step_kv(k, v, k_cache, v_cache, meta)
         return fa4_dense_prefill(q, k, v, meta, scale)
     return triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale)
 
@@ -163,7 +163,7 @@ def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     Triton decode kernel and the rest to FA4, each writing its rows of one output. fresh_prefill_backend
     "fa4": a step with no cached keys takes FA4's dense varlen kernel on the fresh k/v; every other value
     (the triton backend's choices: triton, sdpa, ...) leaves this backend's fresh steps on the paged kernel."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_step_kv(k, v, k_cache, v_cache, meta)
     if meta.is_decode:
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     if meta.fresh_only and fresh_prefill_backend == "fa4":

@@ -26,6 +26,8 @@ class AttentionMetadata:
     # prune_last_layer: the sampled rows' queries of the last layer as a decode step over the same caches (one
     # query per sampling sequence, seq_lens/block_tables of those sequences, no slot_mapping: already stored)
     kept: AttentionMetadata | None = None
+    # RunnerConfig.fused_rope_store: every layer's RoPE kernel stored the step's K/V already (the backends skip it)
+    kv_stored: bool = False
     # RunnerConfig.fa4_call_reuse: this step's FA4 kernel calls recorded at their first layer, by call site
     # (kernels/fa4_reuse.py); None: every layer runs FA4's forward in full
     fa4_calls: dict | None = None

@@ -66,6 +66,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
 
 
+def store_step_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> None:
+    """store_kv at the step's slot_mapping, unless the layer's RoPE kernel stored them (meta.kv_stored)."""
+    if not meta.kv_stored:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+
 def pick_config(meta: AttentionMetadata, group: int) -> TileConfig:
     group_pad = triton.next_power_of_2(group)
     if meta.is_decode or meta.max_seqlen_q * group_pad <= SMALL_Q_ROWS:
@@ -194,7 +201,7 @@ def fixed_launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     cfg, splits = meta.fixed_launch
     if q.dtype == torch.float32:  # as paged_attention_triton adjusts a picked config (tests)
         cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_step_kv(k, v, k_cache, v_cache, meta)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
 
 
@@ -238,7 +245,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dense varlen kernel)."""
     if fresh_prefill_backend not in FRESH_PREFILL_BACKENDS:
         raise ValueError(f"fresh_prefill_backend {fresh_prefill_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_step_kv(k, v, k_cache, v_cache, meta)
     if fresh_prefill_backend != "triton" and meta.fresh_only and not meta.is_decode:
         # "fa4" on this backend is fa4_backend.triton_with_fa4_fresh (that module imports this one)
         assert fresh_prefill_backend != "fa4", "layers.attention routes fresh_prefill_backend 'fa4' to fa4_backend"

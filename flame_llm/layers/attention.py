@@ -72,8 +72,8 @@ class Attention(nn.Module):
         assert self.k_cache.numel() > 0 and meta.fixed_launch is None, "eager steps with a KV cache only"
         triton = self.backend != "torch"
         if triton:
-            from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            from flame_llm.kernels.triton_attention import paged_attention_triton, store_step_kv
+            store_step_kv(k, v, self.k_cache, self.v_cache, meta)
         else:
             store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if q_kept.shape[0] == 0:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame_llm.config import parse_gemm_epilogues
+from flame_llm.kernels.metadata import get_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import (
     Linear,
@@ -59,6 +60,11 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        meta = get_context()
+        if meta.kv_stored and self.attn.k_cache.numel():  # RunnerConfig.fused_rope_store: one launch for both
+            from flame_llm.kernels.fused import rope_store_kv
+            return (*rope_store_kv(q, k, v, positions, self.rotary_emb.cos_sin_cache, self.attn.k_cache,
+                                   self.attn.v_cache, meta.slot_mapping), v)
         q, k = self.rotary_emb(positions, q, k)
         return q, k, v
 
