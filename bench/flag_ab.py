@@ -28,7 +28,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.models.llama import set_mlp_row_split
+from flame_llm.models.tiny import resolve_model
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "llama-3.1-8b")
 
@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=a.max_num_batched_tokens,
               max_num_seqs=min(64, a.max_num_batched_tokens), max_model_len=32768, enable_prefix_caching=False)
     if a.model == "tiny":
-        from flame_llm.models.tiny import make_tiny_model
-        model = make_tiny_model(tempfile.mkdtemp(prefix="flag-ab-"), "llama")
+        model = resolve_model("tiny")  # the embedded default checkpoint
         kw.update(max_model_len=4096, max_num_seqs=min(8, a.max_num_batched_tokens))
     else:
         model, kw["load_format"] = a.model, "dummy"

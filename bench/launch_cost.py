@@ -31,7 +31,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 
@@ -43,6 +42,7 @@ from flame_llm import LLM, SamplingParams
 from flame_llm.engine import model_runner as model_runner_mod
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from flame_llm.models.tiny import resolve_model
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "llama-3.1-8b")
 # (part, class, method): the leaves of a decoder layer (Linear covers MergedLinear; forward_kept is the pruned
@@ -265,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=64,
               max_model_len=32768, enable_prefix_caching=True)
     if a.model == "tiny":
-        from flame_llm.models.tiny import make_tiny_model
-        model = make_tiny_model(tempfile.mkdtemp(prefix="launch-cost-"), "llama")
+        model = resolve_model("tiny")  # the embedded default checkpoint
         kw.update(max_model_len=4096, max_num_seqs=max(8, a.streams + a.burst + 2))
     else:
         model, kw["load_format"] = a.model, "dummy"

@@ -4,11 +4,12 @@ shard kill's effect when there was one; the capacity ratio only between systems 
 of latency and throughput against offered load for every system."""
 from __future__ import annotations
 
-import gzip
 import json
 import os
 
 from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, saturation, summarize
+from bench.long_gaps import window_gaps
+from bench.provenance import read_json
 
 LOAD_FORMATS = ("flame-load-raw/1", LOAD_FORMAT)
 
@@ -128,8 +129,6 @@ def _pauses(rec: dict) -> list[str]:
 def _long_gaps(rec: dict) -> list[str]:
     """Per window, the inter-token gaps over 100 ms (a long prefill step the decoding streams waited through) and
     the gaps just before and after them (bench/long_gaps.py): where the ITL p99 lands when they are ~1% of gaps."""
-    from bench.long_gaps import window_gaps
-
     out = []
     for w, raw in sorted(zip(rec["windows"], rec.get("outcomes") or []), key=lambda x: x[0]["offered_rps"]):
         g = window_gaps(raw, 100.0)
@@ -250,8 +249,7 @@ def load_records(out_dir: str) -> list[dict]:
     recs = []
     for name in sorted(os.listdir(raw)) if os.path.isdir(raw) else []:
         if name.startswith("load-") and name.endswith((".json", ".json.gz")):
-            with (gzip.open if name.endswith(".gz") else open)(os.path.join(raw, name), "rt") as f:
-                rec = json.load(f)
+            rec = read_json(os.path.join(raw, name))
             if rec.get("format") in LOAD_FORMATS:
                 recs.append(upgrade(rec))
     return recs

@@ -7,18 +7,12 @@ each in the same stream. Where the ITL p99 falls among them says which step sets
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import sys
 
 import numpy as np
 
-
-def read_record(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+from bench.provenance import read_json
 
 
 def window_gaps(outcomes: list[dict], long_ms: float) -> dict:
@@ -58,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
           "after, p50 (ms) |")
     print("|---|---|---|---|---|---|")
     for path in a.records:
-        rec = read_record(path)
+        rec = read_json(path)
         for w in record_gaps(rec, a.long_ms):
             print(f"| {rec['system']} | {w['offered_rps']:g} | {w['gaps']} | {f(w['itl_p99_ms'])} | {w['long']} "
                   f"({f(w['long_share_pct'])}) | {f(w['before_ms_p50'])} / {f(w['long_ms_p50'])} / "

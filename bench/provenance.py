@@ -5,6 +5,7 @@ report may merge records of several device calls on several machines; a pair is 
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import hashlib
 import json
 import os
@@ -94,3 +95,9 @@ def write_json(path: str | None, record) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
+
+
+def read_json(path: str):
+    """A record written by write_json, or gzipped beside it (.json.gz: long answers' chunk times make MBs)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
