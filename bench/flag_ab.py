@@ -37,6 +37,7 @@ import numpy as np
 from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 from flame_llm.engine.model_runner import ModelRunner
+from flame_llm.kernels.fa4_reuse import OUTCOMES
 from flame_llm.models.llama import set_mlp_row_split
 from flame_llm.models.tiny import resolve_model
 
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     ref = warm["off"]
     order = (["off", flag.mode, flag.mode, "off"] * a.rounds)[: max(2, a.rounds)]
     rows: dict[str, list[dict]] = {m: [] for m in modes}
+    OUTCOMES.clear()  # fa4_call_reuse: what became of the calls at its sites (the measured rounds')
     for mode in order:
         flag.apply(runner, modes[mode])
         r = one_round(llm, prompts, a.output_tokens)
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     speedup = summary[flag.mode]["req_per_s"] / summary["off"]["req_per_s"]
     out = {"config": {**kw, "model": model, **{k: v for k, v in vars(a).items() if k not in ("out", "engine_json")}},
            "flag": a.flag, "on": on, "off": off, "backend": runner.backend, "cuda_graphs": runner.use_graphs,
-           "order": order, "rounds": rows, "summary": summary, f"{flag.mode}_over_off_req_per_s": round(speedup, 4)}
+           "order": order, "rounds": rows, "summary": summary, f"{flag.mode}_over_off_req_per_s": round(speedup, 4),
+           "fa4_reuse_outcomes": dict(OUTCOMES)}
     write_json(a.out, out)
     print(f"{a.flag}: {flag.mode} = {on}, off = {off}")
     print("| mode | req/s (median) | prefill step ms p50 | tokens equal every round |")
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     for m, s in summary.items():
         print(f"| {m} | {s['req_per_s']:.3f} | {s['prefill_step_ms_p50']:.2f} | {s['tokens_equal']} |")
     print(f"{flag.mode} / off req/s: {speedup:.4f}")
+    if OUTCOMES:
+        print("fa4_call_reuse, the calls at its sites:", ", ".join(f"{k}: {v}" for k, v in OUTCOMES.items()))
     return 0
 
 

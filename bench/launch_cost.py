@@ -40,6 +40,7 @@ import torch
 from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 from flame_llm.engine import model_runner as model_runner_mod
+from flame_llm.kernels.fa4_reuse import OUTCOMES
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.models.tiny import resolve_model
@@ -279,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     built = runner.fa4_reuse
     runner.fa4_reuse = False
     host = run_pass(llm, a, docs, rng, busy)
-    reuse = None
+    reuse, reuse_outcomes = None, {}
     if runner.backend == "fa4":  # the host pass again with fa4_call_reuse: what FA4's per-call Python costs
         runner.fa4_reuse = True
+        OUTCOMES.clear()
         reuse = run_pass(llm, a, docs, rng, busy)
+        reuse_outcomes = dict(OUTCOMES)
     runner.fa4_reuse = built
     streams = [run_pass(llm, a, docs, rng, 0, early) for early in (0, a.early)]
     busy_ms = a.busy_ms if busy else 0.0
@@ -292,11 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     write_json(a.out, {"config": {**kw, "model": model, **{k: v for k, v in vars(a).items() if k != "out"}},
                        "backend": runner.backend, "cuda_graphs": runner.use_graphs,
                        "async_scheduling": llm.engine.async_scheduling, "summary": s,
-                       "host_pass": host, "host_pass_fa4_call_reuse": reuse, "stream_passes": streams})
+                       "host_pass": host, "host_pass_fa4_call_reuse": reuse, "fa4_reuse_outcomes": reuse_outcomes,
+                       "stream_passes": streams})
     print(table(s, busy_ms))
     for kind, parts in (s.get("fa4_call_reuse") or {}).items():
         print(f"{kind}, fa4_call_reuse on: attention (+ K/V store) {parts['attention (+ K/V store)']:.2f} ms, "
               f"whole launch {sum(parts.values()):.2f} ms (p50 of each part)")
+    if reuse_outcomes:
+        print("fa4_call_reuse, the calls at its sites:", ", ".join(f"{k}: {v}" for k, v in reuse_outcomes.items()))
     return 0
 
 

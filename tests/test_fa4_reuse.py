@@ -12,7 +12,7 @@ import torch
 
 from flame_llm import LLM
 from flame_llm.config import Config
-from flame_llm.kernels.fa4_reuse import reuse_call
+from flame_llm.kernels.fa4_reuse import OUTCOMES, reuse_call
 
 
 class FakeFa4InterfaceForCpu(types.ModuleType):
@@ -88,8 +88,10 @@ def test_a_steps_later_layers_call_the_recorded_kernel_with_their_own_tensors(fa
     assert iface.python_calls == 6
     iface.python_calls = iface.kernel_calls = 0
     calls: dict = {}
+    OUTCOMES.clear()
     got = _run(iface, layers, calls)
     assert iface.python_calls == 1 and iface.kernel_calls == 6  # recorded at the first layer, then the kernel alone
+    assert OUTCOMES == {"recorded": 1, "replayed": 5}
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert set(calls) == {"paged"} and len(calls["paged"].rest) == 2  # scale and cu_seqlens_q
     # the JIT cache is FA4's own again after the recording
@@ -114,8 +116,13 @@ def test_nothing_is_recorded_when_the_call_is_not_one_kernel_into_our_output(fak
     iface = fake_fa4(**{kind: True})
     layers = _layers(4)
     calls: dict = {}
+    OUTCOMES.clear()
     got = _run(iface, layers, calls)
     assert calls == {} and iface.python_calls == 4  # every layer ran FA4 in full
+    # and each call says why it was not recorded
+    why = {"split": "split-KV combine",
+           "own_out": "argument 3 is not ours (other memory, shape (5, 4, 8) vs (5, 4, 8))"}[kind]
+    assert OUTCOMES == {why: 4}
     iface2 = fake_fa4()
     ref = _run(iface2, layers, None)
     if kind == "split":
@@ -126,7 +133,7 @@ def test_the_flag_is_checked_and_needs_the_fa4_backend(tiny_llama):
     assert Config.from_kwargs(tiny_llama).runner_config.fa4_call_reuse is False  # off by default
     with pytest.raises(ValueError, match="fa4_call_reuse"):
         Config.from_kwargs(tiny_llama, fa4_call_reuse="yes")
-    llm = LLM(tiny_llama, block_size=16, num_kvcache_blocks=32, fa4_call_reuse=True)
+    llm = LLM(tiny_llama, device="cpu", block_size=16, num_kvcache_blocks=32, fa4_call_reuse=True)
     assert llm.engine.model_runner.backend == "torch" and llm.engine.model_runner.fa4_reuse is False
 
 

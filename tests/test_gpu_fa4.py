@@ -103,32 +103,43 @@ def test_mixed_step_graphs_track_fa4_eager_steps(tiny_llama):
 
 def test_fa4_call_reuse_gives_the_same_tokens_with_fewer_fa4_forwards(tiny_llama, monkeypatch):
     """fa4_call_reuse (kernels/fa4_reuse.py): a step's later layers call FA4's recorded kernel call directly. The
-    same kernel with the same arguments: greedy bf16 tokens equal with it off, over fresh prompts, chunks, prefix
-    hits and mixed steps with decodes (its two call sites), while FA4's Python forward runs once per step and site
-    instead of once per layer. One engine, the flag toggled live; runs 2 (on) and 3 (off) start from the same
-    prefix cache."""
+    same kernel with the same arguments: greedy bf16 tokens equal with it off, over fresh prompts, chunks and mixed
+    steps with decodes (its two call sites), while FA4's Python forward runs about once per step and site instead
+    of once per layer. One engine, the flag toggled live, prefix caching off so every run computes the same steps
+    (with it on, the later runs were nearly all cache hits and hardly reached FA4: the H200 saw 3 forwards each)."""
     from flame_llm.kernels import fa4_backend
+    from flame_llm.kernels.fa4_reuse import OUTCOMES
 
-    forwards = {"n": 0}
-    real = fa4_backend._fa4_call
+    counts = {"full": 0, "site": 0}  # FA4 forwards in full; calls at a reuse site (full or replayed)
+    real_full, real_site = fa4_backend._fa4_call, fa4_backend.reuse_call
 
-    def counted(*args, **kwargs):
-        forwards["n"] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(fa4_backend, "_fa4_call", counted)
+    def full(*args, **kwargs):
+        counts["full"] += 1
+        return real_full(*args, **kwargs)
+
+    def site(*args, **kwargs):
+        counts["site"] += 1
+        return real_site(*args, **kwargs)
+    monkeypatch.setattr(fa4_backend, "_fa4_call", full)
+    monkeypatch.setattr(fa4_backend, "reuse_call", site)
     llm = LLM(tiny_llama, dtype="bfloat16", attention_backend="fa4", block_size=16, num_kvcache_blocks=4096,
               max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True,
-              cuda_graph_mixed_tokens=0, fa4_call_reuse=True)
+              enable_prefix_caching=False, cuda_graph_mixed_tokens=0, fa4_call_reuse=True)
     runner = llm.engine.model_runner
-    assert runner.fa4_reuse and len(runner.attn_layers) >= 2
+    layers = len(runner.attn_layers)
+    assert runner.fa4_reuse and layers >= 2
     prompts = _prompts(32, seed=2)
-    prompts += [p[:300] + [7, 8] for p in prompts[:6] if len(p) > 300]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     runs = []
     for reuse in (False, True, False):
-        runner.fa4_reuse, forwards["n"] = reuse, 0
-        runs.append(([o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)], forwards["n"]))
-    (_, _), (tokens_on, n_on), (tokens_off, n_off) = runs
+        runner.fa4_reuse, counts["full"], counts["site"] = reuse, 0, 0
+        OUTCOMES.clear()
+        tokens = [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        runs.append((tokens, dict(counts), dict(OUTCOMES)))
+    (_, _, _), (tokens_on, on, outcomes), (tokens_off, off, _) = runs
     assert tokens_on == tokens_off
-    # one full forward per step and call site instead of one per layer (where FA4 split a call, it is not reused)
-    assert 0 < n_on < n_off and n_on * len(runner.attn_layers) == n_off, (n_on, n_off)
+    # flag off: every call a full forward, none through the reuse sites; on: the same calls through the sites,
+    # most of them replays of the step's first (a call FA4 split is not recorded: "exactly one full forward per
+    # step and site" is not asserted)
+    assert off["site"] == 0 and on["site"] == off["full"] > 0, (on, off, outcomes)
+    assert on["site"] // layers <= on["full"] < on["site"], (on, off, outcomes)

@@ -83,5 +83,6 @@ def test_the_flag_is_off_by_default_checked_and_needs_a_triton_backend(tiny_llam
     assert Config.from_kwargs(tiny_llama).runner_config.fused_rope_store is False
     with pytest.raises(ValueError, match="fused_rope_store"):
         Config.from_kwargs(tiny_llama, fused_rope_store=1)
-    llm = LLM(tiny_llama, block_size=16, num_kvcache_blocks=32, fused_rope_store=True)  # CPU default: torch
+    # the torch backend (CPU; on a GPU machine "auto" would pick fa4) has no Triton kernel to fuse into
+    llm = LLM(tiny_llama, device="cpu", block_size=16, num_kvcache_blocks=32, fused_rope_store=True)
     assert llm.engine.model_runner.backend == "torch" and llm.engine.model_runner.rope_store is False

@@ -14,6 +14,7 @@ is kept for one step (it lives in that step's AttentionMetadata) and used only f
 strides and dtypes."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,11 @@ class RecordedCall:
     signature: tuple
     fn: Callable  # FA4's compiled kernel
     rest: tuple  # its arguments past q, k, v, out
+
+
+# what became of each call at a reuse site, by outcome ("replayed", "recorded" or why not): the H200 saw no call
+# recorded for the tiny test model, so the reason is kept where a GPU run can print it (bench.launch_cost, the test)
+OUTCOMES: Counter = Counter()
 
 
 def signature(*tensors: torch.Tensor) -> tuple:
@@ -74,6 +80,7 @@ def reuse_call(calls: dict | None, site: str, q: torch.Tensor, k: torch.Tensor, 
     rec = calls.get(site)
     if rec is not None and rec.signature == sig:
         rec.fn(q.detach(), k.detach(), v.detach(), out.detach(), *rec.rest)
+        OUTCOMES["replayed"] += 1
         return out
     fa = _interface()
     fwd, combine = fa._flash_attn_fwd, fa._flash_attn_fwd_combine
@@ -83,12 +90,27 @@ def reuse_call(calls: dict | None, site: str, q: torch.Tensor, k: torch.Tensor, 
         res = full()
     finally:
         fwd.compile_cache, combine.compile_cache = main.inner, comb.inner
-    if len(main.calls) == 1 and not comb.touched:
+    why = _unrecordable(main, comb, (q, k, v, out))
+    OUTCOMES[why or "recorded"] += 1
+    if why is None:
         fn, args = main.calls[0]
-        mine = (q, k, v, out)
-        if len(args) >= 4 and all(isinstance(a, torch.Tensor) and a.data_ptr() == t.data_ptr()
-                                  and a.shape == t.shape for a, t in zip(args[:4], mine)) and \
-                not any(isinstance(a, torch.Tensor) and any(a.data_ptr() == t.data_ptr() for t in mine)
-                        for a in args[4:]):
-            calls[site] = RecordedCall(sig, fn, tuple(args[4:]))
+        calls[site] = RecordedCall(sig, fn, tuple(args[4:]))
     return res
+
+
+def _unrecordable(main: _Recorder, comb: _Recorder, mine: tuple) -> str | None:
+    """Why FA4's call just made cannot be replayed for the step's next layers (None: it can)."""
+    if comb.touched:
+        return "split-KV combine"
+    if len(main.calls) != 1:
+        return f"{len(main.calls)} kernel calls"
+    args = main.calls[0][1]
+    for i, (a, t) in enumerate(zip(args[:4], mine)):
+        if not isinstance(a, torch.Tensor):
+            return f"argument {i} is a {type(a).__name__}"
+        if a.data_ptr() != t.data_ptr() or a.shape != t.shape:
+            return f"argument {i} is not ours ({'same' if a.data_ptr() == t.data_ptr() else 'other'} memory, " \
+                   f"shape {tuple(a.shape)} vs {tuple(t.shape)})"
+    if any(isinstance(a, torch.Tensor) and any(a.data_ptr() == t.data_ptr() for t in mine) for a in args[4:]):
+        return "a later argument shares our memory"
+    return None
