@@ -49,9 +49,9 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
-                                         "flame-noprune, flame-split, flame-early, flame-ropestore, flame-raystream, "
+                                         "flame-noprune, flame-split, flame-noearly, flame-ropestore, flame-raystream, "
                                          "flame-noresume, flame-noreroute, engine, engine-nomix, engine-mix2k, "
-                                         "engine-noprune, engine-split, engine-early, engine-ropestore, vllm, "
+                                         "engine-noprune, engine-split, engine-noearly, engine-ropestore, vllm, "
                                          "vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
@@ -75,14 +75,14 @@ def test_system_labels():
     split = parse_system("engine-split")
     assert (split.kind, split.engine) == ("engine", {"mlp_row_split_tokens": 4096})
     assert parse_system("flame-split-rr").engine == {"mlp_row_split_tokens": 4096}
-    # the early hand-out before a long eager step's launch (off by default): the label turns it on at 2,048 tokens
-    early = parse_system("flame-early")
-    assert (early.kind, early.engine, early.client) == ("flame", {"emit_before_long_launch": 2048}, {})
-    assert parse_system("engine-early").engine == {"emit_before_long_launch": 2048}
+    # the early hand-out before a long eager step's launch (on by default): the label turns it off
+    late = parse_system("flame-noearly")
+    assert (late.kind, late.engine, late.client) == ("flame", {"emit_before_long_launch": 0}, {})
+    assert parse_system("engine-noearly").engine == {"emit_before_long_launch": 0}
     from flame_llm.config import EngineConfig
     assert parse_system("flame-ropestore").engine == {"fused_rope_store": True}
     # a label's fields are real, valid engine fields
-    for label in ("engine-split", "engine-early", "engine-mix2k", "engine-ropestore"):
+    for label in ("engine-split", "engine-noearly", "engine-mix2k", "engine-ropestore"):
         EngineConfig.from_kwargs(**parse_system(label).engine)
 
 

@@ -119,7 +119,7 @@ def test_the_flag_is_off_without_asynchronous_scheduling_and_checked(tiny_llama)
     assert llm.engine.stats()["early_commits"] == 0
     with pytest.raises(ValueError, match="emit_before_long_launch"):
         Config.from_kwargs(tiny_llama, emit_before_long_launch=-1)
-    assert Config.from_kwargs(tiny_llama).scheduler_config.emit_before_long_launch == 0  # off by default
+    assert Config.from_kwargs(tiny_llama).scheduler_config.emit_before_long_launch == 2048  # on by default
 
 
 def test_a_serving_engine_streams_the_same_tokens_with_it(tiny_llama):
