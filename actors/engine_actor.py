@@ -266,6 +266,22 @@ class EngineActor:
         self.engine.engine.model_runner.prepare_launch = broken
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    def debug_slow_engine(self, pause_s: float) -> None:
+        """Fault injection (tests, drills): the engine thread pauses pause_s after each step (0: no more), as one
+        away in a long GPU step is: requests and aborts that arrive meanwhile wait for it."""
+        engine = self.engine.engine
+        engine.__dict__.pop("step", None)
+        step = engine.step
+
+        def slow(*args, **kwargs):
+            out = step(*args, **kwargs)
+            time.sleep(pause_s)
+            return out
+
+        if pause_s > 0:
+            engine.step = slow
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
         sock = self.stream_server.counters if self.stream_server is not None else {}
         return {**self.health().to_dict(), **self.metrics.to_dict(), **self.inflight.counters, **self.admission.stats(),

@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import Result
-from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
+from flame_llm.serving.batcher import ClientCounters, Pending, attempt_id, failed_result
 from flame_llm.serving.client_codec import ClientCodec
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.shard_loss import SHARD_LOST
@@ -40,20 +40,20 @@ class BatchSender:
     settle: Callable[[int, list[tuple[Pending, Result]], tuple[float, float]], Awaitable[None]]
     lost: Callable[[int, list[Pending], BaseException], Awaitable[None]]  # the shard died with these in flight
     forget: Callable[[int, list[Pending]], None]  # (shard, requests) that shard will not answer: the router is told
-    abort_on: Callable[[int, list[str]], None]  # (shard, request ids): it need not serve them
+    abort_on: Callable[[int, list[str]], None]  # (shard, ids the attempts went under: batcher.attempt_id): stop them
 
     async def send(self, shard: int, batch: list[Pending], credit: int) -> None:
         """Send the batch; `credit`: the units of the shard's credit it holds, given back as its results land
         (all of them when it ends)."""
         held = [credit]
-        waiting = {p.request.id: p for p in batch}  # sent and not yet answered (nor handed on: lost shard)
+        waiting = {attempt_id(p): p for p in batch}  # sent and not yet answered (nor handed on: lost shard)
         try:
             await self._send(shard, batch, held, waiting)
         except asyncio.CancelledError:  # the client closes: the shard need not serve them, the router not count them
             left = list(waiting.values())
             self.forget(shard, left)
             if left:
-                self.abort_on(shard, [p.request.id for p in left])
+                self.abort_on(shard, [attempt_id(p) for p in left])
             raise
         except Exception as e:  # a bug or an unreadable result must not leave callers waiting forever
             log.exception("shard %d: batch of %d failed", shard, len(batch))
@@ -64,7 +64,7 @@ class BatchSender:
                                                                    f"{type(e).__name__}: {e}")))
             self.forget(shard, left)
             if left:  # the shard may still be serving them
-                self.abort_on(shard, [p.request.id for p in left])
+                self.abort_on(shard, [attempt_id(p) for p in left])
         finally:
             if held[0]:
                 self.credit.give(shard, held[0])
@@ -81,7 +81,7 @@ class BatchSender:
                 results = self.codec.decode(reply)
             except SHARD_LOST as e:
                 waiting.clear()
-                await self.lost(shard, batch, e)
+                await self._lost(shard, batch, e)
                 return
             waiting.clear()
             if len(results) != len(batch):  # the actor could not read the batch: one record for all
@@ -106,14 +106,21 @@ class BatchSender:
         except SHARD_LOST as e:
             lost = list(waiting.values())
             waiting.clear()
-            await self.lost(shard, lost, e)
+            await self._lost(shard, lost, e)
             return
         if waiting:  # the generator ended without their results: the actor died under it
             lost = list(waiting.values())
             waiting.clear()
             await self.lost(shard, lost, RayActorError())
 
+    async def _lost(self, shard: int, ps: list[Pending], e: BaseException) -> None:
+        """The shard's call failed with these unanswered: they go to `lost` (sent again, under new attempt ids).
+        Unavailable is not dead (a restart under way, or a connection that failed): it may still serve them."""
+        if isinstance(e, ActorUnavailableError) and ps:
+            self.abort_on(shard, [attempt_id(p) for p in ps])
+        await self.lost(shard, ps, e)
+
 
 def _for(p: Pending, r: Result) -> Result:
     """A batch-wide result (id None) as one request's."""
-    return dataclasses.replace(r, id=p.request.id, timings=dict(r.timings))
+    return dataclasses.replace(r, id=attempt_id(p), timings=dict(r.timings))

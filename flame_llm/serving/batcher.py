@@ -39,6 +39,14 @@ def set_estimates(p: Pending, model_revision: str, max_model_len: int) -> None:
     p.est_decode = max_output_tokens(n, p.request.sampling.max_tokens, max_model_len)
 
 
+def attempt_id(p: Pending) -> str:
+    """The id p's current attempt carries to its shard: the caller's id on the first send, `id~k` on the k-th send
+    after it. A shard holds one request per id (AsyncEngine refuses a second while the first is in flight), and an
+    attempt the client walked away from may still be there, being aborted (its connection closed) or not yet
+    stopped, when the next attempt arrives; and an abort then names one attempt, not its successor."""
+    return p.request.id if p.attempts == 0 else f"{p.request.id}~{p.attempts}"
+
+
 def failed_result(p: Pending, error: ErrorInfo) -> Result:
     return Result(p.request.id, prompt_tokens=len(p.request.prompt_token_ids), shard=p.shard, error=error)
 

@@ -3,11 +3,12 @@ model revision and zstd level, result payloads decoded, their sizes and times ad
 Batches (batch_send.py) and streams (client_stream.py) alike."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from flame_llm.protocol.types import Result
 from flame_llm.protocol.wire import decode_results, decoded_size, encode_requests
-from flame_llm.serving.batcher import ClientCounters, Pending
+from flame_llm.serving.batcher import ClientCounters, Pending, attempt_id
 
 
 class ClientCodec:
@@ -15,8 +16,10 @@ class ClientCodec:
         self.model_revision, self.zstd_level, self.counters = model_revision, zstd_level, counters
 
     def encode(self, batch: list[Pending]) -> bytes:
+        """The batch's payload; a request sent again goes under its attempt's id (batcher.attempt_id)."""
         t0 = time.perf_counter()
-        payload = encode_requests([p.request for p in batch], self.model_revision, self.zstd_level)
+        reqs = [p.request if not p.attempts else dataclasses.replace(p.request, id=attempt_id(p)) for p in batch]
+        payload = encode_requests(reqs, self.model_revision, self.zstd_level)
         c = self.counters
         c.encode_s += time.perf_counter() - t0
         c.payload_wire_bytes += len(payload)

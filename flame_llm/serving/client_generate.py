@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from flame_llm.protocol.types import Result
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending
+from flame_llm.serving.batcher import Pending, attempt_id
 from flame_llm.serving.dispatch import Dispatcher
 from flame_llm.serving.prompts import RequestMaker
 
@@ -79,6 +79,6 @@ def abort(d: Dispatcher, pend: list[Pending]) -> None:
     by_shard: dict[int, list[str]] = {}
     for p in d.abandon(gone):
         if p.shard >= 0:
-            by_shard.setdefault(p.shard, []).append(p.request.id)
+            by_shard.setdefault(p.shard, []).append(attempt_id(p))
     for shard, ids in by_shard.items():
         d.abort_on(shard, ids)

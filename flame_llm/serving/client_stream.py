@@ -19,10 +19,11 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from flame_llm.protocol.types import Request, Result, prompt_digest
 from flame_llm.protocol.wire import request_wire_size
-from flame_llm.serving.batcher import Pending, failed_result, set_estimates
+from flame_llm.serving.batcher import Pending, attempt_id, failed_result, set_estimates
 from flame_llm.serving.dispatch import Dispatcher, completion
 from flame_llm.serving.resume import continuation, stream_end
 from flame_llm.serving.retry import Action, decide
@@ -87,7 +88,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             took = await d.take_credit(shard, p.user)  # within the shard's credit, as batches are, in p.user's turn
             split["credit_wait_s"] = time.perf_counter() - t0
             try:
-                r = await _one_stream(d, shard, payload, rid, streamed, push, split, untold)
+                r = await _one_stream(d, shard, payload, attempt_id(p), streamed, push, split, untold)
             finally:
                 if took:
                     d.give_credit(shard)
@@ -147,8 +148,10 @@ def _tell(d: Dispatcher, untold: list[Pending], shard: int) -> None:
 
 async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
                       push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
-    """One attempt on one shard, over the configured transport (ClientConfig.stream_transport): push its token
-    chunks, return its result. Cancelled: abort it on the shard. A lost shard (or connection) raises SHARD_LOST.
+    """One attempt on one shard (`rid`: the id it went under, batcher.attempt_id), over the configured transport
+    (ClientConfig.stream_transport): push its token chunks, return its result. Cancelled: abort it on the shard. A
+    lost shard (or connection) raises SHARD_LOST; the attempt does not outlive it there (a closed connection ends
+    its streams on the shard; an unavailable actor is told to abort it), and the next attempt has its own id.
     split gets sent_at and first_chunk_at_client (time.time(): the hop's ends, beside the actor's own).
     untold: the request when the router is still to be told of its placement (done TELL_AFTER_S after the first
     chunk, or by stream_request when the stream ends first)."""
@@ -174,8 +177,8 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, strea
 
 
 async def _ray_items(d: Dispatcher, shard: int, payload: bytes, rid: str) -> AsyncIterator[list[int] | bytes]:
-    """The items of one stream over the shard's Ray `stream` generator; cancelled, or closed before its result:
-    the shard aborts it."""
+    """The items of one stream over the shard's Ray `stream` generator; cancelled, closed before its result, or
+    lost with an actor that is unavailable but may still serve it: the shard aborts it."""
     gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
     item = None
     try:
@@ -184,7 +187,7 @@ async def _ray_items(d: Dispatcher, shard: int, payload: bytes, rid: str) -> Asy
             if item is _NOT_HERE:
                 item = await ref
             yield item
-    except (asyncio.CancelledError, GeneratorExit):
+    except (asyncio.CancelledError, GeneratorExit, ActorUnavailableError):
         if not isinstance(item, bytes):
             d.abort_on(shard, [rid])
         raise

@@ -17,7 +17,7 @@ from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import Completion
 from flame_llm.protocol.types import Result, ShardHealth
 from flame_llm.serving.batch_send import BatchSender
-from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher
+from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher, attempt_id
 from flame_llm.serving.client_codec import ClientCodec
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.retry import Action, Decision, decide
@@ -73,6 +73,7 @@ class Dispatcher:
         return self.credit.outstanding
 
     def abort_on(self, shard: int, request_ids: list[str]) -> None:
+        """request_ids: the ids the attempts went under (batcher.attempt_id)."""
         self.counters.aborts_sent += len(request_ids)
         try:
             self.actors[shard].abort.remote(request_ids)
@@ -218,7 +219,7 @@ class Dispatcher:
         t_done = time.perf_counter()
         completions, reroute, now = [], [], time.monotonic()
         for p, r in pairs:
-            assert r.id in (p.request.id, None), "a result answers its request"
+            assert r.id in (attempt_id(p), None), "a result answers its request's attempt"
             if p.future.done():  # abandoned by its caller (and aborted on the shard)
                 completions.append(completion(shard, p))
                 continue

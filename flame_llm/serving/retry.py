@@ -17,7 +17,8 @@ can cure):
 - REROUTE and RESTART count against max_retries; past them the error is the result (FAIL for a death).
 
 Dispatcher (dispatch.py) carries the decisions out for batches (shard_loss.py after a shard died under them),
-client_stream.py for streams."""
+client_stream.py for streams. Each send after the first goes under its own id (batcher.attempt_id): the attempt
+before it may still be on its shard, being aborted, when it arrives."""
 from __future__ import annotations
 
 import time

@@ -135,7 +135,9 @@ class ShardWatch:
         if h.incarnation != self.incarnation[shard]:
             self.incarnation[shard] = h.incarnation
             self.counters.restarts_seen += 1
-            self.streams.drop(shard, "the shard restarted")
+            # the dead incarnation's connection goes; one a stream already made to this one stays (closing it
+            # ended the streams on it and sent them again: session 7's H200 shard-kill run)
+            self.streams.drop(shard, "the shard restarted", keep=h.incarnation)
             if self.liveness:
                 self.keep_connected([shard])
             if self.on_drop is not None:

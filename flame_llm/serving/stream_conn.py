@@ -181,10 +181,12 @@ class StreamConns:
         log.debug("shard %d: stream connection to %s:%d", shard, endpoint.host, endpoint.port)
         return conn
 
-    def drop(self, shard: int, why: str) -> None:
-        """The shard is a new incarnation: its old connection (broken with it) goes."""
-        conn = self.conns.pop(shard, None)
-        if conn is not None:
+    def drop(self, shard: int, why: str, keep: str | None = None) -> None:
+        """The shard is a new incarnation: its old connection (broken with it) goes. keep: the incarnation that
+        answers now; a connection already made to it stays (a stream sent since the restart runs on it)."""
+        conn = self.conns.get(shard)
+        if conn is not None and conn.endpoint.incarnation != keep:
+            del self.conns[shard]
             conn.close(why)
 
     async def close(self) -> None:
