@@ -94,8 +94,9 @@ case $stage in
       k=$((k + 1))
     done ;;
   split)  # e.g. `split --systems vllm,engine --traces no-reuse --warmup-rounds 1`: the kernel split, A-B-B-A,
-    # vLLM in its own process with only its bundle's site beside this checkout (its pins differ from FA4's)
-    timeout 520 python3 -m bench.kernel_split --vllm-pythonpath /tmp/vsite/site --measure-ceiling \
+    # vLLM in its own process with only its bundle's site beside this checkout (its pins differ from FA4's);
+    # each run's record stays in $OUT (split.json.K-system.json) if the whole does not finish in SPLIT_TIMEOUT
+    timeout ${SPLIT_TIMEOUT:-520} python3 -m bench.kernel_split --vllm-pythonpath /tmp/vsite/site --measure-ceiling \
       --out "$OUT/split.json" "$@" > "$OUT/split.log" 2>&1
     grep -v -e INFO -e WARNING -e '^run ' "$OUT/split.log" | grep -e '^|' -e 'not measured' -e failed | tail -60 ;;
   burst)  # one trace's pairs in one call, e.g. `burst reuse flame,engine,vllm --pair-start 2` (flags after the
