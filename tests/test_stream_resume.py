@@ -17,6 +17,7 @@ from helpers import answering, service_with_both_transports
 from ray.exceptions import RayActorError
 
 from flame_llm import SamplingParams
+from flame_llm.models.tiny import TINY_VOCAB_SIZE
 from flame_llm.protocol.errors import ErrorCode
 from flame_llm.protocol.types import Request, prompt_digest
 from flame_llm.serving import client_stream
@@ -28,7 +29,10 @@ from flame_llm.serving.retry import Action, decide
 from flame_llm.serving.service_config import ClientConfig, config_from_dict
 
 NS = "test-stream-resume"
-ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
+# every token id is an EOS id of this module's engine: a request that does not ignore EOS ends at its first token
+# (test_a_death_after_an_eos_token...); every other request here ignores EOS
+ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125,
+          "eos_token_ids": list(range(TINY_VOCAB_SIZE))}
 LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LOST = RayActorError()
@@ -86,6 +90,10 @@ def test_stream_end_says_when_the_streamed_tokens_already_ended_the_request():
     assert stream_end(original, [1, 99], max_model_len=100) == "stop"
     assert stream_end(original, [1, 2, 3, 4, 5], max_model_len=100) == "length"
     assert stream_end(original, [1, 2], max_model_len=12) == "length"  # the sequence reached max_model_len
+    # the model's EOS ids (published in each shard's health) end it too, unless the request ignores EOS
+    assert stream_end(original, [1, 7], 100, eos_token_ids=frozenset({7})) == "stop"
+    ignoring = Request("y", original.prompt_token_ids, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert stream_end(ignoring, [1, 7], 100, eos_token_ids=frozenset({7})) is None
 
 
 def test_the_flag_is_checked_and_read_from_the_config():
@@ -158,7 +166,7 @@ def _dies_before_the_result(real):
     return items
 
 
-@pytest.mark.parametrize("how", ["length", "stop"])
+@pytest.mark.parametrize("how", ["length", "stop", "eos"])
 def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, monkeypatch, how):
     svc, clients = service
     client = clients["ray"]
@@ -167,7 +175,13 @@ def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, 
     if how == "stop":
         (plain,) = client.generate([prompt], SHORT)
         sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[plain.output_token_ids[4]])
+    if how == "eos":  # the model's EOS (every id, in this module's engine), which the client learns from health()
+        assert answering(svc.actors[0]).eos_token_ids == tuple(range(TINY_VOCAB_SIZE))
+        sp = SamplingParams(temperature=0.0, max_tokens=12)
     (want,) = client.generate([prompt], sp)
+    if how == "eos":  # ended by its first token; before the client knew EOS ids it sent a continuation after it
+        how = "stop"
+        assert len(want.output_token_ids) == 1
     assert want.finish_reason == how
     old, retries = answering(svc.actors[0]).incarnation, client.counters.retries
     monkeypatch.setattr(client_stream, "_ray_items", _dies_before_the_result(client_stream._ray_items))

@@ -89,6 +89,7 @@ class ShardHealth:
     admission_capacity: int
     draining: bool = False
     engine_failed: bool = False
+    eos_token_ids: tuple[int, ...] = ()  # the model's: a streamed one of these ended the request (unless ignore_eos)
 
     def to_dict(self) -> dict:
         """A flat map (the limits' fields beside the others), for JSON records and status()."""

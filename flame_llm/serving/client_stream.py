@@ -102,7 +102,8 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         if r is not None:
             d.complete([completion(shard, p, r)])
         now_streamed = len(streamed) > before  # earlier attempts' tokens are in this attempt's prompt
-        end = stream_end(original, streamed, d.max_model_len) if lost is not None and now_streamed else None
+        end = (stream_end(original, streamed, d.max_model_len, d.eos_token_ids)
+               if lost is not None and now_streamed else None)
         decision = decide(p, d.max_retries, r, lost, shard, streamed=now_streamed, resume=d.stream_resume,
                           complete=end)
         if decision.action is Action.DONE and r is None:  # the shard died after the stream's last token

@@ -40,6 +40,7 @@ class Dispatcher:
         self.restart_timeout_s, self.flush_formed = config.restart_timeout_s, config.flush_formed
         self.as_finished, self.stream_transport = config.results_as_finished, config.stream_transport
         self.stream_resume, self.max_model_len = config.stream_resume, min(h.limits.max_model_len for h in health)
+        self.eos_token_ids = frozenset(t for h in health for t in h.eos_token_ids)  # one model revision: one set
         self.namespace, self.counters = namespace, ClientCounters()
         self.codec = ClientCodec(model_revision, zstd_level, self.counters)
         # the shards abort this client's requests when its Ray job (this process) dies; (job, client id) is this

@@ -11,9 +11,9 @@ gets the seed `seed + k` (its keys cannot repeat one the first k tokens used: th
 first k tokens' randomness again, correlated with the prefix it conditions on). A resumed seeded stream is thus
 reproducible only given the same death point.
 
-One thing the client cannot see: a death after the model's EOS token reached the caller but before its result
-(the client does not know the model's EOS ids) resends a continuation whose prompt ends in EOS. Stop token ids
-of the request, max_tokens and max_model_len are checked here (stream_end): such a stream ends with what it had."""
+A death after the last token reached the caller but before its result is told apart here (stream_end): the
+model's EOS ids (each shard's health() publishes them; ignore_eos honoured), the request's stop token ids,
+max_tokens and max_model_len; such a stream ends with what it had, with no continuation sent."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,11 +24,13 @@ from flame_llm.protocol.types import Request
 from flame_llm.sampling_params import SEED_LIMIT
 
 
-def stream_end(original: Request, streamed: list[int], max_model_len: int) -> str | None:
+def stream_end(original: Request, streamed: list[int], max_model_len: int,
+               eos_token_ids: frozenset[int] = frozenset()) -> str | None:
     """The finish reason the streamed tokens of `original` already reached ("stop": the last one is a stop token
-    id; "length": max_tokens or max_model_len reached), or None: a continuation has tokens left to make."""
+    id, or an EOS id of the model unless ignore_eos; "length": max_tokens or max_model_len reached), or None: a
+    continuation has tokens left to make. The engine's rule (engine/commit.py StopRule), seen from the client."""
     sp, k = original.sampling, len(streamed)
-    if k and streamed[-1] in sp.stop_token_ids:
+    if k and (streamed[-1] in sp.stop_token_ids or (not sp.ignore_eos and streamed[-1] in eos_token_ids)):
         return "stop"
     if k >= sp.max_tokens or len(original.prompt_token_ids) + k >= max_model_len:
         return "length"
