@@ -21,6 +21,7 @@ import ray
 
 from actors.admission import Admission, Overloaded, request_cost
 from actors.as_finished import as_finished
+from actors.faults import break_engine, slow_engine
 from actors.host import EngineHost
 from actors.inflight import Inflight
 from actors.metrics import ShardMetrics
@@ -259,27 +260,13 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def debug_break_engine(self) -> None:
-        """Fault injection (tests, drills): the engine's next step raises, as a real step failure would."""
-        def broken(*args, **kwargs):
-            raise RuntimeError(f"injected engine step failure on shard {self.name}")
-
-        self.engine.engine.model_runner.prepare_launch = broken
+        """Fault injection (tests, drills): actors/faults.py break_engine."""
+        break_engine(self.engine.engine, self.name)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def debug_slow_engine(self, pause_s: float) -> None:
-        """Fault injection (tests, drills): the engine thread pauses pause_s after each step (0: no more), as one
-        away in a long GPU step is: requests and aborts that arrive meanwhile wait for it."""
-        engine = self.engine.engine
-        engine.__dict__.pop("step", None)
-        step = engine.step
-
-        def slow(*args, **kwargs):
-            out = step(*args, **kwargs)
-            time.sleep(pause_s)
-            return out
-
-        if pause_s > 0:
-            engine.step = slow
+        """Fault injection (tests, drills): actors/faults.py slow_engine."""
+        slow_engine(self.engine.engine, pause_s)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
