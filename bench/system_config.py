@@ -21,22 +21,25 @@ dying shard had in flight on only after its restart (ClientConfig.reroute_on_los
 tokens then wait for that launch (emit_before_long_launch 0; by default 2,048: the step before is read and its
 tokens handed out first; the A/B of the inter-token gap before a long prefill, bench/launch_cost.py);
 "flame-ropestore" and "engine-ropestore" rotate q/k and store k/v in one launch per layer (fused_rope_store, off by
-default: issue 19's fusion).
+default: issue 19's fusion); "flame-shared" and "engine-shared" read a cached prefix that several decode rows share
+once for all of them (shared_prefix_decode, off by default: the reuse trace's four questions per document).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-split", "flame-noearly",
-         "flame-ropestore", "flame-raystream", "flame-noresume", "flame-noreroute", "engine", "engine-nomix",
-         "engine-mix2k", "engine-noprune", "engine-split", "engine-noearly", "engine-ropestore", "vllm", "vllm-seed")
+         "flame-ropestore", "flame-shared", "flame-raystream", "flame-noresume", "flame-noreroute", "engine",
+         "engine-nomix", "engine-mix2k", "engine-noprune", "engine-split", "engine-noearly", "engine-ropestore",
+         "engine-shared", "vllm", "vllm-seed")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
                 "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False},
                 "flame-split": {"mlp_row_split_tokens": 4096}, "engine-split": {"mlp_row_split_tokens": 4096},
                 "flame-noearly": {"emit_before_long_launch": 0}, "engine-noearly": {"emit_before_long_launch": 0},
-                "flame-ropestore": {"fused_rope_store": True}, "engine-ropestore": {"fused_rope_store": True}}
+                "flame-ropestore": {"fused_rope_store": True}, "engine-ropestore": {"fused_rope_store": True},
+                "flame-shared": {"shared_prefix_decode": True}, "engine-shared": {"shared_prefix_decode": True}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's
 LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"},
                 "flame-noresume": {"stream_resume": False}, "flame-noreroute": {"reroute_on_loss": False}}

@@ -147,6 +147,7 @@ class RunnerConfig:
     fa4_call_reuse: bool = False  # eager steps: later layers call FA4's recorded kernel call directly
     # backends on our Triton kernels: RoPE and the K/V cache store in one launch per layer (issue 19's fusion)
     fused_rope_store: bool = False  # one Triton launch rotates q/k and stores k/v (graphs and eager steps)
+    shared_prefix_decode: bool = False  # decode rows on our Triton kernel read a prefix several rows share once
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)
@@ -159,6 +160,7 @@ class RunnerConfig:
         check_bool("prune_last_layer", self.prune_last_layer, **_F)
         check_bool("fa4_call_reuse", self.fa4_call_reuse, **_F)
         check_bool("fused_rope_store", self.fused_rope_store, **_F)
+        check_bool("shared_prefix_decode", self.shared_prefix_decode, **_F)
         check_int("mlp_row_split_tokens", self.mlp_row_split_tokens, 0, limit="an integer >= 0 (0: off)", **_F)
 
 

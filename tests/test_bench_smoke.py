@@ -49,10 +49,10 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
-                                         "flame-noprune, flame-split, flame-noearly, flame-ropestore, flame-raystream, "
-                                         "flame-noresume, flame-noreroute, engine, engine-nomix, engine-mix2k, "
-                                         "engine-noprune, engine-split, engine-noearly, engine-ropestore, vllm, "
-                                         "vllm-seed"):
+                                         "flame-noprune, flame-split, flame-noearly, flame-ropestore, flame-shared, "
+                                         "flame-raystream, flame-noresume, flame-noreroute, engine, engine-nomix, "
+                                         "engine-mix2k, engine-noprune, engine-split, engine-noearly, "
+                                         "engine-ropestore, engine-shared, vllm, vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -82,7 +82,8 @@ def test_system_labels():
     from flame_llm.config import EngineConfig
     assert parse_system("flame-ropestore").engine == {"fused_rope_store": True}
     # a label's fields are real, valid engine fields
-    for label in ("engine-split", "engine-noearly", "engine-mix2k", "engine-ropestore"):
+    assert parse_system("flame-shared").engine == {"shared_prefix_decode": True}
+    for label in ("engine-split", "engine-noearly", "engine-mix2k", "engine-ropestore", "engine-shared"):
         EngineConfig.from_kwargs(**parse_system(label).engine)
 
 

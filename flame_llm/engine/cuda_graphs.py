@@ -28,9 +28,10 @@ def capture_graph(fn: Callable[..., torch.Tensor], *args, pool=None) -> tuple[to
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 device: torch.device, kv_stored: bool = False) -> None:
+                 device: torch.device, kv_stored: bool = False, shared_block_size: int = 0) -> None:
         self.model = model
         self.kv_stored = kv_stored  # RunnerConfig.fused_rope_store: the graphs' RoPE kernels store the K/V
+        self.shared_block_size = shared_block_size  # RunnerConfig.shared_prefix_decode: segments per replay
         self.max_bs = max_bs = min(max_num_seqs, 512)
         self.buckets = sorted({b for b in BUCKETS + tuple(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         self.width = max_blocks_per_seq
@@ -41,6 +42,9 @@ class DecodeGraphs:
         self.g_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
+        if shared_block_size:
+            from flame_llm.kernels.shared_prefix import SEG_WIDTH, graph_capacity
+            self.g_segs = torch.zeros(graph_capacity(max_bs), SEG_WIDTH, dtype=torch.int32, device=device)
 
     @property
     def g_ids(self) -> torch.Tensor:
@@ -58,8 +62,13 @@ class DecodeGraphs:
         g_slots = self.g_i64.view(3, self.max_bs)[2]
         pool = None
         for b in reversed(self.buckets):
-            set_context(AttentionMetadata(self.g_cu_q[: b + 1], self.g_i32[:b], self.g_tables[:b], g_slots[:b], 1,
-                                          self.max_model_len, is_decode=True, kv_stored=self.kv_stored))
+            meta = AttentionMetadata(self.g_cu_q[: b + 1], self.g_i32[:b], self.g_tables[:b], g_slots[:b], 1,
+                                     self.max_model_len, is_decode=True, kv_stored=self.kv_stored)
+            if self.shared_block_size:  # key splits fixed at capture, for a quarter of the rows in groups
+                from flame_llm.kernels.shared_prefix import SharedPrefix, graph_capacity
+                self.g_segs[:, 4:].fill_(-1)  # padding segments until a replay fills them
+                meta.shared = SharedPrefix(self.g_segs[: graph_capacity(b)], max(1, b // 4), self.max_model_len)
+            set_context(meta)
             g_slots.fill_(-1)
             self.graphs[b], self.out[b] = capture_graph(self._logits, b, pool=pool)
             pool = self.graphs[b].pool()
@@ -81,7 +90,13 @@ class DecodeGraphs:
         lens[:n] = x.seq_lens
         tables = np.zeros((b, self.width), dtype=np.int32)
         tables[:n, : x.block_tables.shape[1]] = x.block_tables
-        t = staging.put({"i64": h64, "lens": lens, "tables": tables, "rows": x.pending_rows, "src": x.pending_src})
+        arrays = {"i64": h64, "lens": lens, "tables": tables, "rows": x.pending_rows, "src": x.pending_src}
+        if self.shared_block_size:  # every row of the bucket gets an own segment: padded rows come out 0
+            from flame_llm.kernels.shared_prefix import graph_capacity, plan_segments
+            arrays["segs"] = plan_segments(tables, lens, self.shared_block_size, graph_capacity(b))[0]
+        t = staging.put(arrays)
+        if self.shared_block_size:
+            self.g_segs[: len(arrays["segs"])].copy_(t["segs"])
         self.g_i64.view(3, self.max_bs)[:, :b].copy_(t["i64"])
         self.g_i32[:b].copy_(t["lens"])
         self.g_tables[:b].copy_(t["tables"])

@@ -79,6 +79,8 @@ class ModelRunner:
         self.prune = rc.prune_last_layer  # eager steps: the last layer past its KV store on sampled rows only
         self.fa4_reuse = rc.fa4_call_reuse and self.backend == "fa4"  # eager steps: FA4's call recorded, reused
         self.rope_store = rc.fused_rope_store and self.backend != "torch"  # RoPE stores K/V (our Triton kernel)
+        # decode rows on our Triton kernel read a prefix several rows share once (kernels/shared_prefix.py)
+        self.shared_block_size = self.block_size if rc.shared_prefix_decode and self.backend != "torch" else 0
         self._jit_logged = 0
         if self.backend == "fa4":
             warmup_fa4(config, self.attn_layers[0])  # compiles our Triton kernel's decode-row variants too
@@ -88,11 +90,16 @@ class ModelRunner:
             from flame_llm.kernels.triton_attention import warmup_all_variants
             a = self.attn_layers[0]
             warmup_all_variants(a.k_cache, a.v_cache, a.num_heads, a.scale, decode_only=True)
+        if self.shared_block_size and self.device.type == "cuda":
+            from flame_llm.kernels.shared_prefix import warmup_shared
+            a = self.attn_layers[0]
+            warmup_shared(a.k_cache, a.v_cache, a.num_heads, a.scale)
         self.use_graphs = self.device.type == "cuda" and not rc.enforce_eager and self.backend != "torch"
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(self.model, config.scheduler_config.max_num_seqs, self.max_blocks_per_seq,
-                                       mc.max_model_len, self.device, kv_stored=self.rope_store)
+                                       mc.max_model_len, self.device, kv_stored=self.rope_store,
+                                       shared_block_size=self.shared_block_size)
             self.graphs.capture()
         self.mixed: MixedGraphs | None = None
         self.mixed = build_mixed_graphs(self.model, config, self.backend, self.use_graphs, self.max_blocks_per_seq,
@@ -159,7 +166,7 @@ class ModelRunner:
         return build_step_inputs(seqs, num_tokens, self.block_size, starts)
 
     def upload(self, x: StepInputs, prune: bool = False) -> DeviceInputs:
-        return upload(self.staging, x, self.split_decodes, prune)
+        return upload(self.staging, x, self.split_decodes, prune, self.shared_block_size)
 
     def forward(self, dev: DeviceInputs, prune: bool = False) -> torch.Tensor:
         """Hidden states [T, hidden] of a forward's inputs (stores their K/V); prune: of dev.logits_rows only

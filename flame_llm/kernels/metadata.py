@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from flame_llm.kernels.shared_prefix import SharedPrefix
 
 
 @dataclass(slots=True)
@@ -31,6 +35,9 @@ class AttentionMetadata:
     # RunnerConfig.fa4_call_reuse: this step's FA4 kernel calls recorded at their first layer, by call site
     # (kernels/fa4_reuse.py); None: every layer runs FA4's forward in full
     fa4_calls: dict | None = None
+    # RunnerConfig.shared_prefix_decode, decode rows only: the step's segments (kernels/shared_prefix.py), so a
+    # prefix several rows share is read once for all of them; None: the usual kernel
+    shared: SharedPrefix | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -151,6 +151,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = config or pick_config(meta, group)
     if config is None and q.dtype == torch.float32:  # fp32 tiles (tests) need 2x the shared memory
         cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
+    if meta.shared is not None:  # RunnerConfig.shared_prefix_decode
+        from flame_llm.kernels.shared_prefix import shared_decode_attention
+        assert meta.is_decode, "shared-prefix segments describe decode rows"
+        return shared_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.shared, scale, cfg.block_n,
+                                       cfg.num_warps, cfg.num_stages, _sm_count(q.device), out=out)
     assert cfg.block_m % group_pad == 0 and cfg.block_m >= 16, f"block_m {cfg.block_m} vs group {group}"
     if out is None:
         out = torch.empty_like(q)

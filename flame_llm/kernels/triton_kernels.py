@@ -19,7 +19,8 @@ import triton.language as tl
 # 16-byte pointer alignment): the metadata pointers are slices of one staging buffer at any offset, and the
 # block-table width and split stride follow the step's shape. Left specialised, each new combination is a
 # JIT compile mid-serving (seconds); not specialised, one compile serves every step (issue 18 item 3).
-STEP_VARYING = ("slot_ptr", "pos_ptr", "cu_q_ptr", "seq_lens_ptr", "bt_ptr", "stride_bt", "stride_psplit")
+STEP_VARYING = ("slot_ptr", "pos_ptr", "cu_q_ptr", "seq_lens_ptr", "bt_ptr", "stride_bt", "stride_psplit",
+                "seg_ptr")
 
 
 def _jit(fn):
