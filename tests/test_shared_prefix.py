@@ -177,3 +177,16 @@ def test_the_probe_runs_its_code_path_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rows"], r["num_shared"]) for r in rows] == [(4, 2), (4, 0)]
     assert all(r["max_rel_diff"] < 1e-5 for r in rows)
+
+
+def test_the_sharing_count_covers_every_decode_row_of_the_reuse_trace(tmp_path):
+    """bench.decode_sharing on the seed's reuse trace (tiny model, CPU): every question's 15 decode rows are counted
+    once, on some path, and the segments never read more keys than the usual kernel."""
+    from bench import decode_sharing
+
+    res = decode_sharing.run("reuse", 128, 512)
+    paths = res["paths"]
+    decode = sum(v["rows"] for k, v in paths.items() if not k.startswith("pruned"))
+    assert decode == 256 * 15
+    assert all(v["keys_shared"] <= v["keys"] for v in paths.values())
+    assert sum(v["keys_shared"] for v in paths.values()) < sum(v["keys"] for v in paths.values())
