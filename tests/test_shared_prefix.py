@@ -190,3 +190,8 @@ def test_the_sharing_count_covers_every_decode_row_of_the_reuse_trace(tmp_path):
     assert decode == 256 * 15
     assert all(v["keys_shared"] <= v["keys"] for v in paths.values())
     assert sum(v["keys_shared"] for v in paths.values()) < sum(v["keys"] for v in paths.values())
+
+
+def test_warmup_launches_every_split_count():
+    k_cache = torch.randn(4, 16, 2, 32)
+    assert ta.warmup_shared_variants(k_cache, torch.randn_like(k_cache), 8, 32 ** -0.5) == 4  # 1, 2, 4, 8 splits

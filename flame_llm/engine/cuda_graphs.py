@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from flame_llm.engine.step_inputs import Staging, StepInputs
-from flame_llm.kernels.metadata import AttentionMetadata, set_context
+from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix, set_context
 
 BUCKETS = (1, 2, 4, 8)  # then every multiple of 16 up to max_num_seqs
 
@@ -65,7 +65,7 @@ class DecodeGraphs:
             meta = AttentionMetadata(self.g_cu_q[: b + 1], self.g_i32[:b], self.g_tables[:b], g_slots[:b], 1,
                                      self.max_model_len, is_decode=True, kv_stored=self.kv_stored)
             if self.shared_block_size:  # key splits fixed at capture, for a quarter of the rows in groups
-                from flame_llm.kernels.shared_prefix import SharedPrefix, graph_capacity
+                from flame_llm.kernels.shared_prefix import graph_capacity
                 self.g_segs[:, 4:].fill_(-1)  # padding segments until a replay fills them
                 meta.shared = SharedPrefix(self.g_segs[: graph_capacity(b)], max(1, b // 4), self.max_model_len)
             set_context(meta)

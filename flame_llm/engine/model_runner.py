@@ -91,9 +91,9 @@ class ModelRunner:
             a = self.attn_layers[0]
             warmup_all_variants(a.k_cache, a.v_cache, a.num_heads, a.scale, decode_only=True)
         if self.shared_block_size and self.device.type == "cuda":
-            from flame_llm.kernels.shared_prefix import warmup_shared
+            from flame_llm.kernels.triton_attention import warmup_shared_variants
             a = self.attn_layers[0]
-            warmup_shared(a.k_cache, a.v_cache, a.num_heads, a.scale)
+            warmup_shared_variants(a.k_cache, a.v_cache, a.num_heads, a.scale)
         self.use_graphs = self.device.type == "cuda" and not rc.enforce_eager and self.backend != "torch"
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:

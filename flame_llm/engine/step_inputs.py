@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from flame_llm.engine.sequence import Sequence
-from flame_llm.kernels.metadata import AttentionMetadata
+from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
@@ -187,7 +187,6 @@ def upload(staging: Staging, x: StepInputs, split_decodes: bool = False, prune: 
         meta.kept = AttentionMetadata(t["k_cu"], t["k_lens"], t["k_tables"], t["slots"][:0], 1,
                                       int(x.seq_lens[x.sample_idx].max()), is_decode=True)
     if plans:
-        from flame_llm.kernels.shared_prefix import SharedPrefix
         for key, m in (("sh", meta if x.is_decode else meta.decode_split and meta.decode_split[1]),
                        ("k_sh", meta.kept)):
             if key in plans and m:

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from flame_llm.kernels.shared_prefix import SharedPrefix
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """A decode step's shared-prefix segments on the device (kernels/shared_prefix.py), and what picks their key
+    splits without reading them back."""
+    segments: torch.Tensor  # int32 [S, SEG_WIDTH]
+    num_shared: int  # shared segments (host count; an upper bound in a CUDA graph)
+    longest: int  # keys of the longest segment (host; an upper bound in a CUDA graph)
+    num_splits: int | None = None  # fixed (CUDA graphs); None: picked per launch
 
 
 @dataclass(slots=True)

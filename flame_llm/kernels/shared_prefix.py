@@ -16,13 +16,13 @@ MAX_MEMBERS query rows (-1: none; a segment whose first member is -1 is padding 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from flame_llm.kernels.metadata import SharedPrefix
 from flame_llm.kernels.triton_kernels import _attend, _jit, combine_splits_kernel
 
 MAX_MEMBERS = 8  # sequences per shared segment; a larger group is cut into near-equal parts
@@ -30,15 +30,6 @@ MIN_SHARED_TOKENS = 256  # a common prefix shorter than this is read per sequenc
 MAX_SHARED_SPLITS = 8  # key splits of a launch (its partials: 2 x splits x rows x heads x head_dim fp32)
 SHARED, OWN, OWN_ALONE = 0, 1, 2
 SEG_WIDTH = 4 + MAX_MEMBERS
-
-
-@dataclass(slots=True)
-class SharedPrefix:
-    """A decode step's segments on the device, and what picks its key splits without reading them back."""
-    segments: torch.Tensor  # int32 [S, SEG_WIDTH]
-    num_shared: int  # shared segments (host count; an upper bound in a CUDA graph)
-    longest: int  # keys of the longest segment (host; an upper bound in a CUDA graph)
-    num_splits: int | None = None  # fixed (CUDA graphs); None: picked per launch
 
 
 def plan_segments(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
@@ -191,20 +182,3 @@ def shared_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_warps=4)
     return out
 
-
-@torch.inference_mode()
-def warmup_shared(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> int:
-    """Compile every variant a step can reach (each key split count, its combine) for this cache, so none
-    compiles just in time under load. Returns the launches made."""
-    from flame_llm.kernels.triton_attention import DECODE_CONFIG, _sm_count
-
-    dev, head_dim = k_cache.device, k_cache.shape[3]
-    q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
-    tables = np.zeros((2, 1), dtype=np.int32)
-    segs = torch.from_numpy(plan_segments(tables, np.ones(2, dtype=np.int32), k_cache.shape[1])[0]).to(dev)
-    splits = [1 << i for i in range(MAX_SHARED_SPLITS.bit_length()) if 1 << i <= MAX_SHARED_SPLITS]
-    for n in splits:
-        shared_decode_attention(q, k_cache, v_cache, torch.from_numpy(tables).to(dev), SharedPrefix(segs, 0, 1, n),
-                                scale, DECODE_CONFIG.block_n, DECODE_CONFIG.num_warps, DECODE_CONFIG.num_stages,
-                                _sm_count(dev))
-    return len(splits)

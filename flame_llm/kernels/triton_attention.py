@@ -19,7 +19,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flame_llm.config import FRESH_PREFILL_BACKENDS
-from flame_llm.kernels.metadata import AttentionMetadata
+from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix
 from flame_llm.kernels.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
 
 logger = logging.getLogger(__name__)
@@ -256,3 +256,24 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         assert fresh_prefill_backend != "fa4", "layers.attention routes fresh_prefill_backend 'fa4' to fa4_backend"
         return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+
+
+@torch.inference_mode()
+def warmup_shared_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> int:
+    """shared_prefix_decode: compile every variant of its kernel a step can reach (each key split count and its
+    combine) for this cache, so none compiles just in time under load. Returns the launches made."""
+    import numpy as np
+
+    from flame_llm.kernels.shared_prefix import MAX_SHARED_SPLITS, plan_segments, shared_decode_attention
+
+    dev = k_cache.device
+    q = torch.zeros(2, num_heads, k_cache.shape[3], dtype=k_cache.dtype, device=dev)
+    tables = torch.zeros(2, 1, dtype=torch.int32, device=dev)
+    segs = plan_segments(np.zeros((2, 1), dtype=np.int32), np.ones(2, dtype=np.int32), k_cache.shape[1])[0]
+    segs = torch.from_numpy(segs).to(dev)
+    splits = [1 << i for i in range(MAX_SHARED_SPLITS.bit_length()) if 1 << i <= MAX_SHARED_SPLITS]
+    for n in splits:
+        shared_decode_attention(q, k_cache, v_cache, tables, SharedPrefix(segs, 0, 1, n), scale, DECODE_CONFIG.block_n,
+                                DECODE_CONFIG.num_warps, DECODE_CONFIG.num_stages, _sm_count(dev))
+    return len(splits)
+
