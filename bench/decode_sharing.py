@@ -19,6 +19,7 @@ import numpy as np
 
 from bench.provenance import write_json
 from bench.traces import SEED_LIMITS, TraceConfig, make_trace, warmup_traces
+from flame_llm.config import engine_fields_from_json
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,13 @@ def _account(rows: dict, sizes: dict, path: str, tables: np.ndarray, lens: np.nd
     sizes[path].update(collections.Counter(collections.Counter(tables[:, 0].tolist()).values()))
 
 
-def run(trace: str, block_size: int, mixed_tokens: int) -> dict:
+def run(trace: str, block_size: int, mixed_tokens: int, engine_json: dict | None = None) -> dict:
     from flame_llm import LLM, SamplingParams
     from flame_llm.models.tiny import make_tiny_model
 
     path = make_tiny_model(tempfile.mkdtemp(prefix="sharing-"), num_layers=1, max_position_embeddings=32768)
     llm = LLM(path, attention_backend="torch", block_size=block_size, cpu_kvcache_gib=4.0, enable_prefix_caching=True,
-              enable_chunked_prefill=True, **SEED_LIMITS)
+              enable_chunked_prefill=True, **(SEED_LIMITS | (engine_json or {})))
     runner = llm.engine.model_runner
     rows = collections.defaultdict(lambda: dict(steps=0, rows=0, keys=0, keys_shared=0))
     sizes: dict = collections.defaultdict(collections.Counter)
@@ -76,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default="reuse")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--mixed-tokens", type=int, default=512, help="cuda_graph_mixed_tokens on the GPU")
+    p.add_argument("--engine-json", default="{}", help="more engine fields (JSON), e.g. the scheduler's flags")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    res = run(a.trace, a.block_size, a.mixed_tokens)
+    res = run(a.trace, a.block_size, a.mixed_tokens, engine_fields_from_json(a.engine_json))
     write_json(a.out, {"argv": sys.argv, **res})
     print("| path | steps | decode rows | keys read (M) | with shared segments (M) | ratio | rows per document |")
     print("|---|---|---|---|---|---|---|")
