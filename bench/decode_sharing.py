@@ -2,8 +2,8 @@
 runs the trace offline (tiny random model on CPU, the seed's limits and block size; the schedule, not the
 arithmetic, is what counts), and every step's decode rows are cut into shared-prefix segments as
 RunnerConfig.shared_prefix_decode would (kernels/shared_prefix.plan_segments). Per path the rows would take on a GPU
-(decode graph; mixed-step graph up to 512 tokens: the usual kernel even with the flag; eager with its decode rows
-split off on the fa4 backend; the pruned last layer's rows of eager steps): steps, rows, keys read without and with
+(decode graph; mixed-step graph up to 512 tokens, its leading decode rows; eager with its decode rows split off on
+the fa4 backend; the pruned last layer's rows of eager steps): steps, rows, keys read without and with
 the segments, and how many rows share their document with 0, 1, 2, ... others.
 
     python -m bench.decode_sharing --trace reuse --out sharing.json      (about a minute on 2 CPU cores)"""

@@ -129,6 +129,18 @@ def test_no_groups_is_the_usual_kernel_split_in_two_slots():
     assert num_shared == 0 and _rel(out, ref) < 2e-5
 
 
+def _poison_empty(monkeypatch) -> None:
+    """torch.empty's float tensors start as NaN: memory a kernel leaves unwritten shows, whatever the allocator
+    held there before (a combine reading partials no program wrote passed on fresh, zeroed pages)."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 def test_the_engine_gives_the_same_greedy_tokens_with_the_flag(tiny_llama, monkeypatch):
     """Prompts with a common prefix (prefix caching shares its blocks): decode steps and the pruned last layer's
     rows go through the shared segments, and the tokens equal the flag-off run's and the torch backend's."""
@@ -143,6 +155,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_flag(tiny_llama, monke
         return real(q, k_cache, v_cache, block_tables, shared, *args, **kwargs)
 
     monkeypatch.setattr(sp, "shared_decode_attention", counting)
+    _poison_empty(monkeypatch)
     prefix = list(range(3, 70))
     prompts = [prefix + [100 + i, 200 + i] for i in range(5)] + [list(range(300, 340))]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -195,3 +208,32 @@ def test_the_sharing_count_covers_every_decode_row_of_the_reuse_trace(tmp_path):
 def test_warmup_launches_every_split_count():
     k_cache = torch.randn(4, 16, 2, 32)
     assert ta.warmup_shared_variants(k_cache, torch.randn_like(k_cache), 8, 32 ** -0.5) == 4  # 1, 2, 4, 8 splits
+
+
+def test_mixed_step_graphs_give_the_same_tokens_with_the_flag(tiny_llama, monkeypatch):
+    """Mixed-step graphs (run eagerly on CPU, padded to their buckets with the fixed grid): the leading decode rows
+    by their segments, every other row after by the same grid, tokens equal to the flag-off run's."""
+    from flame_llm import LLM, SamplingParams
+    from flame_llm.kernels import triton_attention
+
+    monkeypatch.setattr(sp, "MIN_SHARED_TOKENS", 32)
+    seen = []
+    real = sp.shared_decode_attention
+    monkeypatch.setattr(sp, "shared_decode_attention",
+                        lambda *a, **k: seen.append((a[0].shape[0], a[4].rest is not None)) or real(*a, **k))
+    _poison_empty(monkeypatch)
+    prefix = list(range(3, 70))
+    # one long prompt keeps prefill chunks in the steps while the short ones decode beside them
+    prompts = [prefix + [100 + i] for i in range(4)] + [list(range(200, 330))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for on in (False, True):
+        llm = LLM(tiny_llama, attention_backend="triton", dtype="float32", shared_prefix_decode=on, block_size=16,
+                  num_kvcache_blocks=96, max_model_len=256, enable_chunked_prefill=True, max_num_batched_tokens=48,
+                  max_num_seqs=8, cuda_graph_mixed_tokens=64)
+        llm.generate([prefix + [99]], params, use_tqdm=False)
+        outs[on] = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.model_runner.mixed.replays > 0
+    assert outs[True] == outs[False]
+    assert any(rest for _, rest in seen), "a mixed step's decode rows went by their segments"
+    assert triton_attention.fixed_launch_attention  # the path under test

@@ -105,7 +105,7 @@ class ModelRunner:
         self.mixed = build_mixed_graphs(self.model, config, self.backend, self.use_graphs, self.max_blocks_per_seq,
                                         self.attn_layers[0], self.device,
                                         self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None,
-                                        kv_stored=self.rope_store)
+                                        kv_stored=self.rope_store, shared_block_size=self.shared_block_size)
         set_mlp_row_split(self.model, rc.mlp_row_split_tokens)  # after every capture: eager steps alone split
         logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager",

@@ -14,6 +14,8 @@ class SharedPrefix:
     num_shared: int  # shared segments (host count; an upper bound in a CUDA graph)
     longest: int  # keys of the longest segment (host; an upper bound in a CUDA graph)
     num_splits: int | None = None  # fixed (CUDA graphs); None: picked per launch
+    # a mixed-step graph: its other rows as their own step (the decode rows' segments emptied), attended after
+    rest: AttentionMetadata | None = None
 
 
 @dataclass(slots=True)

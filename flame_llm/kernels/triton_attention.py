@@ -207,6 +207,15 @@ def fixed_launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     if q.dtype == torch.float32:  # as paged_attention_triton adjusts a picked config (tests)
         cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
     store_step_kv(k, v, k_cache, v_cache, meta)
+    if meta.shared is not None:  # shared_prefix_decode: the decode rows by their segments (every other row 0), then
+        # the other rows over the same fixed grid with the decode rows' segments empty, unsplit: a split launch's
+        # combine rewrites every row, and would overwrite the decode rows with partials no program wrote
+        from flame_llm.kernels.shared_prefix import shared_decode_attention
+        dec = DECODE_CONFIG if q.dtype != torch.float32 else DECODE_CONFIG._replace(block_n=32, num_stages=1)
+        out = shared_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.shared, scale, dec.block_n,
+                                      dec.num_warps, dec.num_stages, _sm_count(q.device))
+        return paged_attention_triton(q, k_cache, v_cache, meta.shared.rest, scale, config=cfg, num_splits=1,
+                                      out=out)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
 
 
