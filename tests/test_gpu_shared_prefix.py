@@ -1,7 +1,8 @@
 """RunnerConfig.shared_prefix_decode on a GPU (skipped with a reason elsewhere): decode steps replayed from CUDA
 graphs, mixed-step graphs' leading decode rows, the fa4 backend's decode rows of eager mixed steps and the pruned
-last layer's rows read a prefix several rows share once, with the greedy tokens of the flag-off engine (fp32: identical), and bf16 decode attention within
-rounding of the usual kernel at Llama-3.1-8B's head layout; no kernel compiles after warmup."""
+last layer's rows read a prefix several rows share once, with the greedy tokens of the flag-off engine (fp32:
+identical), and bf16 decode attention within rounding of the usual kernel at Llama-3.1-8B's head layout; no kernel
+compiles after warmup."""
 import numpy as np
 import pytest
 import torch
