@@ -10,15 +10,18 @@ the job writes says it ran through `ray job submit` (bench/provenance.py), and s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from bench.http_system import stop_group
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # not uploaded with the working dir: bundles, results, git
 EXCLUDES = [".git", ".device", ".vllm", ".whl", ".bundle*", ".gl", "out", "bench/results"]
+AGENT_NOT_READY = "No available agent to submit job"  # Ray's answer while the head's job agent registers
+SUBMIT_ATTEMPTS = 10
 PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
               "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
               "--node-manager-port", "--object-manager-port")
@@ -78,20 +83,56 @@ def stop_head(head: subprocess.Popen, timeout_s: float = 90.0) -> None:
     stop_group(head, timeout_s)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_streaming(cmd: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run cmd with its output passed on as it comes; (exit status, its last 64 KB of output). TimeoutExpired
+    past timeout_s (its process group is killed: a child left holding the output would keep the read waiting)."""
+    proc = subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    timer = threading.Timer(timeout_s, _kill_group, (proc,))
+    timer.start()
+    tail = ""
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail = (tail + line)[-65536:]
+        rc = proc.wait()
+    finally:
+        timed_out = not timer.is_alive() and proc.returncode is not None and proc.returncode < 0
+        timer.cancel()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout_s)
+    return rc, tail
+
+
 def submit(address: str, sid: str, pairs_argv: list[str], timeout_s: float) -> int:
-    """`ray job submit` (blocking; it streams the job's output) of bench.pairs; returns its exit status."""
+    """`ray job submit` (blocking; it streams the job's output) of bench.pairs; returns its exit status. A head
+    whose job API answers may still refuse a submission for a moment (AGENT_NOT_READY: its agent has not
+    registered; no job is made): that submission is made again, up to SUBMIT_ATTEMPTS times."""
     runtime_env = {"excludes": EXCLUDES, "env_vars": {k: os.environ[k] for k in ("FLAME_BENCH_COMMIT",)
                                                      if os.environ.get(k)}}
     cmd = ["ray", "job", "submit", "--address", address, "--submission-id", sid, "--working-dir", REPO,
            "--runtime-env-json", json.dumps(runtime_env), "--", "python3", "-m", "bench.pairs", *pairs_argv]
     log.info("%s", " ".join(cmd))
+    deadline = time.monotonic() + timeout_s
     try:
-        return subprocess.run(cmd, env=ray_env(), timeout=timeout_s).returncode
+        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+            rc, out = run_streaming(cmd, max(1.0, deadline - time.monotonic()))
+            if rc == 0 or AGENT_NOT_READY not in out or attempt == SUBMIT_ATTEMPTS:
+                return rc
+            log.warning("the Ray head refused the submission (%s); again in 3 s (attempt %d of %d)", AGENT_NOT_READY,
+                        attempt + 1, SUBMIT_ATTEMPTS)
+            time.sleep(3)
     except subprocess.TimeoutExpired:
         log.error("ray job submit ran past %.0f s; stopping job %s", timeout_s, sid)
         subprocess.run(["ray", "job", "stop", "--address", address, sid], env=ray_env(), capture_output=True,
                        timeout=120)
         return 124
+    return rc
 
 
 def run(a: argparse.Namespace) -> int:
