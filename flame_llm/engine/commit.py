@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.outputs import ModelRunnerOutput, SpeculativeOutput
 from flame_llm.engine.sequence import Sequence, SequenceStatus
+from flame_llm.sampling_params import stop_reason
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +27,8 @@ class StopRule:
     def append(self, seq: Sequence, token_id: int, now: float) -> str | None:
         """Append a sampled token; the stop reason it triggers, if any."""
         seq.append_token(token_id, now)
-        if not seq.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if token_id in seq.sampling_params.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return stop_reason(token_id, seq.sampling_params, self.eos_token_ids, seq.num_completion_tokens,
+                           seq.num_tokens, self.max_model_len)
 
 
 def commit_sampled(output: ModelRunnerOutput, now: float, stop: StopRule, bm: BlockManager,

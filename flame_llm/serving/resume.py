@@ -21,20 +21,19 @@ import dataclasses
 import numpy as np
 
 from flame_llm.protocol.types import Request
-from flame_llm.sampling_params import SEED_LIMIT
+from flame_llm.sampling_params import SEED_LIMIT, stop_reason
 
 
 def stream_end(original: Request, streamed: list[int], max_model_len: int,
                eos_token_ids: frozenset[int] = frozenset()) -> str | None:
     """The finish reason the streamed tokens of `original` already reached ("stop": the last one is a stop token
     id, or an EOS id of the model unless ignore_eos; "length": max_tokens or max_model_len reached), or None: a
-    continuation has tokens left to make. The engine's rule (engine/commit.py StopRule), seen from the client."""
-    sp, k = original.sampling, len(streamed)
-    if k and (streamed[-1] in sp.stop_token_ids or (not sp.ignore_eos and streamed[-1] in eos_token_ids)):
-        return "stop"
-    if k >= sp.max_tokens or len(original.prompt_token_ids) + k >= max_model_len:
-        return "length"
-    return None
+    continuation has tokens left to make: the engine's rule (sampling_params.stop_reason) on the last one."""
+    k = len(streamed)
+    if not k:
+        return None
+    return stop_reason(streamed[-1], original.sampling, eos_token_ids, k, len(original.prompt_token_ids) + k,
+                       max_model_len)
 
 
 def continuation(original: Request, streamed: list[int]) -> Request:
