@@ -33,7 +33,7 @@ def test_fp32_tokens_identical_on_and_off_with_graphs(tiny_llama, backend, monke
     outs = {}
     for on in (False, True):
         llm = LLM(tiny_llama, dtype="float32", attention_backend=backend, block_size=16, num_kvcache_blocks=2048,
-                  max_num_batched_tokens=2048, shared_prefix_decode=on)
+                  max_model_len=2048, max_num_batched_tokens=2048, shared_prefix_decode=on)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         outs[on] = [o.output_token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
         if on:
