@@ -25,6 +25,7 @@ import threading
 import time
 
 from bench.http_system import stop_group
+from flame_llm.serving.ray_attach import TOKEN_PATH
 
 log = logging.getLogger(__name__)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +54,19 @@ def ray_env() -> dict:
     return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
 
 
+def ensure_token() -> None:
+    """`ray start --head` in token mode will not make a token (only ray.init does): on a machine that never ran Ray,
+    such as a fresh GPU machine, generate ~/.ray/auth_token first."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.exists(TOKEN_PATH):
+        return
+    subprocess.run(["ray", "get-auth-token", "--generate"], env=ray_env(), capture_output=True, check=True,
+                   timeout=120)
+    assert os.path.exists(TOKEN_PATH), "ray get-auth-token --generate made no ~/.ray/auth_token"
+
+
 def start_head(num_cpus: int | None, num_gpus: int | None, temp_dir: str, log_path: str) -> tuple:
     """A Ray head in its own session; returns (process, job API address)."""
+    ensure_token()
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
     cmd = ["ray", "start", "--head", "--block", "--disable-usage-stats", "--include-dashboard", "true",
            "--dashboard-host", "127.0.0.1", "--temp-dir", temp_dir, *[x for kv in ports.items() for x in map(str, kv)]]
