@@ -17,6 +17,8 @@ from bench.gpus import _smi
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_DIRS = ("flame_llm", "actors", "router", "bench")
+NOT_SOURCES = ("bench/results",)  # records (and the odd table script beside them): not code a run runs, and not
+# uploaded by `ray job submit` (bench.jobpairs excludes it), so a job and a direct call of one tree digest alike
 COMMIT_ENV = "FLAME_BENCH_COMMIT"  # set where the tree has no .git (a device machine's copy of the checkout)
 JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in a `ray job submit` entrypoint's env
 
@@ -60,7 +62,8 @@ def source_digest() -> str:
     h = hashlib.sha256()
     for top in SOURCE_DIRS:
         for root, dirs, files in os.walk(os.path.join(REPO, top)):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__"
+                             and os.path.relpath(os.path.join(root, d), REPO) not in NOT_SOURCES)
             for name in sorted(f for f in files if f.endswith(".py")):
                 path = os.path.join(root, name)
                 h.update(os.path.relpath(path, REPO).encode() + b"\0")

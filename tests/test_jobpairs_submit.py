@@ -6,6 +6,8 @@ test_one_traces_pairs_through_ray_job_submit."""
 import os
 import stat
 
+import pytest
+
 from bench import jobpairs
 
 SCRIPT = """#!/usr/bin/env bash
@@ -50,3 +52,38 @@ def test_a_submission_past_its_time_is_stopped(tmp_path, monkeypatch):
     count = _fake_ray(tmp_path, monkeypatch, "sleep 30")
     assert jobpairs.submit("http://127.0.0.1:1", "x", [], timeout_s=2) == 124
     assert open(count).read().strip() == "2"  # the submission, then `ray job stop`
+
+
+def _no_token(tmp_path, monkeypatch) -> str:
+    for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = str(tmp_path / ".ray" / "auth_token")
+    monkeypatch.setattr(jobpairs, "TOKEN_PATH", path)
+    return path
+
+
+def test_a_machine_without_a_token_gets_one_before_the_head_starts(tmp_path, monkeypatch):
+    """The real `ray get-auth-token --generate`: Ray 2.60's `ray start --head` in token mode refuses to start
+    without ~/.ray/auth_token, which a fresh GPU machine lacks (its first jobpairs call failed so)."""
+    path = _no_token(tmp_path, monkeypatch)
+    jobpairs.ensure_token()
+    assert os.path.getsize(path) > 0
+
+
+def test_an_existing_token_is_kept(tmp_path, monkeypatch):
+    path = _no_token(tmp_path, monkeypatch)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write("ours")
+    count = _fake_ray(tmp_path, monkeypatch, "exit 1")
+    jobpairs.ensure_token()
+    assert open(path).read() == "ours" and not os.path.exists(count)  # `ray` was not called
+
+
+def test_a_failed_token_generation_stops_the_run(tmp_path, monkeypatch):
+    _no_token(tmp_path, monkeypatch)
+    _fake_ray(tmp_path, monkeypatch, "echo cannot write; exit 1")
+    with pytest.raises(jobpairs.subprocess.CalledProcessError) as e:
+        jobpairs.ensure_token()
+    assert e.value.cmd[:2] == ["ray", "get-auth-token"]

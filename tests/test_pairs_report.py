@@ -132,6 +132,21 @@ def test_pairs_refuses_to_reuse_a_pair_index_in_its_out_before_starting(tmp_path
     pairs.check_pairs_free(str(tmp_path), ["no-reuse"], range(0, 2))  # another trace: free
 
 
+def test_source_digest_covers_code_not_records(tmp_path, monkeypatch):
+    """bench/results is left out (ray job submit does not upload it): a job and a direct call of one tree agree."""
+    for rel in ("flame_llm/a.py", "bench/b.py", "bench/results/run1/table.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    monkeypatch.setattr(provenance, "REPO", str(tmp_path))
+    first = provenance.source_digest()
+    (tmp_path / "bench/results/run1/table.py").write_text("x = 2\n")
+    (tmp_path / "bench/results/run2").mkdir()
+    (tmp_path / "bench/results/run2/more.py").write_text("y = 1\n")
+    assert provenance.source_digest() == first
+    (tmp_path / "bench/b.py").write_text("x = 2\n")
+    assert provenance.source_digest() != first
+
+
 def test_provenance_names_machine_code_and_launch(monkeypatch):
     m = provenance.machine_info()
     assert m["host"] and (m["id"] == f"host:{m['host']}" or m["id"].startswith("GPU-"))
