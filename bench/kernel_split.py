@@ -38,7 +38,7 @@ from bench.traces import SEED_LIMITS, TRACE_NAMES, TraceConfig, make_trace, warm
 from flame_llm.config import engine_fields_from_json
 
 GEMM_WORDS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "gemv", "matmul", "splitk", "cublas")
-ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "combine_splits")
+ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "combine_splits", "shared_decode")
 
 
 def group(kernel: str) -> str:

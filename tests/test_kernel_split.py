@@ -109,3 +109,14 @@ def test_vllm_process_gets_its_own_pythonpath(monkeypatch):
 def test_unknown_system_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown system"):
         kernel_split.main(["--systems", "engine,sglang", "--out", str(tmp_path / "x.json")])
+
+
+def test_kernel_groups_name_our_attention_kernels_and_vllms():
+    """Every attention kernel the engine can launch counts as attention, including the shared-prefix decode kernel
+    (its first A/B counted it as 'other'); cuBLAS GEMMs as gemm; norms and activations as other."""
+    for name in ("paged_attention_kernel", "shared_decode_kernel", "combine_splits_kernel",
+                 "void flash::FlashAttnFwdSm90<...>", "kernel_cutlass_flash_attn_fwd"):
+        assert kernel_split.group(name) == "attention", name
+    assert kernel_split.group("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    for name in ("_silu_mul_kernel", "_add_rmsnorm_kernel", "store_kv_kernel", "Memset (Device)"):
+        assert kernel_split.group(name) == "other", name
