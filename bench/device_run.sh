@@ -136,6 +136,35 @@ case $stage in
     tar czf "$OUT/load.tgz" -C /tmp load ;;
   py)  # any module or script with the bundles' packages, e.g. `py -m bench.prune_ab --out \$OUT/prune.json`
     timeout ${PY_TIMEOUT:-540} python3 "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -60 ;;
+  bg)  # any stage in a process session of its own, so it runs on after this call returns (the device tool ends a
+    # call's leftover processes, except a new session's, and keeps them while the machine stays warm): e.g.
+    # `PAIRS_TIMEOUT=1500 bg jobpairs reuse flame,engine,vllm,vllm-seed --pair-start 1 --pairs 2`, then `wait` calls
+    # back to back (a pair of four systems on reuse takes ~9.5 minutes, past one call's 10). BG_DIR: its log, exit
+    # status and $OUT (default /tmp/bg)
+    bg=${BG_DIR:-/tmp/bg}
+    [[ -f $bg/pid && ! -f $bg/rc ]] && kill -0 "$(cat "$bg/pid")" 2>/dev/null && { echo "a background stage runs"; exit 3; }
+    rm -rf "$bg" && mkdir -p "$bg/out"
+    OUT=$bg/out setsid bash -c 'bash bench/device_run.sh "$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$bg" "$@" \
+      < /dev/null > /dev/null 2>&1 &
+    echo $! > "$bg/pid"
+    echo "started in the background (pid $(cat "$bg/pid")): $*" ;;
+  wait)  # until the background stage ends or WAIT_S (default 560) pass; prints its log's end, and brings back its
+    # $OUT when it ended, else RDIR so far (progress.tgz: every finished run's raw record)
+    bg=${BG_DIR:-/tmp/bg} deadline=$(( $(date +%s) + ${WAIT_S:-560} ))
+    [[ -f $bg/pid ]] || { echo "no background stage"; exit 3; }
+    while [[ ! -f $bg/rc ]] && (( $(date +%s) < deadline )) && kill -0 "$(cat "$bg/pid")" 2>/dev/null; do sleep 5; done
+    grep -v -e INFO -e WARNING "$bg/log" | tail -40
+    if [[ -f $bg/rc ]]; then
+      cp -r "$bg/out/." "$OUT/"
+      echo "background stage ended: rc $(cat "$bg/rc")"
+    elif ! kill -0 "$(cat "$bg/pid")" 2>/dev/null; then
+      cp -r "$bg/out/." "$OUT/"
+      echo "background stage gone without an exit status"; exit 4
+    else
+      rdir=${RDIR:-/tmp/r}
+      [[ -d $rdir ]] && tar czf "$OUT/progress.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")"
+      echo "background stage still running"
+    fi ;;
   sleep)  # hold the warm machine (and its unpacked /tmp) while a fix is made here
     sleep "${1:-60}" ;;
   *) echo "unknown stage $stage"; exit 2 ;;

@@ -1,0 +1,50 @@
+"""bench/device_run.sh's bg and wait stages, on CPU (the stage runs here as on the GPU machine; nvidia-smi and
+flash-attn are missing, which the script only prints): a stage started with `bg` runs on in a process session of
+its own after the call returns, `wait` holds the call until it ends and brings back its $OUT, or, while it still
+runs, what RDIR holds so far."""
+import os
+import signal
+import subprocess
+import tarfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    out = tmp_path / f"out{time.monotonic_ns()}"
+    out.mkdir()
+    full = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "OUT": str(out), **env}
+    p = subprocess.run(["bash", "bench/device_run.sh", *args], cwd=REPO, env=full, capture_output=True, text=True,
+                       timeout=120)
+    p.out = out
+    return p
+
+
+def test_a_background_stage_outlives_its_call_and_wait_brings_back_its_out(tmp_path):
+    started = _run(tmp_path, "bg", "py", "-c", "import os, time; time.sleep(2); "
+                   "open(os.environ['OUT'] + '/done.txt', 'w').write('yes'); print('BG-SAID-THIS')")
+    assert "started in the background" in started.stdout, started.stdout + started.stderr
+    again = _run(tmp_path, "bg", "sleep", "1")
+    assert again.returncode == 3 and "a background stage runs" in again.stdout
+    waited = _run(tmp_path, "wait", WAIT_S="60")
+    assert "background stage ended: rc 0" in waited.stdout and "BG-SAID-THIS" in waited.stdout
+    assert (waited.out / "done.txt").read_text() == "yes"
+
+
+def test_wait_returns_at_its_limit_with_the_results_so_far(tmp_path):
+    rdir = tmp_path / "r"
+    (rdir / "raw").mkdir(parents=True)
+    (rdir / "raw" / "pair01.json").write_text("{}")
+    _run(tmp_path, "bg", "sleep", "30")
+    t0 = time.monotonic()
+    waited = _run(tmp_path, "wait", WAIT_S="1", RDIR=str(rdir))
+    assert time.monotonic() - t0 < 25 and "still running" in waited.stdout
+    with tarfile.open(waited.out / "progress.tgz") as t:
+        assert "r/raw/pair01.json" in t.getnames()
+    os.killpg(int((tmp_path / "bg" / "pid").read_text()), signal.SIGKILL)  # its own session: the group is the stage
+
+
+def test_wait_without_a_background_stage_says_so(tmp_path):
+    waited = _run(tmp_path, "wait", WAIT_S="1")
+    assert waited.returncode == 3 and "no background stage" in waited.stdout
