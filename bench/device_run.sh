@@ -148,6 +148,19 @@ case $stage in
       < /dev/null > /dev/null 2>&1 &
     echo $! > "$bg/pid"
     echo "started in the background (pid $(cat "$bg/pid")): $*" ;;
+  seq)  # stages in turn, one argument each, words split at spaces, leading NAME=value words its environment, e.g.
+    # `bg seq 'burst no-reuse flame,engine,vllm,vllm-seed --pair-start 2' 'PAIRS_TIMEOUT=1500 jobpairs reuse ...'`
+    # (a block's whole measurement in one background stage: no gap between stages). Goes on past a failed stage;
+    # its status is the last failure's
+    rc=0
+    for line in "$@"; do
+      read -ra words <<< "$line"
+      envs=()
+      while (( ${#words[@]} )) && [[ ${words[0]} =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+      echo "== stage: $line"
+      env "${envs[@]}" bash bench/device_run.sh "${words[@]}" || rc=$?
+    done
+    exit $rc ;;
   wait)  # until the background stage ends or WAIT_S (default 560) pass; prints its log's end, and brings back its
     # $OUT when it ended, else RDIR so far (progress.tgz: every finished run's raw record)
     bg=${BG_DIR:-/tmp/bg} deadline=$(( $(date +%s) + ${WAIT_S:-560} ))

@@ -48,3 +48,11 @@ def test_wait_returns_at_its_limit_with_the_results_so_far(tmp_path):
 def test_wait_without_a_background_stage_says_so(tmp_path):
     waited = _run(tmp_path, "wait", WAIT_S="1")
     assert waited.returncode == 3 and "no background stage" in waited.stdout
+
+
+def test_seq_runs_each_stage_with_its_environment_and_goes_on_past_a_failure(tmp_path):
+    script = tmp_path / "say.py"
+    script.write_text("import os\nprint('SAID', os.environ.get('FLAME_SEQ_TEST', 'unset'))\n")
+    p = _run(tmp_path, "seq", f"FLAME_SEQ_TEST=7 py {script}", "no-such-stage", f"py {script}")
+    assert p.returncode == 2, p.stdout + p.stderr  # the unknown stage's status
+    assert "SAID 7" in p.stdout and "SAID unset" in p.stdout and "unknown stage no-such-stage" in p.stdout
