@@ -143,10 +143,14 @@ case $stage in
     # status and $OUT (default /tmp/bg)
     bg=${BG_DIR:-/tmp/bg}
     [[ -f $bg/pid && ! -f $bg/rc ]] && kill -0 "$(cat "$bg/pid")" 2>/dev/null && { echo "a background stage runs"; exit 3; }
-    rm -rf "$bg" && mkdir -p "$bg/out"
-    OUT=$bg/out setsid bash -c 'bash bench/device_run.sh "$@" > "$0/log" 2>&1; echo $? > "$0/rc"' "$bg" "$@" \
-      < /dev/null > /dev/null 2>&1 &
-    echo $! > "$bg/pid"
+    rm -rf "$bg" && mkdir -p "$bg/out" "$bg/tree"
+    # it runs in a copy of the tree: each later call copies the working tree here again, under a running stage
+    tar cf - --exclude=./.git --exclude='./.bundle*' --exclude=./.fa4 --exclude=./.vllm --exclude=./.whl \
+      --exclude=./.gl --exclude=./out . | tar xf - -C "$bg/tree" || exit 1
+    cd "$bg/tree" || exit 1
+    OUT=$bg/out setsid bash -c 'echo $$ > "$0/pid"; bash bench/device_run.sh "$@" > "$0/log" 2>&1; echo $? > "$0/rc"' \
+      "$bg" "$@" < /dev/null > /dev/null 2>&1 &
+    for _ in {1..50}; do [[ -s $bg/pid ]] && break; sleep 0.1; done
     echo "started in the background (pid $(cat "$bg/pid")): $*" ;;
   seq)  # stages in turn, one argument each, words split at spaces, leading NAME=value words its environment, e.g.
     # `bg seq 'burst no-reuse flame,engine,vllm,vllm-seed --pair-start 2' 'PAIRS_TIMEOUT=1500 jobpairs reuse ...'`

@@ -1,7 +1,8 @@
-"""bench/device_run.sh's bg and wait stages, on CPU (the stage runs here as on the GPU machine; nvidia-smi and
+"""bench/device_run.sh's bg, wait and seq stages, on CPU (the stage runs here as on the GPU machine; nvidia-smi and
 flash-attn are missing, which the script only prints): a stage started with `bg` runs on in a process session of
-its own after the call returns, `wait` holds the call until it ends and brings back its $OUT, or, while it still
-runs, what RDIR holds so far."""
+its own after the call returns and its process group is killed (as the device tool does); `wait` holds the call
+until it ends and brings back its $OUT, or, while it still runs, what RDIR holds so far."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,8 +16,12 @@ def _run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
     out = tmp_path / f"out{time.monotonic_ns()}"
     out.mkdir()
     full = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "OUT": str(out), **env}
-    p = subprocess.run(["bash", "bench/device_run.sh", *args], cwd=REPO, env=full, capture_output=True, text=True,
-                       timeout=120)
+    proc = subprocess.Popen(["bash", "bench/device_run.sh", *args], cwd=REPO, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdout, stderr = proc.communicate(timeout=120)
+    with contextlib.suppress(ProcessLookupError):  # as the device tool ends what a call leaves in its group
+        os.killpg(proc.pid, signal.SIGKILL)
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     p.out = out
     return p
 
