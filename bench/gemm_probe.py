@@ -14,6 +14,11 @@ heat and clocks fall on every variant alike), each way of computing the same pro
 - `cublaslt`: the same through torch's cuBLASLt backend (torch.backends.cuda.preferred_blas_library);
 - `split2`, `split4`: the M rows in 2 or 4 equal chunks, each chunk's F.linear written into one output.
 
+- `lt0`, `lt1`, ... (`--lt-algos N`, GPU only): the first N candidates cuBLASLt's heuristic offers for the shape,
+  called through ctypes (bench/cublaslt.py; `lt0` is its own first pick), so algorithms the default never runs
+  are timed in the same interleaved rounds; a candidate whose output differs from `cublas`'s by 1e-2 or more is
+  reported but not counted as the best.
+
 Each timing is a sustained run (`--calls` back-to-back calls between two CUDA events over rotating inputs, so
 nothing stays in L2), which is how a burst runs them. Reported per shape: TFLOP/s per variant (median over
 rounds), its ratio to `cublas`, and the largest relative difference of its output from `cublas`'s (the same
@@ -30,6 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench import cublaslt
 from bench.provenance import write_json
 
 log = logging.getLogger(__name__)
@@ -57,51 +63,69 @@ def set_backend(variant: str, device: str) -> None:
         torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
 
 
-def timed(variant: str, xs: list[torch.Tensor], w: torch.Tensor, out: torch.Tensor, calls: int,
-          device: str) -> float:
-    """Seconds per call over `calls` back-to-back calls (CUDA events around them all on a GPU)."""
+def timed(variant: str, run, xs: list[torch.Tensor], out: torch.Tensor, calls: int, device: str) -> float:
+    """Seconds per call over `calls` back-to-back calls of run(variant, x, out) (CUDA events around them all on a
+    GPU)."""
     set_backend(variant, device)
-    run_variant(variant, xs[0], w, out)  # the backend's first call of this shape out of the timing
+    run(variant, xs[0], out)  # the backend's first call of this shape out of the timing
     if device == "cuda":
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         s.record()
         for i in range(calls):
-            run_variant(variant, xs[i % len(xs)], w, out)
+            run(variant, xs[i % len(xs)], out)
         e.record()
         e.synchronize()
         return s.elapsed_time(e) / 1000.0 / calls
     t = time.perf_counter()
     for i in range(calls):
-        run_variant(variant, xs[i % len(xs)], w, out)
+        run(variant, xs[i % len(xs)], out)
     return (time.perf_counter() - t) / calls
 
 
-def probe_shape(name: str, m: int, device: str, dtype: torch.dtype, calls: int, rounds: int) -> dict:
+def probe_shape(name: str, m: int, device: str, dtype: torch.dtype, calls: int, rounds: int,
+                lt_algos: int = 0) -> dict:
     k, n = SHAPES[name]
     g = torch.Generator(device="cpu").manual_seed(m * 31 + k)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(device, dtype)
     xs = [torch.randn(m, k, generator=g).to(device, dtype) for _ in range(ROTATE)]
     out = torch.empty(m, n, device=device, dtype=dtype)
+    lt = cublaslt.LtGemm(cublaslt.load(), m, n, k, lt_algos) if lt_algos else None
+
+    def run(v: str, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return lt(int(v[2:]), x, w, o) if v.startswith("lt") else run_variant(v, x, w, o)
+
     set_backend("cublas", device)
     ref = F.linear(xs[0], w).float()
-    err = {}
-    for v in VARIANTS:
+    err, failed, variants = {}, {}, []
+    for v in [*VARIANTS, *(f"lt{i}" for i in range(lt.count if lt else 0))]:
         set_backend(v, device)
-        got = run_variant(v, xs[0], w, torch.empty_like(out)).float()
+        try:
+            got = run(v, xs[0], torch.empty_like(out)).float()
+        except RuntimeError as e:  # a candidate the heuristic offers but that does not run here
+            if not v.startswith("lt"):
+                raise
+            failed[v] = str(e)
+            continue
         err[v] = ((got - ref).norm() / ref.norm()).item()
-    order = list(VARIANTS) + list(reversed(VARIANTS))
-    secs: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        variants.append(v)
+    order = variants + variants[::-1]
+    secs: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for v in order:
-            secs[v].append(timed(v, xs, w, out, calls, device))
+            secs[v].append(timed(v, run, xs, out, calls, device))
     set_backend("cublas", device)
     flops = 2.0 * m * k * n
     med = {v: statistics.median(s) for v, s in secs.items()}
-    return {"shape": name, "m": m, "k": k, "n": n, "flops": flops,
-            "tflops": {v: flops / med[v] / 1e12 for v in VARIANTS},
-            "vs_cublas": {v: med["cublas"] / med[v] for v in VARIANTS},
-            "rel_err_vs_cublas": err, "seconds": secs}
+    row = {"shape": name, "m": m, "k": k, "n": n, "flops": flops,
+           "tflops": {v: flops / med[v] / 1e12 for v in variants},
+           "vs_cublas": {v: med["cublas"] / med[v] for v in variants},
+           "rel_err_vs_cublas": err, "seconds": secs}
+    if lt:
+        ok = [v for v in variants if v.startswith("lt") and err[v] < 1e-2]
+        row["lt"] = {"offered": lt.count, "failed": failed, "best": min(ok, key=med.__getitem__) if ok else None,
+                     "configs": {f"lt{i}": lt.config(i) for i in range(lt.count)}}
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--calls", type=int, default=40, help="back-to-back calls per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each runs every variant twice)")
+    p.add_argument("--lt-algos", type=int, default=0, help="also time up to N cuBLASLt heuristic candidates (GPU)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -119,22 +144,44 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in shapes if s not in SHAPES]
     if bad or any(t < 4 or t % 4 for t in tokens):
         p.error(f"--shapes must be of {', '.join(SHAPES)} (got {bad}); --tokens multiples of 4 (got {tokens})")
+    if a.lt_algos < 0 or (a.lt_algos and a.device != "cuda"):
+        p.error(f"--lt-algos must be >= 0, and 0 off a CUDA device (got {a.lt_algos} on {a.device})")
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     rows = []
     for name in shapes:
         for m in tokens:
-            r = probe_shape(name, m, a.device, dtype, a.calls, a.rounds)
-            log.info("%s M=%d: %s", name, m, {v: round(t, 1) for v, t in r["tflops"].items()})
+            r = probe_shape(name, m, a.device, dtype, a.calls, a.rounds, a.lt_algos)
+            best = (r.get("lt") or {}).get("best")
+            log.info("%s M=%d: %s%s", name, m, {v: round(r["tflops"][v], 1) for v in VARIANTS},
+                     f", fastest of {r['lt']['offered']} cuBLASLt candidates {best} {r['tflops'][best]:.1f}"
+                     if best else "")
             rows.append(r)
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
            "args": vars(a), "rows": rows}
-    print("| shape | M | " + " | ".join(f"{v} TFLOP/s (x cublas)" for v in VARIANTS) + " | max rel diff |")
-    print("|---|---|" + "---|" * (len(VARIANTS) + 1))
-    for r in rows:
-        cells = [f"{r['tflops'][v]:.1f} ({r['vs_cublas'][v]:.3f})" for v in VARIANTS]
-        print(f"| {r['shape']} | {r['m']} | " + " | ".join(cells) + f" | {max(r['rel_err_vs_cublas'].values()):.1e} |")
+    print(table(rows))
     write_json(a.out, res)
     return 0
+
+
+def table(rows: list[dict]) -> str:
+    """TFLOP/s (x cublas) per fixed variant, and with --lt-algos cuBLASLt's first pick and its fastest candidate
+    (name, tile / stages / split-K ids, as cuBLASLt numbers them)."""
+    lt = any("lt" in r for r in rows)
+    head = [f"{v} TFLOP/s (x cublas)" for v in VARIANTS] + (["lt0", "fastest candidate", "its tile/stages/split-K"]
+                                                             if lt else [])
+    out = ["| shape | M | " + " | ".join(head) + " | max rel diff |", "|---|---|" + "---|" * (len(head) + 1)]
+    for r in rows:
+        cells = [f"{r['tflops'][v]:.1f} ({r['vs_cublas'][v]:.3f})" for v in VARIANTS]
+        if lt:
+            best = (r.get("lt") or {}).get("best")
+            c = r["lt"]["configs"][best] if best else {}
+            cells += [f"{r['tflops']['lt0']:.1f} ({r['vs_cublas']['lt0']:.3f})" if "lt0" in r["tflops"] else "-",
+                      f"{best} {r['tflops'][best]:.1f} ({r['vs_cublas'][best]:.3f})" if best else "-",
+                      f"{c.get('tile')}/{c.get('stages')}/{c.get('splitk')}" if best else "-"]
+        counted = [*VARIANTS, *([r["lt"]["best"]] if (r.get("lt") or {}).get("best") else [])]
+        diff = max(r["rel_err_vs_cublas"][v] for v in counted)  # a candidate past 1e-2 is not counted
+        out.append(f"| {r['shape']} | {r['m']} | " + " | ".join(cells) + f" | {diff:.1e} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -370,3 +370,22 @@ def test_gemm_probe_times_every_variant_of_the_same_product_on_cpu(tmp_path):
     assert torch.allclose(gemm_probe.linear_split(x, w, 4, torch.empty(12, 6)), x @ w.T, atol=1e-6)
     with pytest.raises(SystemExit):
         gemm_probe.main(["--device", "cpu", "--shapes", "lm_head"])
+    with pytest.raises(SystemExit):  # cuBLASLt's candidates need a CUDA device
+        gemm_probe.main(["--device", "cpu", "--lt-algos", "4"])
+
+
+def test_gemm_probe_table_shows_cublaslts_first_pick_and_its_fastest_valid_candidate():
+    """--lt-algos rows (made here: the candidates need a GPU): the fastest candidate whose output is within 1e-2 of
+    cuBLAS's is shown with its config; a wrong one is neither the fastest nor in the max difference."""
+    from bench import cublaslt, gemm_probe
+
+    assert cublaslt.ctypes.sizeof(cublaslt.Algo) == 64 and cublaslt.ctypes.sizeof(cublaslt.Heuristic) == 96
+    tflops = {"cublas": 700.0, "cublaslt": 700.0, "split2": 690.0, "split4": 680.0, "lt0": 700.0, "lt1": 721.0}
+    err = {v: 1e-3 for v in tflops} | {"lt2": 0.5}
+    row = {"shape": "gate_up", "m": 8192, "tflops": tflops | {"lt2": 800.0},
+           "vs_cublas": {v: t / 700.0 for v, t in (tflops | {"lt2": 800.0}).items()}, "rel_err_vs_cublas": err,
+           "lt": {"offered": 3, "failed": {}, "best": "lt1",
+                  "configs": {"lt1": {"tile": 24, "stages": 19, "splitk": 1}}}}
+    text = gemm_probe.table([row])
+    assert "| lt0 | fastest candidate |" in text and "lt1 721.0 (1.030)" in text and "24/19/1" in text
+    assert text.rstrip().endswith("| 1.0e-03 |")
