@@ -16,7 +16,7 @@ RAW = Path(__file__).parent.parent / "bench/results/2026-12-02b-h200-workloads/h
 def test_the_hot_prefix_records_give_the_figures_results_quotes():
     got = {}
     for system in ("flame", "vllm"):
-        for w in long_gaps.record_gaps(read_json(str(RAW / f"load-{system}.json")), 100.0):
+        for w in long_gaps.record_gaps(read_json(str(RAW / f"load-{system}.json.gz")), 100.0):
             got[system, w["offered_rps"]] = w
     f8, v8 = got["flame", 8.0], got["vllm", 8.0]
     assert (f8["gaps"], f8["long"], v8["long"]) == (3585, 21, 26)
