@@ -37,7 +37,7 @@ from bench.load_stalls import (
 from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, make_documents, run_rate, stream_one, summarize
 from bench.loadgen import record as load_record
 from bench.provenance import commit, machine_info, source_digest
-from bench.runner import build_setup
+from bench.runner import build_setup, check_round_robin
 from bench.system_config import parse_system
 from bench.systems import make_system
 from flame_llm.config import CacheConfig
@@ -256,6 +256,7 @@ def run_load(a: argparse.Namespace) -> int:
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     for s in systems:
         parse_system(s, o.policy)
+    check_round_robin(systems, o)
     with open(os.path.join(model_dir(o), "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     try:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from bench.load import LOAD_ARGUMENTS
 from bench.provenance import call_info, machine_info
 from bench.report import render_markdown, write_report
-from bench.runner import RUN_ARGUMENTS, local_ray_scope, options_from_args, run_one
+from bench.runner import RUN_ARGUMENTS, check_round_robin, local_ray_scope, options_from_args, run_one
 from bench.system_config import parse_system
 from bench.traces import TRACE_NAMES
 
@@ -59,6 +59,7 @@ def run(a: argparse.Namespace) -> int:
     traces = [t.strip() for t in a.traces.split(",") if t.strip()]
     for s in systems:
         parse_system(s, o.policy)  # a bad label fails before anything starts
+    check_round_robin(systems, o)
     bad = [t for t in traces if t not in TRACE_NAMES]
     if bad or not traces:
         raise SystemExit(f"--traces must be a comma-separated subset of {TRACE_NAMES}; got {a.traces!r}")

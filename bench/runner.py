@@ -51,6 +51,15 @@ def plan_devices(o: RunOptions) -> list[str]:
     return [p.gpu_uuid or p.name for p in places]
 
 
+def check_round_robin(labels: list[str], o: RunOptions) -> None:
+    """An -rr system places requests round-robin over the shards: over one shard it is the sticky system under
+    another name, so an affinity A/B there would measure nothing."""
+    rr = [s for s in labels if s.endswith("-rr")]
+    if rr and (n := len(plan_devices(o))) < 2:
+        raise SystemExit(f"--systems {','.join(rr)}: round-robin placement needs 2 or more shards (replicas); "
+                         f"{n} planned here (--num-shards, or a machine with more GPUs)")
+
+
 def build_setup(o: RunOptions, log_dir: str) -> Setup:
     from flame_llm.config import default_model_revision
 

@@ -2,6 +2,7 @@
 "machines" (the report's arithmetic and its machine table, in a unit test), a real short CPU run split over two
 `bench.pairs` invocations into one --out with --pair-start, the systems the issue names, and one trace's pairs
 through `ray job submit` against a local `ray start --head`."""
+import argparse
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ import tempfile
 
 import pytest
 
-from bench import http_system, jobpairs, pairs, provenance, report, system_config
+from bench import http_system, jobpairs, pairs, provenance, report, runner, system_config
 from bench.runner import RAW_FORMAT
 from bench.system_config import parse_system
 from bench.traces import TraceConfig, make_trace
@@ -165,6 +166,20 @@ def test_provenance_names_machine_code_and_launch(monkeypatch):
 def _gpu_setup() -> system_config.Setup:
     return system_config.Setup(model="/m", model_revision="m@1", devices=["GPU-a"], engine={
         "max_model_len": 32768, "max_num_seqs": 64, "max_num_batched_tokens": 8192, "enable_prefix_caching": True})
+
+
+def test_round_robin_over_one_shard_is_refused_before_anything_starts(tmp_path):
+    """flame-rr over one shard places every request where flame would: an affinity A/B on one GPU measures
+    nothing, so bench.pairs (burst and load) refuses it; two shards (the CPU default) are accepted."""
+    for mode in ("burst", "load"):
+        with pytest.raises(SystemExit, match=r"flame-rr: round-robin placement needs 2 or more shards .* 1 planned"):
+            pairs.main(["--mode", mode, "--systems", "flame,flame-rr", "--num-shards", "1", "--rates", "1",
+                        "--out", str(tmp_path / mode)])
+        assert not (tmp_path / mode).exists()  # refused before any record or Ray start
+    parser = argparse.ArgumentParser()
+    pairs.add_arguments(parser)
+    o = runner.options_from_args(parser.parse_args(["--systems", "flame,flame-rr"]))
+    runner.check_round_robin(["flame", "flame-rr"], o)  # no GPU here: two CPU shards
 
 
 def test_the_issues_systems_and_their_command_lines(monkeypatch):
