@@ -25,7 +25,7 @@ import threading
 import time
 
 from bench.http_system import stop_group
-from flame_llm.serving.ray_attach import TOKEN_PATH
+from flame_llm.serving import ray_attach
 
 log = logging.getLogger(__name__)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,11 +57,11 @@ def ray_env() -> dict:
 def ensure_token() -> None:
     """`ray start --head` in token mode will not make a token (only ray.init does): on a machine that never ran Ray,
     such as a fresh GPU machine, generate ~/.ray/auth_token first."""
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.exists(TOKEN_PATH):
+    if ray_attach.token_available():
         return
     subprocess.run(["ray", "get-auth-token", "--generate"], env=ray_env(), capture_output=True, check=True,
                    timeout=120)
-    assert os.path.exists(TOKEN_PATH), "ray get-auth-token --generate made no ~/.ray/auth_token"
+    assert ray_attach.token_available(), "ray get-auth-token --generate made no token where Ray looks for it"
 
 
 def start_head(num_cpus: int | None, num_gpus: int | None, temp_dir: str, log_path: str) -> tuple:

@@ -59,7 +59,7 @@ def _no_token(tmp_path, monkeypatch) -> str:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     path = str(tmp_path / ".ray" / "auth_token")
-    monkeypatch.setattr(jobpairs, "TOKEN_PATH", path)
+    monkeypatch.setattr(jobpairs.ray_attach, "TOKEN_PATH", path)
     return path
 
 

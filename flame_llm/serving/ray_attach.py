@@ -20,14 +20,15 @@ log = logging.getLogger(__name__)
 TOKEN_PATH = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
 
 
-def _token_available() -> bool:
+def token_available() -> bool:
+    """A token in RAY_AUTH_TOKEN, or its file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)."""
     return bool(os.environ.get("RAY_AUTH_TOKEN")) or os.path.isfile(os.environ.get("RAY_AUTH_TOKEN_PATH",
                                                                                   TOKEN_PATH))
 
 
 def join(address: str, namespace: str) -> None:
     """ray.init(address) for this process; RuntimeError in one line when the cluster cannot be joined."""
-    if "RAY_AUTH_MODE" not in os.environ and _token_available():
+    if "RAY_AUTH_MODE" not in os.environ and token_available():
         os.environ["RAY_AUTH_MODE"] = "token"
         from ray._raylet import Config
 
