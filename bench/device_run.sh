@@ -166,7 +166,8 @@ case $stage in
     done
     exit $rc ;;
   wait)  # until the background stage ends or WAIT_S (default 560) pass; prints its log's end, and brings back its
-    # $OUT when it ended, else RDIR so far (progress.tgz: every finished run's raw record)
+    # $OUT (what its finished stages wrote there), and while it runs RDIR so far too (progress.tgz: every finished
+    # run's raw record)
     bg=${BG_DIR:-/tmp/bg} deadline=$(( $(date +%s) + ${WAIT_S:-560} ))
     [[ -f $bg/pid ]] || { echo "no background stage"; exit 3; }
     while [[ ! -f $bg/rc ]] && (( $(date +%s) < deadline )) && kill -0 "$(cat "$bg/pid")" 2>/dev/null; do sleep 5; done
@@ -178,6 +179,7 @@ case $stage in
       cp -r "$bg/out/." "$OUT/"
       echo "background stage gone without an exit status"; exit 4
     else
+      cp -r "$bg/out/." "$OUT/"
       rdir=${RDIR:-/tmp/r}
       [[ -d $rdir ]] && tar czf "$OUT/progress.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")"
       echo "background stage still running"

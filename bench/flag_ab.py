@@ -1,6 +1,8 @@
 """One runner flag offline (issue 19): `prune_last_layer` (the last decoder layer past its KV store on the sampled
-rows only), `mlp_row_split_tokens` (eager steps' gate/up GEMM as row blocks) or `fa4_call_reuse` (a step's later
-layers call FA4's recorded kernel call), on a no-reuse-like burst, A-B-B-A in one process.
+rows only), `mlp_row_split_tokens` (eager steps' gate/up GEMM as row blocks), `fa4_call_reuse` (a step's later
+layers call FA4's recorded kernel call) or `gemm_lt_min_tokens` (eager steps' projections on the cuBLASLt
+algorithms timed fastest at warmup; toggled between the built plans and F.linear), on a no-reuse-like burst,
+A-B-B-A in one process.
 
 One engine, built with the flag at its `--on` value, and the flag toggled on the live engine between rounds. That is
 all any of these flags changes once the engine runs: prune_last_layer is read by ModelRunner.launch's eager branch each
@@ -17,6 +19,7 @@ the burst has requests), and whether every round's tokens equal the flag off's.
     python -m bench.flag_ab --flag mlp_row_split_tokens --on 4096 --out split.json   # Llama-3.1-8B shapes (GPU)
     python -m bench.flag_ab --flag prune_last_layer --out prune.json                 # = python -m bench.prune_ab
     python -m bench.flag_ab --flag fa4_call_reuse --prompt-tokens 1024 --prompts 64 --out fa4reuse.json  # GPU, FA4
+    python -m bench.flag_ab --flag gemm_lt_min_tokens --out lt.json                  # GPU (cuBLASLt)
     python -m bench.flag_ab --model tiny --flag mlp_row_split_tokens --on 16 --prompts 4 --prompt-tokens 300 \\
         --max-num-batched-tokens 256                                                 # CPU
 """
@@ -38,7 +41,7 @@ from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 from flame_llm.engine.model_runner import ModelRunner
 from flame_llm.kernels.fa4_reuse import OUTCOMES
-from flame_llm.models.llama import set_mlp_row_split
+from flame_llm.models.llama import set_gemm_lt, set_mlp_row_split
 from flame_llm.models.tiny import resolve_model
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "llama-3.1-8b")
@@ -58,6 +61,12 @@ def _set_row_split(runner: ModelRunner, value: int) -> None:
     set_mlp_row_split(runner.model, value)
 
 
+def _set_gemm_lt(runner: ModelRunner, value: int) -> None:
+    if value and not runner.lt_plans:
+        raise SystemExit("gemm_lt_min_tokens: this engine was built without cuBLASLt plans (build it with --on > 0)")
+    set_gemm_lt(runner.model, runner.lt_plans if value else {})
+
+
 def _set_fa4_reuse(runner: ModelRunner, value: bool) -> None:
     if value and runner.backend != "fa4":
         raise SystemExit(f"fa4_call_reuse needs the fa4 attention backend; this engine runs {runner.backend}")
@@ -75,7 +84,8 @@ class Flag:
 
 FLAGS = {"prune_last_layer": Flag("prune", _bool, _set_prune, "true", "false"),
          "mlp_row_split_tokens": Flag("split", int, _set_row_split, "4096", "0"),
-         "fa4_call_reuse": Flag("fa4reuse", _bool, _set_fa4_reuse, "true", "false")}
+         "fa4_call_reuse": Flag("fa4reuse", _bool, _set_fa4_reuse, "true", "false"),
+         "gemm_lt_min_tokens": Flag("lt", int, _set_gemm_lt, "1024", "0")}
 
 
 def _sync() -> None:

@@ -15,9 +15,9 @@ heat and clocks fall on every variant alike), each way of computing the same pro
 - `split2`, `split4`: the M rows in 2 or 4 equal chunks, each chunk's F.linear written into one output.
 
 - `lt0`, `lt1`, ... (`--lt-algos N`, GPU only): the first N candidates cuBLASLt's heuristic offers for the shape,
-  called through ctypes (bench/cublaslt.py; `lt0` is its own first pick), so algorithms the default never runs
-  are timed in the same interleaved rounds; a candidate whose output differs from `cublas`'s by 1e-2 or more is
-  reported but not counted as the best.
+  called through ctypes (flame_llm/kernels/cublaslt.py; `lt0` is its own first pick), so algorithms the default
+  never runs are timed in the same interleaved rounds; a candidate whose output differs from `cublas`'s by 1e-2 or
+  more is reported but not counted as the best. RunnerConfig.gemm_lt_min_tokens picks among them in the engine.
 
 Each timing is a sustained run (`--calls` back-to-back calls between two CUDA events over rotating inputs, so
 nothing stays in L2), which is how a burst runs them. Reported per shape: TFLOP/s per variant (median over
@@ -35,8 +35,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench import cublaslt
 from bench.provenance import write_json
+from flame_llm.kernels import cublaslt
 
 log = logging.getLogger(__name__)
 HID, INTER, HQ, HKV, D = 4096, 14336, 32, 8, 128
@@ -90,15 +90,16 @@ def probe_shape(name: str, m: int, device: str, dtype: torch.dtype, calls: int, 
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(device, dtype)
     xs = [torch.randn(m, k, generator=g).to(device, dtype) for _ in range(ROTATE)]
     out = torch.empty(m, n, device=device, dtype=dtype)
-    lt = cublaslt.LtGemm(cublaslt.load(), m, n, k, lt_algos) if lt_algos else None
+    lt = cublaslt.LtGemm(n, k) if lt_algos else None
+    cands = lt.candidates(m, lt_algos) if lt else []
 
     def run(v: str, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return lt(int(v[2:]), x, w, o) if v.startswith("lt") else run_variant(v, x, w, o)
+        return lt.matmul(cands[int(v[2:])].algo, x, w, o) if v.startswith("lt") else run_variant(v, x, w, o)
 
     set_backend("cublas", device)
     ref = F.linear(xs[0], w).float()
     err, failed, variants = {}, {}, []
-    for v in [*VARIANTS, *(f"lt{i}" for i in range(lt.count if lt else 0))]:
+    for v in [*VARIANTS, *(f"lt{i}" for i in range(len(cands)))]:
         set_backend(v, device)
         try:
             got = run(v, xs[0], torch.empty_like(out)).float()
@@ -123,8 +124,8 @@ def probe_shape(name: str, m: int, device: str, dtype: torch.dtype, calls: int, 
            "rel_err_vs_cublas": err, "seconds": secs}
     if lt:
         ok = [v for v in variants if v.startswith("lt") and err[v] < 1e-2]
-        row["lt"] = {"offered": lt.count, "failed": failed, "best": min(ok, key=med.__getitem__) if ok else None,
-                     "configs": {f"lt{i}": lt.config(i) for i in range(lt.count)}}
+        row["lt"] = {"offered": len(cands), "failed": failed, "best": min(ok, key=med.__getitem__) if ok else None,
+                     "configs": {f"lt{i}": lt.config(h) for i, h in enumerate(cands)}}
     return row
 
 

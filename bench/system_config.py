@@ -22,16 +22,18 @@ tokens then wait for that launch (emit_before_long_launch 0; by default 2,048: t
 tokens handed out first; the A/B of the inter-token gap before a long prefill, bench/launch_cost.py);
 "flame-ropestore" and "engine-ropestore" rotate q/k and store k/v in one launch per layer (fused_rope_store, off by
 default: issue 19's fusion); "flame-shared" and "engine-shared" read a cached prefix that several decode rows share
-once for all of them (shared_prefix_decode, off by default: the reuse trace's four questions per document).
+once for all of them (shared_prefix_decode, off by default: the reuse trace's four questions per document);
+"flame-lt" and "engine-lt" run eager steps of 1,024+ tokens on the cuBLASLt algorithms timed fastest at warmup
+(gemm_lt_min_tokens 1024, off by default: the A/B of cuBLASLt's candidates beyond its first pick).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-split", "flame-noearly",
-         "flame-ropestore", "flame-shared", "flame-raystream", "flame-noresume", "flame-noreroute", "engine",
-         "engine-nomix", "engine-mix2k", "engine-noprune", "engine-split", "engine-noearly", "engine-ropestore",
-         "engine-shared", "vllm", "vllm-seed")
+         "flame-ropestore", "flame-shared", "flame-lt", "flame-raystream", "flame-noresume", "flame-noreroute",
+         "engine", "engine-nomix", "engine-mix2k", "engine-noprune", "engine-split", "engine-noearly",
+         "engine-ropestore", "engine-shared", "engine-lt", "vllm", "vllm-seed")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
@@ -39,7 +41,8 @@ LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {
                 "flame-split": {"mlp_row_split_tokens": 4096}, "engine-split": {"mlp_row_split_tokens": 4096},
                 "flame-noearly": {"emit_before_long_launch": 0}, "engine-noearly": {"emit_before_long_launch": 0},
                 "flame-ropestore": {"fused_rope_store": True}, "engine-ropestore": {"fused_rope_store": True},
-                "flame-shared": {"shared_prefix_decode": True}, "engine-shared": {"shared_prefix_decode": True}}
+                "flame-shared": {"shared_prefix_decode": True}, "engine-shared": {"shared_prefix_decode": True},
+                "flame-lt": {"gemm_lt_min_tokens": 1024}, "engine-lt": {"gemm_lt_min_tokens": 1024}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's
 LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"},
                 "flame-noresume": {"stream_resume": False}, "flame-noreroute": {"reroute_on_loss": False}}

@@ -142,6 +142,9 @@ class RunnerConfig:
     # (same outputs, bitwise): cuBLAS's kernel for Llama-3.1-8B's gate/up at 8,192 rows ran 644 TFLOP/s on the
     # H200, as two 4,096-row GEMMs 676 (issue 19, bench.gemm_probe). 0: off. CUDA-graph steps never split
     mlp_row_split_tokens: int = 0  # eager steps: gate/up GEMM in row blocks of at most this many rows (0: off)
+    # eager steps of at least this many tokens run the bias-free projections on the cuBLASLt algorithm timed fastest
+    # at warmup for their size whose output is bitwise F.linear's (kernels/cublaslt.py; CUDA, bf16). 0: off
+    gemm_lt_min_tokens: int = 0  # eager steps >= this many tokens: projections on warmup-timed cuBLASLt algorithms
     # fa4 backend, eager steps: FA4's compiled kernel call is recorded at a step's first layer and the later layers
     # call it directly, skipping FA4's Python per call (kernels/fa4_reuse.py; the same kernel, the same arguments)
     fa4_call_reuse: bool = False  # eager steps: later layers call FA4's recorded kernel call directly
@@ -162,6 +165,7 @@ class RunnerConfig:
         check_bool("fused_rope_store", self.fused_rope_store, **_F)
         check_bool("shared_prefix_decode", self.shared_prefix_decode, **_F)
         check_int("mlp_row_split_tokens", self.mlp_row_split_tokens, 0, limit="an integer >= 0 (0: off)", **_F)
+        check_int("gemm_lt_min_tokens", self.gemm_lt_min_tokens, 0, limit="an integer >= 0 (0: off)", **_F)
 
 
 @dataclass(slots=True)
@@ -263,6 +267,9 @@ def _check_across_groups(cfg: EngineConfig) -> None:
     """The rules between groups that need no model (each group checks its own fields)."""
     check(not (cfg.scheduler_config.async_scheduling and cfg.speculative), "async_scheduling",
           "off (None or False) with speculative decoding", cfg.scheduler_config.async_scheduling, **_F)
+    lt, budget = cfg.runner_config.gemm_lt_min_tokens, cfg.scheduler_config.max_num_batched_tokens
+    check(lt <= budget, "gemm_lt_min_tokens", f"0 (off) or <= max_num_batched_tokens ({budget}): no step is larger", lt,
+          **_F)
 
 
 def _build(cls: type[EngineConfig], model: str, kwargs: dict) -> EngineConfig:

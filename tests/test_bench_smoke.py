@@ -50,9 +50,9 @@ def test_system_labels():
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
                                          "flame-noprune, flame-split, flame-noearly, flame-ropestore, flame-shared, "
-                                         "flame-raystream, flame-noresume, flame-noreroute, engine, engine-nomix, "
-                                         "engine-mix2k, engine-noprune, engine-split, engine-noearly, "
-                                         "engine-ropestore, engine-shared, vllm, vllm-seed"):
+                                         "flame-lt, flame-raystream, flame-noresume, flame-noreroute, engine, "
+                                         "engine-nomix, engine-mix2k, engine-noprune, engine-split, engine-noearly, "
+                                         "engine-ropestore, engine-shared, engine-lt, vllm, vllm-seed"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -83,7 +83,8 @@ def test_system_labels():
     assert parse_system("flame-ropestore").engine == {"fused_rope_store": True}
     # a label's fields are real, valid engine fields
     assert parse_system("flame-shared").engine == {"shared_prefix_decode": True}
-    for label in ("engine-split", "engine-noearly", "engine-mix2k", "engine-ropestore", "engine-shared"):
+    assert parse_system("engine-lt").engine == parse_system("flame-lt").engine == {"gemm_lt_min_tokens": 1024}
+    for label in ("engine-split", "engine-noearly", "engine-mix2k", "engine-ropestore", "engine-shared", "engine-lt"):
         EngineConfig.from_kwargs(**parse_system(label).engine)
 
 
@@ -377,7 +378,8 @@ def test_gemm_probe_times_every_variant_of_the_same_product_on_cpu(tmp_path):
 def test_gemm_probe_table_shows_cublaslts_first_pick_and_its_fastest_valid_candidate():
     """--lt-algos rows (made here: the candidates need a GPU): the fastest candidate whose output is within 1e-2 of
     cuBLAS's is shown with its config; a wrong one is neither the fastest nor in the max difference."""
-    from bench import cublaslt, gemm_probe
+    from bench import gemm_probe
+    from flame_llm.kernels import cublaslt
 
     assert cublaslt.ctypes.sizeof(cublaslt.Algo) == 64 and cublaslt.ctypes.sizeof(cublaslt.Heuristic) == 96
     tflops = {"cublas": 700.0, "cublaslt": 700.0, "split2": 690.0, "split4": 680.0, "lt0": 700.0, "lt1": 721.0}

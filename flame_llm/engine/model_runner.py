@@ -22,12 +22,12 @@ from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.selector import BACKEND_STEPS, resolve_backend, resolve_device, resolve_dtype
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
-from flame_llm.engine.warmup import warmup_fa4, warmup_triton
+from flame_llm.engine.warmup import tune_gemm_lt, warmup_fa4, warmup_triton
 from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
-from flame_llm.models.llama import MODELS, set_mlp_row_split
+from flame_llm.models.llama import MODELS, set_gemm_lt, set_mlp_row_split
 from flame_llm.models.loader import init_dummy, load_model
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class ModelRunner:
             from flame_llm.models.llama import configure_gemm_epilogues
             configure_gemm_epilogues(self.model, rc.gemm_epilogues)
         torch.manual_seed(mc.seed)
+        self.lt_plans = tune_gemm_lt(config, self.model, self.device, self.dtype) if rc.gemm_lt_min_tokens else {}
         self.allocate_kv_cache()
         self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size
         self.staging = Staging(self.device)
@@ -107,6 +108,7 @@ class ModelRunner:
                                         self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None,
                                         kv_stored=self.rope_store, shared_block_size=self.shared_block_size)
         set_mlp_row_split(self.model, rc.mlp_row_split_tokens)  # after every capture: eager steps alone split
+        set_gemm_lt(self.model, self.lt_plans)  # after every capture, as the split
         logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager",
                     f"CUDA graphs up to {self.mixed.max_tokens} tokens" if self.mixed and self.use_graphs

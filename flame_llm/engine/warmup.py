@@ -39,3 +39,27 @@ def warmup_triton(config: Config, layer: Attention) -> None:
         n = fa4_backend.warmup_dense(layer.k_cache, layer.num_heads, layer.scale, sc.max_num_seqs,
                                      sc.max_num_batched_tokens, config.model_config.max_model_len)
         logger.info("flash-attn-4 dense: %d kernel variants compiled in %.1fs", n, time.perf_counter() - t0)
+
+
+def tune_gemm_lt(config: Config, model, device, dtype) -> dict:
+    """RunnerConfig.gemm_lt_min_tokens: the cuBLASLt plan of each projection shape, timed at step sizes from the
+    flag's value up to max_num_batched_tokens (kernels/cublaslt.py). Before the KV cache takes the memory."""
+    import torch
+
+    from flame_llm.kernels.cublaslt import tune_linears, tune_ms
+    from flame_llm.models.llama import gemm_lt_weights
+
+    min_tokens = config.runner_config.gemm_lt_min_tokens
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        raise ValueError(f"engine field 'gemm_lt_min_tokens' ({min_tokens}) runs cuBLASLt's bf16 GEMMs on CUDA; this "
+                         f"engine runs {dtype} on {device.type} (set it to 0 there)")
+    ms = tune_ms(min_tokens, config.scheduler_config.max_num_batched_tokens)
+    t = time.perf_counter()
+    plans, records = tune_linears(gemm_lt_weights(model), ms)
+    for r in records:
+        logger.info("cuBLASLt N=%d K=%d M=%d: %s (cuBLAS %.4f ms, fastest of %d bitwise-equal candidates %s %s ms)",
+                    r["n"], r["k"], r["m"], r["used"], r["cublas_ms"], r["bitwise"], r["best"], r["best_ms"])
+    used = sum(r["used"] != "cublas" for r in records)
+    logger.info("cuBLASLt plans: %d of %d (shape, step size) pairs use a candidate over cuBLAS (%.1f s)", used,
+                len(records), time.perf_counter() - t)
+    return plans

@@ -24,8 +24,13 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
         self.row_split = 0  # Config.mlp_row_split_tokens, set on gate_up_proj after graph capture (eager steps)
+        self.lt = None  # Config.gemm_lt_min_tokens: kernels.cublaslt.LtLinear, set after graph capture (eager steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lt is not None:
+            y = self.lt(x, self.weight)  # None: below its step sizes, or x not contiguous and aligned
+            if y is not None:
+                return y
         if self.row_split and x.shape[0] > self.row_split:
             return linear_rows(x, self.weight, self.bias, self.row_split)
         return F.linear(x, self.weight, self.bias)

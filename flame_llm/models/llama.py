@@ -227,6 +227,23 @@ def set_mlp_row_split(model: nn.Module, rows: int) -> None:
             m.gate_up_proj.row_split = rows
 
 
+def gemm_lt_weights(model: nn.Module) -> dict[tuple[int, int], torch.Tensor]:
+    """Config.gemm_lt_min_tokens: one weight per (N, K) shape of the decoder's bias-free projections (what
+    kernels.cublaslt.tune_linears times)."""
+    return {tuple(m.weight.shape): m.weight for m in model.modules() if isinstance(m, Linear) and m.bias is None}
+
+
+def set_gemm_lt(model: nn.Module, plans: dict) -> int:
+    """Every bias-free projection runs on the LtLinear plan of its (N, K), if there is one, else on F.linear (eager
+    steps: the runner sets this after its CUDA graphs are captured). Returns how many projections got one."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m.bias is None:
+            m.lt = plans.get(tuple(m.weight.shape))
+            n += m.lt is not None
+    return n
+
+
 def configure_gemm_epilogues(model: nn.Module, spec: str) -> dict[str, str]:
     """Set Config.gemm_epilogues on every decoder layer of `model`: "swiglu=triton|quack" (SiLU-mul in the
     gate/up GEMM's epilogue), "residual=cublas|triton|quack" (the residual add in the o / down GEMMs'; the
