@@ -94,6 +94,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def lt_summary(runner: ModelRunner) -> dict:
+    """gemm_lt_min_tokens: what the warmup measured per (shape, step size), and what became of the projection
+    calls of every round (kernels.cublaslt.OUTCOMES, summed over the plans); {} without plans."""
+    plans = runner.lt_plans.values()
+    if not plans:
+        return {}
+    return {"records": [r for p in plans for r in p.records],
+            "outcomes": {k: sum(p.outcomes[k] for p in plans) for k in next(iter(plans)).outcomes}}
+
+
 def one_round(llm: LLM, prompts: list[list[int]], out_tokens: int) -> dict:
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     out = {"config": {**kw, "model": model, **{k: v for k, v in vars(a).items() if k not in ("out", "engine_json")}},
            "flag": a.flag, "on": on, "off": off, "backend": runner.backend, "cuda_graphs": runner.use_graphs,
            "order": order, "rounds": rows, "summary": summary, f"{flag.mode}_over_off_req_per_s": round(speedup, 4),
-           "fa4_reuse_outcomes": dict(OUTCOMES)}
+           "fa4_reuse_outcomes": dict(OUTCOMES), "gemm_lt": lt_summary(runner)}
     write_json(a.out, out)
     print(f"{a.flag}: {flag.mode} = {on}, off = {off}")
     print("| mode | req/s (median) | prefill step ms p50 | tokens equal every round |")
@@ -185,6 +195,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     print(f"{flag.mode} / off req/s: {speedup:.4f}")
     if OUTCOMES:
         print("fa4_call_reuse, the calls at its sites:", ", ".join(f"{k}: {v}" for k, v in OUTCOMES.items()))
+    if out["gemm_lt"]:
+        print("gemm_lt_min_tokens, the projection calls:", out["gemm_lt"]["outcomes"])
     return 0
 
 

@@ -85,6 +85,7 @@ def test_lt_linear_uses_the_largest_tuned_size_at_or_below_the_step(cpu_align):
     assert plan(torch.randn(5000, 4)[::2], w) is None  # not contiguous
     assert plan(torch.randn(4 * 5000 + 1)[1:].view(5000, 4), w) is None  # 4 bytes past an aligned address
     assert len(gemm.calls) == n
+    assert plan.outcomes == {"small": 1, "layout": 2, "cublas": 3, "lt": 4}
     plan2 = LtLinear(FakeGemmNoGpu(6, unsupported=(4500,)), {4096: "a4k"})
     assert plan2(torch.randn(4500, 4), w) is None and plan2(torch.randn(4500, 4), w) is None
     assert plan2.gemm.checked == [4500]  # AlgoCheck once per step size

@@ -1,7 +1,8 @@
 """RunnerConfig.gemm_lt_min_tokens on a GPU (skipped with a reason elsewhere): cuBLASLt's candidates for Llama-3.1-8B's
 projection shapes, picked at one step size, give F.linear's output bitwise there and run other sizes the plan
 covers; an engine with the flag runs its eager steps on the plans and samples the same greedy tokens as without
-(Qwen3-0.6B shapes, bf16, dummy weights); graph capture and graph-replayed steps never call cuBLASLt."""
+(Llama-3.1-8B shapes in 2 layers, bf16, dummy weights); graph-replayed steps never call cuBLASLt."""
+import json
 import os
 
 import pytest
@@ -53,14 +54,25 @@ def test_candidates_at_8b_shapes_are_bitwise_f_linear_where_picked(n, k):
     assert plan(buf[1:].view(2048, k), w) is None  # 2 bytes past an aligned address: F.linear's
 
 
-def test_engine_eager_steps_on_cublaslt_same_greedy_tokens(monkeypatch):
+def _two_layer_8b(tmp_path) -> str:
+    """Llama-3.1-8B's config with 2 layers: its projection shapes, where the H200 offers bitwise candidates."""
+    with open(os.path.join(MODELS, "llama-3.1-8b", "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_engine_eager_steps_on_cublaslt_same_greedy_tokens(monkeypatch, tmp_path):
     monkeypatch.setattr(cublaslt, "MIN_GAIN", -1.0)  # the fastest bitwise candidate wherever one exists: the path runs
     calls = _spy(monkeypatch)
-    llm = LLM(os.path.join(MODELS, "qwen3-0.6b"), load_format="dummy", enable_chunked_prefill=True,
+    llm = LLM(_two_layer_8b(tmp_path), load_format="dummy", enable_chunked_prefill=True,
               max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=4096, num_kvcache_blocks=256,
               gemm_lt_min_tokens=1024)
     runner = llm.engine.model_runner
     assert runner.lt_plans and runner.use_graphs
+    records = [r for p in runner.lt_plans.values() for r in p.records]
+    assert any(r["used"] != "cublas" for r in records), records
     n_tuning = len(calls)
     assert n_tuning > 0  # the warmup timed candidates
     g = torch.Generator().manual_seed(7)
@@ -73,5 +85,6 @@ def test_engine_eager_steps_on_cublaslt_same_greedy_tokens(monkeypatch):
         set_gemm_lt(runner.model, runner.lt_plans if on else {})
         n = len(calls)
         tokens.setdefault(on, []).append([o.output_token_ids for o in llm.generate(prompts, SP, use_tqdm=False)])
-        assert (len(calls) > n) == on and all(m >= 1024 for m in calls[n:]), (on, calls[n:][:8])
+        outcomes = {p.gemm.n: dict(p.outcomes) for p in runner.lt_plans.values()}
+        assert (len(calls) > n) == on and all(m >= 1024 for m in calls[n:]), (on, calls[n:][:8], outcomes, records)
     assert tokens[True][0] == tokens[False][0] == tokens[True][1]

@@ -25,6 +25,9 @@ WORKSPACE = 32 << 20  # what torch gives cuBLAS(Lt) on Hopper
 ALIGN = 256  # bytes; the heuristic's default assumption for every operand's address
 MIN_GAIN = 0.01  # a candidate replaces F.linear at a step size only if its median time is this much lower
 ROTATE = 3  # inputs cycled while timing, so a sustained run does not find its operand in L2
+# LtLinear calls: below the smallest step size; x not 2-D, contiguous and aligned; F.linear timed fastest there or
+# the algorithm does not run that many rows; on cuBLASLt
+OUTCOMES = ("small", "layout", "cublas", "lt")
 
 
 class Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
@@ -141,10 +144,11 @@ class LtLinear:
     where F.linear was. A step of m rows uses the largest tuned M <= m, if the algorithm runs m rows
     (cublasLtMatmulAlgoCheck, once per m) and x is contiguous and aligned; else __call__ returns None (F.linear)."""
 
-    def __init__(self, gemm: LtGemm, picks: dict[int, Algo | None]):
+    def __init__(self, gemm: LtGemm, picks: dict[int, Algo | None], records: list[dict] | None = None):
         self.gemm, self.ms = gemm, sorted(picks)
-        self.picks = picks
+        self.picks, self.records = picks, records or []  # records: what tune_linears measured per step size
         self.by_m: dict[int, Algo | None] = {}
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)  # what became of each call (bench.flag_ab prints the sums)
 
     def algo_for(self, m: int) -> Algo | None:
         if m not in self.by_m:
@@ -154,11 +158,17 @@ class LtLinear:
         return self.by_m[m]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        if x.shape[0] < self.ms[0] or x.dim() != 2 or not x.is_contiguous() or x.data_ptr() % ALIGN:
+        if x.shape[0] < self.ms[0]:
+            self.outcomes["small"] += 1
+            return None
+        if x.dim() != 2 or not x.is_contiguous() or x.data_ptr() % ALIGN:
+            self.outcomes["layout"] += 1
             return None
         algo = self.algo_for(x.shape[0])
         if algo is None:
+            self.outcomes["cublas"] += 1
             return None
+        self.outcomes["lt"] += 1
         return self.gemm.matmul(algo, x, w, x.new_empty((x.shape[0], self.gemm.n)))
 
 
@@ -218,10 +228,11 @@ def tune_linears(linears: dict[tuple[int, int], torch.Tensor], ms: list[int]) ->
     plans, records = {}, []
     for (n, k), w in linears.items():
         gemm = LtGemm(n, k, w.device.index)
-        picks = {}
+        picks, mine = {}, []
         for m in ms:
             picks[m], info = pick(gemm, w, m)
-            records.append({"n": n, "k": k, **info})
-        plans[(n, k)] = LtLinear(gemm, picks)
+            mine.append({"n": n, "k": k, **info})
+        plans[(n, k)] = LtLinear(gemm, picks, mine)
+        records += mine
     torch.cuda.empty_cache()
     return plans, records
