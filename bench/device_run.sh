@@ -105,6 +105,7 @@ case $stage in
     # comparison of its own, e.g. the affinity A/B, takes another: pair indices are unique per dir and trace)
     trace=$1 systems=$2
     shift 2
+    # the archive is named by RDIR and trace: two stages of one `bg seq` with other RDIRs must not overwrite it
     rdir=${RDIR:-/tmp/r}
     if [[ ${SPLIT:-0} == 1 ]]; then
       timeout 200 python3 -m bench.kernel_split --systems engine --traces "$trace" --out "$OUT/split-$trace.json" \
@@ -112,7 +113,7 @@ case $stage in
     fi
     timeout ${PAIRS_TIMEOUT:-540} python3 -m bench.pairs --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" \
       --out "$rdir" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -30
-    tar czf "$OUT/pairs-$trace.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")" ;;
+    tar czf "$OUT/pairs-$(basename "$rdir")-$trace.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")" ;;
   jobpairs)  # burst's pairs as users run them, e.g. `jobpairs reuse flame,engine,vllm --pair-start 0`: a Ray head
     # started here (all GPUs), bench.pairs through `ray job submit --working-dir .`, the job's logs fetched into
     # RDIR/jobs/, the head stopped (bench/jobpairs.py); every raw record and the report say "ray job submit"
@@ -121,7 +122,7 @@ case $stage in
     rdir=${RDIR:-/tmp/r} limit=${PAIRS_TIMEOUT:-480}  # the job's; the head's start and stop take ~1 minute more
     timeout $((limit + 60)) python3 -m bench.jobpairs --out "$rdir" --timeout-s "$limit" \
       -- --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -40
-    tar czf "$OUT/pairs-$trace.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")" ;;
+    tar czf "$OUT/pairs-$(basename "$rdir")-$trace.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")" ;;
   fusion)  # issue 19 items 2-3: fused GEMM epilogues and fresh-prefill attention against today's path, then the
     # new paths' tests on the GPU (the Triton epilogue GEMM, FA4's dense fresh path, warmup of every variant)
     timeout 330 python3 bench/fusion_probe.py --out "$OUT/fusion.json" "$@" > "$OUT/fusion.log" 2>&1

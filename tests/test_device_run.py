@@ -1,7 +1,7 @@
 """bench/device_run.sh's bg, wait and seq stages, on CPU (the stage runs here as on the GPU machine; nvidia-smi and
 flash-attn are missing, which the script only prints): a stage started with `bg` runs on in a process session of
 its own after the call returns and its process group is killed (as the device tool does); `wait` holds the call
-until it ends and brings back its $OUT, or, while it still runs, what RDIR holds so far."""
+until it ends and brings back its $OUT, or, while it still runs, its $OUT so far and what RDIR holds."""
 import contextlib
 import os
 import signal
@@ -41,10 +41,14 @@ def test_wait_returns_at_its_limit_with_the_results_so_far(tmp_path):
     rdir = tmp_path / "r"
     (rdir / "raw").mkdir(parents=True)
     (rdir / "raw" / "pair01.json").write_text("{}")
-    _run(tmp_path, "bg", "sleep", "30")
+    _run(tmp_path, "bg", "py", "-c", "import os, time; open(os.environ['OUT'] + '/early.txt', 'w').write('x'); "
+         "time.sleep(30)")
+    time.sleep(2)
     t0 = time.monotonic()
     waited = _run(tmp_path, "wait", WAIT_S="1", RDIR=str(rdir))
     assert time.monotonic() - t0 < 25 and "still running" in waited.stdout
+    # what its finished stages wrote to $OUT comes back too (a later stage may fail or the machine go back)
+    assert (waited.out / "early.txt").read_text() == "x"
     with tarfile.open(waited.out / "progress.tgz") as t:
         assert "r/raw/pair01.json" in t.getnames()
     os.killpg(int((tmp_path / "bg" / "pid").read_text()), signal.SIGKILL)  # its own session: the group is the stage

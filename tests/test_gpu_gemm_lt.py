@@ -68,7 +68,7 @@ def test_engine_eager_steps_on_cublaslt_same_greedy_tokens(monkeypatch, tmp_path
     calls = _spy(monkeypatch)
     llm = LLM(_two_layer_8b(tmp_path), load_format="dummy", enable_chunked_prefill=True,
               max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=4096, num_kvcache_blocks=256,
-              gemm_lt_min_tokens=1024)
+              gemm_lt_min_tokens=1024, enable_prefix_caching=False)  # every round computes the same steps
     runner = llm.engine.model_runner
     assert runner.lt_plans and runner.use_graphs
     records = [r for p in runner.lt_plans.values() for r in p.records]
