@@ -143,7 +143,7 @@ class RunnerConfig:
     # H200, as two 4,096-row GEMMs 676 (issue 19, bench.gemm_probe). 0: off. CUDA-graph steps never split
     mlp_row_split_tokens: int = 0  # eager steps: gate/up GEMM in row blocks of at most this many rows (0: off)
     # eager steps of at least this many tokens run the bias-free projections on the cuBLASLt algorithm timed fastest
-    # at warmup for their size whose output is bitwise F.linear's (kernels/cublaslt.py; CUDA, bf16). 0: off
+    # at warmup among those bitwise equal to F.linear at the tuned step sizes (kernels/cublaslt.py; CUDA, bf16). 0: off
     gemm_lt_min_tokens: int = 0  # eager steps >= this many tokens: projections on warmup-timed cuBLASLt algorithms
     # fa4 backend, eager steps: FA4's compiled kernel call is recorded at a step's first layer and the later layers
     # call it directly, skipping FA4's Python per call (kernels/fa4_reuse.py; the same kernel, the same arguments)

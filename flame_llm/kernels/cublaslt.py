@@ -4,20 +4,19 @@ its first. Column-major, as cuBLAS sees F.linear's row-major operands: y.T[N,M] 
 
 Two users: bench.gemm_probe times every candidate beside torch's cuBLAS, and RunnerConfig.gemm_lt_min_tokens
 (`tune_linears`) times them at warmup on the model's own projections, for a few step sizes M, and runs eager steps
-of at least that many tokens on the fastest one whose output is bitwise F.linear's. On the H200 the heuristic's
-first pick (what torch runs) was 1-3% slower than its fastest candidate for Llama-3.1-8B's qkv and gate/up at
-2K-8K tokens (bench/RESULTS.md, session 10); torch's TunableOp tries only cuBLAS's default on CUDA."""
+of at least that many tokens on the fastest one whose output was bitwise F.linear's at the tuned size (a step
+between tuned sizes runs the plan of the size below it; on the H200 every candidate was bitwise F.linear's). The
+heuristic's first pick (what torch runs) was 1-3% slower than its fastest candidate for Llama-3.1-8B's qkv and
+gate/up at 2K-8K tokens (bench/RESULTS.md, session 10); torch's TunableOp tries only cuBLAS's default on CUDA."""
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
 COMPUTE_32F, R_32F, R_16BF, OP_T = 68, 0, 14, 1  # cublasComputeType_t, cudaDataType_t, cublasOperation_t
 DESC_TRANSA, PREF_MAX_WORKSPACE = 3, 1  # cublasLtMatmulDescAttributes_t, cublasLtMatmulPreferenceAttributes_t
 CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6}
