@@ -27,6 +27,14 @@ def pytest_report_header(config):
     return f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"
 
 
+def pytest_runtest_setup(item):
+    # beside another xdist worker's Ray, `flame-llm serve` refuses to start: say how to run these, not that serve failed
+    if item.get_closest_marker("serial") and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.fail(f"{item.nodeid} is marked serial (it runs `flame-llm serve`, which refuses to start beside another "
+                    "Ray cluster on this machine): run it apart, `pytest tests -m serial`, as the README's test "
+                    "command does", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def reference(tiny_llama, tiny_qwen3):
     """transformers' greedy continuation of each prompt, per architecture."""

@@ -238,6 +238,7 @@ def test_demo_runs(tmp_path):
     assert "  user: Is the lamp lit?" in text and "  assistant: '" in text
 
 
+@pytest.mark.serial
 def test_serve_submit_status_stop(tmp_path, tiny_llama):
     """The README's workflow across processes: serve (with its front door), then submit, status and stop from
     another process that sets neither RAY_AUTH_MODE nor --namespace (the token is found, the service too); stop

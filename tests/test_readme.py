@@ -106,6 +106,7 @@ def _wait_for_no_local_ray(timeout_s: float = 600.0) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_readme_examples_run_as_written():
     _wait_for_no_local_ray()
     port = _free_port()
