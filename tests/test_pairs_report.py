@@ -262,12 +262,16 @@ def test_one_traces_pairs_through_ray_job_submit(tmp_path):
 def test_jobpairs_refuses_out_after_the_separator_and_reports_a_head_that_fails_to_start(tmp_path):
     with pytest.raises(SystemExit, match="give --out to bench.jobpairs"):
         jobpairs.main(["--out", str(tmp_path), "--", "--traces", "reuse", "--out", "x"])
+    # a temp dir under a file: refused before any Ray process starts (with -1 CPUs the refusal came at the raylet,
+    # after the dashboard, whose job API could answer first on a loaded machine: a race, seen under two xdist workers)
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
-    head, address = jobpairs.start_head(-1, 0, temp, str(tmp_path / "start.log"))  # -1 CPUs: refused
+    blocker = os.path.join(temp, "a-file")
+    open(blocker, "w").close()
+    head, address = jobpairs.start_head(1, 0, os.path.join(blocker, "ray"), str(tmp_path / "start.log"))
     try:
         with pytest.raises(RuntimeError, match="ray start --head exited with"):
             jobpairs.wait_jobs_api(head, address, timeout_s=120)
     finally:
         jobpairs.stop_head(head)
         shutil.rmtree(temp, ignore_errors=True)
-    assert "Resource quantities must be nonnegative" in (tmp_path / "start.log").read_text()
+    assert "Not a directory" in (tmp_path / "start.log").read_text()
