@@ -37,11 +37,20 @@ unbundle || exit 1
 if [[ ! -d /tmp/site && -f .device/site.tar.xz ]]; then tar -xJf .device/site.tar.xz -C /tmp || exit 1; fi
 echo "unpacked in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$PWD:/tmp/site:/tmp/wheels:/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
-export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
-# WARM_CACHES=1: compile caches in /tmp, which a warm machine keeps between the calls of one block, so a later call
-# starts vLLM (torch.compile, ~60 s of its 123 s start-up) and our Triton kernels from the cache. Bursts only: a
-# load record's start-up figure is then not a cold start (leave it off for start-up comparisons)
-if [[ ${WARM_CACHES:-0} == 1 ]]; then export VLLM_CACHE_ROOT=/tmp/vllm-cache TRITON_CACHE_DIR=/tmp/triton-cache; fi
+# WARM_CACHES=1: compile caches under CACHE_ROOT (/tmp), which a warm machine keeps between the calls of one block,
+# so a later call starts vLLM (torch.compile, ~60 s of its 123 s start-up) and our Triton kernels from the cache.
+# Bursts only: a load record's start-up figure is then not a cold start (leave it off for start-up comparisons).
+# Across machines: SAVE_CACHES=1 on a measuring stage packs them into $OUT/caches.tar.xz when it ends; a later
+# call carrying that file as .caches/caches.tar.xz (CACHES_IN) unpacks it once, so a fresh machine starts warm
+# (a cold reuse pair through `ray job submit` takes ~580 s of a call's 600, a warm one ~460)
+cr=${CACHE_ROOT:-/tmp} caches_in=${CACHES_IN:-.caches/caches.tar.xz}
+if [[ -f $caches_in && ! -f $cr/.caches-restored ]]; then
+  mkdir -p "$cr" && tar -xJf "$caches_in" -C "$cr" && touch "$cr/.caches-restored" \
+    && echo "compile caches restored from $caches_in ($(du -sh "$caches_in" | cut -f1))" || echo "caches not restored"
+fi
+export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$cr/fa4cache
+if [[ ${WARM_CACHES:-0} == 1 ]]; then export VLLM_CACHE_ROOT=$cr/vllm-cache TRITON_CACHE_DIR=$cr/triton-cache \
+  TORCHINDUCTOR_CACHE_DIR=$cr/inductor-cache; fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_ADDRESS=
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 VLLM=(--vllm-bin /tmp/vsite/site/bin/vllm --vllm-pythonpath /tmp/vsite/site)
@@ -147,7 +156,7 @@ case $stage in
     rm -rf "$bg" && mkdir -p "$bg/out" "$bg/tree"
     # it runs in a copy of the tree: each later call copies the working tree here again, under a running stage
     tar cf - --exclude=./.git --exclude='./.bundle*' --exclude=./.fa4 --exclude=./.vllm --exclude=./.whl \
-      --exclude=./.gl --exclude=./out . | tar xf - -C "$bg/tree" || exit 1
+      --exclude=./.gl --exclude=./.caches --exclude=./out . | tar xf - -C "$bg/tree" || exit 1
     cd "$bg/tree" || exit 1
     OUT=$bg/out setsid bash -c 'echo $$ > "$0/pid"; bash bench/device_run.sh "$@" > "$0/log" 2>&1; echo $? > "$0/rc"' \
       "$bg" "$@" < /dev/null > /dev/null 2>&1 &
@@ -163,7 +172,7 @@ case $stage in
       envs=()
       while (( ${#words[@]} )) && [[ ${words[0]} =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
       echo "== stage: $line"
-      env "${envs[@]}" bash bench/device_run.sh "${words[@]}" || rc=$?
+      env SAVE_CACHES=0 "${envs[@]}" bash bench/device_run.sh "${words[@]}" || rc=$?  # saved once, at its end
     done
     exit $rc ;;
   wait)  # until the background stage ends or WAIT_S (default 560) pass; prints its log's end, and brings back its
@@ -189,3 +198,15 @@ case $stage in
     sleep "${1:-60}" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
+rc=$?
+if [[ ${SAVE_CACHES:-0} == 1 && ! $stage =~ ^(bg|wait|sleep)$ ]]; then
+  dirs=()
+  for d in vllm-cache triton-cache inductor-cache fa4cache; do [[ -d $cr/$d ]] && dirs+=("$d"); done
+  if (( ${#dirs[@]} )); then
+    tar -cf - -C "$cr" "${dirs[@]}" | xz -T0 -3 > "$OUT/caches.tar.xz"
+    echo "compile caches saved: $(du -sh "$OUT/caches.tar.xz" | cut -f1) (${dirs[*]})"
+  else
+    echo "no compile caches under $cr to save (WARM_CACHES=1 puts them there)"
+  fi
+fi
+exit $rc

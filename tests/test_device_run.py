@@ -65,3 +65,27 @@ def test_seq_runs_each_stage_with_its_environment_and_goes_on_past_a_failure(tmp
     p = _run(tmp_path, "seq", f"FLAME_SEQ_TEST=7 py {script}", "no-such-stage", f"py {script}")
     assert p.returncode == 2, p.stdout + p.stderr  # the unknown stage's status
     assert "SAID 7" in p.stdout and "SAID unset" in p.stdout and "unknown stage no-such-stage" in p.stdout
+
+
+def test_compile_caches_saved_after_a_stage_come_back_and_a_later_call_restores_them(tmp_path):
+    saved_root = tmp_path / "machine1"
+    write = ("import os; d = os.environ['TRITON_CACHE_DIR']; os.makedirs(d); "
+             "open(d + '/kernel.bin', 'w').write('compiled'); print('WROTE')")
+    p = _run(tmp_path, "py", "-c", write, WARM_CACHES="1", SAVE_CACHES="1", CACHE_ROOT=str(saved_root))
+    assert p.returncode == 0 and "compile caches saved" in p.stdout, p.stdout + p.stderr
+    archive = p.out / "caches.tar.xz"
+    # a fresh machine: the archive carried into the call is unpacked once, before the stage
+    fresh = tmp_path / "machine2"
+    read = "import os; print('GOT', open(os.environ['TRITON_CACHE_DIR'] + '/kernel.bin').read())"
+    q = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(archive))
+    assert "compile caches restored" in q.stdout and "GOT compiled" in q.stdout, q.stdout + q.stderr
+    again = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(archive))
+    assert "compile caches restored" not in again.stdout and "GOT compiled" in again.stdout
+
+
+def test_save_caches_without_caches_says_so_and_keeps_the_stage_status(tmp_path):
+    p = _run(tmp_path, "py", "-c", "raise SystemExit(5)", SAVE_CACHES="1", CACHE_ROOT=str(tmp_path / "empty"))
+    assert "no compile caches" in p.stdout and not (p.out / "caches.tar.xz").exists(), p.stdout
+    # the py stage pipes through grep, so its status is the pipeline's; the save must not turn a failure into 0
+    plain = _run(tmp_path, "py", "-c", "raise SystemExit(5)", CACHE_ROOT=str(tmp_path / "empty"))
+    assert p.returncode == plain.returncode
