@@ -40,13 +40,15 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/wheels:/tmp/fa4/site:/tmp/fa4/site/nvidia_
 # WARM_CACHES=1: compile caches under CACHE_ROOT (/tmp), which a warm machine keeps between the calls of one block,
 # so a later call starts vLLM (torch.compile, ~60 s of its 123 s start-up) and our Triton kernels from the cache.
 # Bursts only: a load record's start-up figure is then not a cold start (leave it off for start-up comparisons).
-# Across machines: SAVE_CACHES=1 on a measuring stage packs them into $OUT/caches.tar.xz when it ends; a later
-# call carrying that file as .caches/caches.tar.xz (CACHES_IN) unpacks it once, so a fresh machine starts warm
-# (a cold reuse pair through `ray job submit` takes ~580 s of a call's 600, a warm one ~460)
-cr=${CACHE_ROOT:-/tmp} caches_in=${CACHES_IN:-.caches/caches.tar.xz}
-if [[ -f $caches_in && ! -f $cr/.caches-restored ]]; then
-  mkdir -p "$cr" && tar -xJf "$caches_in" -C "$cr" && touch "$cr/.caches-restored" \
-    && echo "compile caches restored from $caches_in ($(du -sh "$caches_in" | cut -f1))" || echo "caches not restored"
+# Across machines: SAVE_CACHES=1 on a measuring stage packs them into $OUT/caches.tar.xz.K when it ends (parts of
+# 15 MB: a call brings back 8 files of 16 MiB at most); a later call carrying those parts in .caches/ (CACHES_IN)
+# unpacks them once, so a fresh machine starts warm (a cold reuse pair through `ray job submit` takes ~580 s of a
+# call's 600, a warm one ~460)
+cr=${CACHE_ROOT:-/tmp} caches_in=${CACHES_IN:-.caches}
+if compgen -G "$caches_in/caches.tar.xz.*" > /dev/null && [[ ! -f $cr/.caches-restored ]]; then
+  mkdir -p "$cr" && cat $(ls "$caches_in"/caches.tar.xz.* | sort -V) | xz -d | tar -xf - -C "$cr" \
+    && touch "$cr/.caches-restored" && echo "compile caches restored from $caches_in ($(du -sh "$caches_in" | cut -f1))" \
+    || echo "caches not restored"
 fi
 export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$cr/fa4cache
 if [[ ${WARM_CACHES:-0} == 1 ]]; then export VLLM_CACHE_ROOT=$cr/vllm-cache TRITON_CACHE_DIR=$cr/triton-cache \
@@ -203,8 +205,9 @@ if [[ ${SAVE_CACHES:-0} == 1 && ! $stage =~ ^(bg|wait|sleep)$ ]]; then
   dirs=()
   for d in vllm-cache triton-cache inductor-cache fa4cache; do [[ -d $cr/$d ]] && dirs+=("$d"); done
   if (( ${#dirs[@]} )); then
-    tar -cf - -C "$cr" "${dirs[@]}" | xz -T0 -3 > "$OUT/caches.tar.xz"
-    echo "compile caches saved: $(du -sh "$OUT/caches.tar.xz" | cut -f1) (${dirs[*]})"
+    tar -cf - -C "$cr" "${dirs[@]}" | xz -T0 -3 | split -b 15000000 -d -a 1 - "$OUT/caches.tar.xz."
+    echo "compile caches saved: $(cat "$OUT"/caches.tar.xz.* | wc -c) bytes in $(ls "$OUT"/caches.tar.xz.* | wc -l)" \
+      "part(s) (${dirs[*]}; $(du -sh "${dirs[@]/#/$cr/}" | tr '\t\n' ': '))"
   else
     echo "no compile caches under $cr to save (WARM_CACHES=1 puts them there)"
   fi

@@ -70,22 +70,40 @@ def test_seq_runs_each_stage_with_its_environment_and_goes_on_past_a_failure(tmp
 def test_compile_caches_saved_after_a_stage_come_back_and_a_later_call_restores_them(tmp_path):
     saved_root = tmp_path / "machine1"
     write = ("import os; d = os.environ['TRITON_CACHE_DIR']; os.makedirs(d); "
-             "open(d + '/kernel.bin', 'w').write('compiled'); print('WROTE')")
+             "open(d + '/kernel.bin', 'w').write('compiled'); "
+             "open(d + '/big.bin', 'wb').write(bytes(range(256)) * 4 + os.urandom(16_000_000)); print('WROTE')")
     p = _run(tmp_path, "py", "-c", write, WARM_CACHES="1", SAVE_CACHES="1", CACHE_ROOT=str(saved_root))
     assert p.returncode == 0 and "compile caches saved" in p.stdout, p.stdout + p.stderr
-    archive = p.out / "caches.tar.xz"
-    # a fresh machine: the archive carried into the call is unpacked once, before the stage
+    parts = sorted(p.out.glob("caches.tar.xz.*"))
+    assert [x.name for x in parts] == ["caches.tar.xz.0", "caches.tar.xz.1"]  # 16 MB do not fit one 15 MB part
+    carried = tmp_path / "carried"  # what a later call carries as .caches/
+    carried.mkdir()
+    for part in parts:
+        part.rename(carried / part.name)
+    # a fresh machine: the parts carried into the call are unpacked once, before the stage
     fresh = tmp_path / "machine2"
-    read = "import os; print('GOT', open(os.environ['TRITON_CACHE_DIR'] + '/kernel.bin').read())"
-    q = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(archive))
-    assert "compile caches restored" in q.stdout and "GOT compiled" in q.stdout, q.stdout + q.stderr
-    again = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(archive))
+    read = ("import os; d = os.environ['TRITON_CACHE_DIR']; "
+            "print('GOT', open(d + '/kernel.bin').read(), os.path.getsize(d + '/big.bin'))")
+    q = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(carried))
+    assert "compile caches restored" in q.stdout and "GOT compiled 16001024" in q.stdout, q.stdout + q.stderr
+    again = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(carried))
     assert "compile caches restored" not in again.stdout and "GOT compiled" in again.stdout
 
 
 def test_save_caches_without_caches_says_so_and_keeps_the_stage_status(tmp_path):
     p = _run(tmp_path, "py", "-c", "raise SystemExit(5)", SAVE_CACHES="1", CACHE_ROOT=str(tmp_path / "empty"))
-    assert "no compile caches" in p.stdout and not (p.out / "caches.tar.xz").exists(), p.stdout
+    assert "no compile caches" in p.stdout and not list(p.out.glob("caches*")), p.stdout
     # the py stage pipes through grep, so its status is the pipeline's; the save must not turn a failure into 0
     plain = _run(tmp_path, "py", "-c", "raise SystemExit(5)", CACHE_ROOT=str(tmp_path / "empty"))
-    assert p.returncode == plain.returncode
+    assert plain.returncode != 0 and p.returncode == plain.returncode
+
+
+def test_a_damaged_cache_part_is_reported_and_the_stage_still_runs_cold(tmp_path):
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "caches.tar.xz.0").write_bytes(b"not an xz stream")
+    root = tmp_path / "root"
+    p = _run(tmp_path, "py", "-c", "print('STAGE-RAN')", WARM_CACHES="1", CACHE_ROOT=str(root),
+             CACHES_IN=str(carried))
+    assert "caches not restored" in p.stdout and "STAGE-RAN" in p.stdout, p.stdout + p.stderr
+    assert not (root / ".caches-restored").exists()
