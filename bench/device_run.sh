@@ -206,8 +206,16 @@ if [[ ${SAVE_CACHES:-0} == 1 && ! $stage =~ ^(bg|wait|sleep)$ ]]; then
   for d in vllm-cache triton-cache inductor-cache fa4cache; do [[ -d $cr/$d ]] && dirs+=("$d"); done
   if (( ${#dirs[@]} )); then
     tar -cf - -C "$cr" "${dirs[@]}" | xz -T0 -3 | split -b 15000000 -d -a 1 - "$OUT/caches.tar.xz."
-    echo "compile caches saved: $(cat "$OUT"/caches.tar.xz.* | wc -c) bytes in $(ls "$OUT"/caches.tar.xz.* | wc -l)" \
-      "part(s) (${dirs[*]}; $(du -sh "${dirs[@]/#/$cr/}" | tr '\t\n' ': '))"
+    n=$(ls "$OUT"/caches.tar.xz.* | wc -l) bytes=$(cat "$OUT"/caches.tar.xz.* | wc -c)
+    sizes=$(du -sh "${dirs[@]/#/$cr/}" | tr '\t\n' ': ')
+    # a call brings back 8 files: more parts than SAVE_CACHES_MAX_PARTS (6, beside the stage's own archives) would
+    # come back incomplete, which restores nothing
+    if (( n > ${SAVE_CACHES_MAX_PARTS:-6} )); then
+      rm -f "$OUT"/caches.tar.xz.*
+      echo "compile caches not saved: $bytes bytes would take $n parts, over ${SAVE_CACHES_MAX_PARTS:-6} ($sizes)"
+    else
+      echo "compile caches saved: $bytes bytes in $n part(s) (${dirs[*]}; $sizes)"
+    fi
   else
     echo "no compile caches under $cr to save (WARM_CACHES=1 puts them there)"
   fi

@@ -98,6 +98,15 @@ def test_save_caches_without_caches_says_so_and_keeps_the_stage_status(tmp_path)
     assert plain.returncode != 0 and p.returncode == plain.returncode
 
 
+def test_caches_too_large_to_come_back_are_not_saved_in_part(tmp_path):
+    write = ("import os; d = os.environ['TRITON_CACHE_DIR']; os.makedirs(d); "
+             "open(d + '/kernel.bin', 'w').write('compiled'); print('WROTE')")
+    p = _run(tmp_path, "py", "-c", write, WARM_CACHES="1", SAVE_CACHES="1", SAVE_CACHES_MAX_PARTS="0",
+             CACHE_ROOT=str(tmp_path / "root"))
+    assert "compile caches not saved" in p.stdout and "over 0" in p.stdout, p.stdout + p.stderr
+    assert not list(p.out.glob("caches*")) and p.returncode == 0
+
+
 def test_a_damaged_cache_part_is_reported_and_the_stage_still_runs_cold(tmp_path):
     carried = tmp_path / "carried"
     carried.mkdir()
