@@ -9,13 +9,33 @@
 # reassembles, checks and unpacks them (a warm machine keeps /tmp between calls).
 #
 # usage: bash bench/device_bundles.sh [chunk MB]   (from the repo root, after the bundles exist; default: what
-# the 64 MiB a call may carry leaves beside the tree that travels with it, less 1 MB)
+# the 64 MiB a call may carry leaves beside the tree that travels with it, less HEADROOM_MB (3) for the records
+# that later sessions commit: with 1 MB, chunks cut one session were refused the next)
+#        bash bench/device_bundles.sh check        (before a block of calls: does each chunk still fit beside
+# today's tree? a refused call costs nothing, but a machine started by the calls before it idles away meanwhile)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
+limit=67108864
 tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null \
   | awk '{s += $1} END {print s + 0}')
-mb=${1:-$(( (67108864 - tree) / 1000000 - 1 ))}
+if [[ ${1:-} == check ]]; then
+  bad=0 n=0
+  for d in .bundle[0-9]; do
+    [[ -d $d ]] || continue
+    n=$((n + 1))
+    size=$(( tree + $(du -sb "$d" | cut -f1) ))
+    if (( size > limit )); then
+      echo "$d: the tree ($tree bytes) and the chunk carry $size bytes, over the $limit a call carries;" \
+        "cut the chunks again: bash bench/device_bundles.sh"
+      bad=1
+    fi
+  done
+  (( n )) || { echo "no chunks (.bundle0, ...): run bash bench/device_bundles.sh"; exit 1; }
+  (( bad )) || echo "$n chunks, each fits beside the $tree-byte tree (limit $limit bytes a call)"
+  exit $bad
+fi
+mb=${1:-$(( (limit - tree) / 1000000 - ${HEADROOM_MB:-3} ))}
 echo "tree $((tree / 1000000)) MB travels with every call: chunks of $mb MB"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -15,7 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
     out = tmp_path / f"out{time.monotonic_ns()}"
     out.mkdir()
-    full = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "OUT": str(out), **env}
+    # CACHES_IN: not the checkout's own .caches/, which holds a real session's caches where one was kept
+    full = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "OUT": str(out), "CACHES_IN": str(tmp_path / "none"),
+            **env}
     proc = subprocess.Popen(["bash", "bench/device_run.sh", *args], cwd=REPO, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     stdout, stderr = proc.communicate(timeout=120)
