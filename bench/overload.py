@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--tight must be two integers >= 1 (in flight, queued); got {args.tight!r}")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 512, size=args.prompt_len).tolist() for _ in range(args.prompts)]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     settings = [("ample", AMPLE, True), ("tight", tight, True), ("tight-no-flow-control", tight, False),
                 # the tight in-flight bound with an ample queue: what any admission can reach with that bound
                 ("tight-in-flight-only", (tight[0], AMPLE[1]), True)]

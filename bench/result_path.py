@@ -88,7 +88,7 @@ async def _round(actor, mode: str, n: int, batches: int) -> list[float]:
 
 
 def measure(args) -> dict:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(Finisher).options(max_concurrency=4096).remote(args.group, args.step_ms / 1000.0,
                                                                             args.tokens, args.window_ms / 1000.0)

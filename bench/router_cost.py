@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
 def _start_actors(shard_counts: list[int], policy: str) -> dict:
     """One router actor per shard count, created together so their worker processes start in parallel."""
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
     ns = f"router-cost-{uuid.uuid4().hex[:8]}"
     actors = {n: Router.options(name=f"router-{n}", namespace=ns).remote(n, RouterConfig(policy)) for n in shard_counts}
     ray.get([a.config.remote() for a in actors.values()])

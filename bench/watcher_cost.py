@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--looks", type=int, default=300)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     addr = ray.get_runtime_context().gcs_address
     t0 = time.time()
     for k in range(0, a.jobs, 8):  # 8 drivers at a time: each is a job that ends

@@ -284,7 +284,7 @@ def service_with_both_transports(model: str, engine: dict, num_shards: int, name
     from flame_llm.serving.client import Client
     from flame_llm.serving.service import start_service
     from flame_llm.serving.service_config import ServiceConfig
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ServiceConfig.from_kwargs(model=model, engine=engine, num_shards=num_shards, cpu_per_shard=0.5,
                                     namespace=namespace, restart_timeout_s=120.0, max_restarts=-1)
     svc = start_service(cfg)

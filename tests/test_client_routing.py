@@ -21,7 +21,7 @@ from router.policy import RouterConfig
 def router():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     handle = start_router(2, RouterConfig("cumulative"), name=f"router-{uuid.uuid4().hex[:8]}",
                           namespace="test-client-routing")
     yield handle

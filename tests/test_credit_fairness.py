@@ -97,7 +97,7 @@ def one_shard(tiny_llama):
     from flame_llm.serving.service import start_service
     from flame_llm.serving.service_config import ServiceConfig
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ServiceConfig.from_kwargs(model=tiny_llama, num_shards=1, cpu_per_shard=0.5, namespace="test-fair-users",
                                     engine={"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 4,
                                             "cpu_kvcache_gib": 0.0625},

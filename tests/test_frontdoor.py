@@ -34,7 +34,7 @@ def door(tiny_llama, tmp_path_factory):
     model = str(tmp_path_factory.mktemp("chat") / "tiny-chat")
     shutil.copytree(tiny_llama, model)
     save_tokenizer(model, TINY_VOCAB_SIZE)  # the embedded default's tokenizer and chat template
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     svc = start_service(ServiceConfig.from_kwargs(model=model, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
                                                   namespace=NS, policy="cumulative"))
     handle, url = start_frontdoor(NS, HTTP)  # kept: the actor lives while a handle does

@@ -15,7 +15,7 @@ from actors.inflight import Inflight, dead_jobs
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace="test-inflight")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, namespace="test-inflight")
     yield ray.get_runtime_context()
     ray.shutdown()
 

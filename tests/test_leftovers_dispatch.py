@@ -22,7 +22,7 @@ ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs":
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
                                     policy="cumulative", namespace="test-leftovers", max_inflight_requests=8,
                                     max_queued_requests=8)

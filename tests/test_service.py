@@ -80,7 +80,7 @@ def test_admission_oversized_request_runs_alone_and_cancel_leaves_queue():
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=2, cpu_per_shard=0.5,
                         policy="cumulative", namespace="test-service", max_inflight_requests=8,
                         max_queued_requests=8, max_restarts=-1)  # this module kills shard actors four times

@@ -19,7 +19,7 @@ ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     svc = start_service(ServiceConfig.from_kwargs(model=tiny_llama, engine=ENGINE, num_shards=1, cpu_per_shard=0.5,
                                                   namespace="test-streamhop-tell"))
     client = make_client(svc.cfg, svc.router, svc.actors)

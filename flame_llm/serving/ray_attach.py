@@ -96,7 +96,9 @@ def init_ray(cfg: ServiceConfig) -> bool:
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
-    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, namespace=cfg.ray.namespace,
+    # "local": a bare ray.init() would join the cluster `ray start` last registered on this machine (another
+    # service's, a test's) rather than start one
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, namespace=cfg.ray.namespace,
              logging_level=logging.WARNING, log_to_driver=False)
     return True
 
