@@ -157,6 +157,12 @@ def _f(x, fmt: str = "{:.3f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
+def _first_machine_note(t: dict) -> str:
+    """The trace's header shows the first record's placement; with several machines that is one of them."""
+    n = len((t.get("provenance") or {}).get("machines") or {})
+    return f" (the first record's; the pairs ran on {n} machines, listed below)" if n > 1 else ""
+
+
 def render_markdown(rep: dict, source: str) -> str:
     lines = ["# Burst benchmark report", "", f"Raw records: `{source}`. Every figure below is recomputed from the "
              "per-request records; runs that failed a check are listed and excluded.", ""]
@@ -171,7 +177,7 @@ def render_markdown(rep: dict, source: str) -> str:
                   f"Warmup: {len(t['warmup_shifts'] or [])} full rounds shifted by {t['warmup_shifts']} within the "
                   "vocabulary (same lengths and prefix relations, prefixes unseen).",
                   f"Engine limits (flame/engine): `{json.dumps(t['engine_config'])}`; shard -> device "
-                  f"`{t['placement']}`; placement policy: {t['policy']}.", "",
+                  f"`{t['placement']}`{_first_machine_note(t)}; placement policy: {t['policy']}.", "",
                   "| system | runs ok | req/s median [min-max] | cached % | completion latency p50 / p90 / p99 (s) |",
                   "|---|---|---|---|---|"]
         for lab in t["systems"]:

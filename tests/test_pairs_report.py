@@ -90,6 +90,7 @@ def test_report_merges_two_machines_keeps_ratios_within_pair_and_flags_mixed_pai
     assert any("the runs come from 2 machines" in w for w in t["warnings"])
     md = open(tmp_path / "report.md").read()
     assert "| M2 | NVIDIA H200 `GPU-bbbb` | host-b | 2, 3 |" in md
+    assert "(the first record's; the pairs ran on 2 machines, listed below)" in md  # the header's placement is one
     assert "| 2 | M2 | c2 | ray job submit | abc1234 |" in md
     assert "launched via: direct, ray job submit" in md and "**left out: its runs ran on different machines" in md
     assert "| flame / engine | 1.1500 | [1.0000-1.2000] | 3/3 |" in md
@@ -111,6 +112,15 @@ def test_report_flags_a_pair_from_two_calls_on_one_machine_and_reads_older_recor
     old = t["provenance"]["machines"]["M2"]
     assert (old["id"], old["host"], old["pairs"]) == ("GPU-legacy", "legacy-host", [2])
     assert t["provenance"]["pairs"][2]["call"] == "None" and t["provenance"]["pairs"][2]["via"] == "unknown"
+
+
+def test_report_header_names_no_other_machines_when_one_ran_every_pair(tmp_path):
+    a = _machine("GPU-aaaa", "host-a")
+    for p in (0, 1):
+        _write(tmp_path, "x", _raw("flame", p, 0, 12.0, a, _call(f"c{p}")))
+        _write(tmp_path, "x", _raw("engine", p, 1, 10.0, a, _call(f"c{p}")))
+    md = report.render_markdown(report.build_report(report.load_runs(str(tmp_path)), ["flame", "engine"]), "x")
+    assert "shard -> device" in md and "the first record's" not in md
 
 
 def test_report_refuses_two_different_runs_of_one_pair(tmp_path):
