@@ -9,7 +9,9 @@ tokens) it times, in interleaved rounds (A-B-C-...-C-B-A, so clocks and heat fal
 - `fp8_mm`: torch._scaled_mm on e4m3 operands with row-wise scales (per token for the activations, per output
   channel for the weights), the GEMM alone on already-quantized activations;
 - `fp8_q+mm`: the same plus quantizing the bf16 activations per token with plain torch ops (amax, scale, cast),
-  what an unfused layer pays; the gap between the two is what fusing the quantization into the producer can win.
+  what an unfused layer pays; the gap between the two is what fusing the quantization into the producer can win;
+- `w8a16` (M <= 64): our Triton kernel on e4m3 weights and bf16 activations (flame_llm/kernels/fp8_gemv.py), the
+  fastest of a small sweep of tile/split configurations, checked against the dequantized weights' F.linear.
 
 Each timing is a sustained run (`--calls` back-to-back calls between two CUDA events over rotating inputs, so
 nothing stays in L2). Reported per shape: TFLOP/s per variant (median of rounds), fp8 ÷ bf16 speed-ups, and the
@@ -19,12 +21,15 @@ The last table sums a whole 32-layer model step at each M: bf16 ms, fp8 ms, spee
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import statistics
 
 import torch
 import torch.nn.functional as F
+
+from flame_llm.kernels.fp8_gemv import fp8_small_m_linear
 
 log = logging.getLogger("bench.fp8_gemm_probe")
 E4M3_MAX = 448.0
@@ -37,6 +42,12 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / E4M3_MAX
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def w8a16_configs(m: int) -> list[tuple[int, int, int, int, int, int]]:
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return [(bm, bn, bk, split, warps, stages) for bn, bk, split, warps, stages in
+            itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (4,), (3, 5))]
 
 
 def timed(fn, calls: int) -> float:
@@ -72,8 +83,17 @@ def probe_shape(name: str, n: int, k: int, m: int, calls: int, rounds: int, sets
         return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
     variants = {"bf16": bf16, "fp8_mm": fp8_mm, "fp8_q+mm": fp8_qmm}
+    w8 = [(q, s.flatten().contiguous()) for q, s in wq]
+    configs = w8a16_configs(m) if m <= 64 else []
+    for cfg in configs:
+        bm, bn, bk, split, warps, stages = cfg
+        variants[f"w8a16:{bm},{bn},{bk},{split},{warps},{stages}"] = (
+            lambda i, cfg=cfg: fp8_small_m_linear(xs[i % sets], w8[i % sets][0], w8[i % sets][1], cfg[:4],
+                                                  num_warps=cfg[4], num_stages=cfg[5]))
     ref = bf16(0).float()
     err = ((fp8_mm(0).float() - ref).norm() / ref.norm()).item()
+    deq = F.linear(xs[0].float(), wq[0][0].float() * wq[0][1]).float()
+    w8_err = {v: ((variants[v](0).float() - deq).norm() / deq.norm()).item() for v in variants if v[:5] == "w8a16"}
     order = list(variants)
     times: dict[str, list[float]] = {v: [] for v in order}
     for r in range(rounds):
@@ -86,6 +106,12 @@ def probe_shape(name: str, n: int, k: int, m: int, calls: int, rounds: int, sets
         ms = statistics.median(times[v])
         out[v] = {"ms": ms, "tflops": flops / ms / 1e9}
     out["speedup_mm"] = out["bf16"]["ms"] / out["fp8_mm"]["ms"]
+    good = [v for v in w8_err if w8_err[v] < 1e-2]
+    if good:
+        best = min(good, key=lambda v: out[v]["ms"])
+        out["w8a16_best"] = {"config": best, "ms": out[best]["ms"], "rel_err_vs_dequant": w8_err[best],
+                             "speedup": out["bf16"]["ms"] / out[best]["ms"]}
+    out["w8a16_errors"] = w8_err
     out["speedup_q+mm"] = out["bf16"]["ms"] / out["fp8_q+mm"]["ms"]
     return out
 
@@ -108,22 +134,25 @@ def main(argv: list[str] | None = None) -> None:
         for name, n, k in SHAPES:
             row = probe_shape(name, n, k, m, a.calls, a.rounds, a.sets)
             rows.append(row)
-            log.info("%-8s M=%5d  bf16 %7.1f  fp8_mm %7.1f  fp8_q+mm %7.1f TFLOP/s  x%.2f / x%.2f  err %.4f",
+            best = row.get("w8a16_best")
+            log.info("%-8s M=%5d  bf16 %7.1f  fp8_mm %7.1f  fp8_q+mm %7.1f TFLOP/s  x%.2f / x%.2f  err %.4f%s",
                      name, m, row["bf16"]["tflops"], row["fp8_mm"]["tflops"], row["fp8_q+mm"]["tflops"],
-                     row["speedup_mm"], row["speedup_q+mm"], row["rel_err_fp8_vs_bf16"])
+                     row["speedup_mm"], row["speedup_q+mm"], row["rel_err_fp8_vs_bf16"],
+                     f"  w8a16 x{best['speedup']:.2f} ({best['config']})" if best else "")
     steps = []
     for m in sorted({r["m"] for r in rows}):
         sel = [r for r in rows if r["m"] == m]
         b = a.layers * sum(r["bf16"]["ms"] for r in sel)
         f = a.layers * sum(r["fp8_mm"]["ms"] for r in sel)
         q = a.layers * sum(r["fp8_q+mm"]["ms"] for r in sel)
+        w = a.layers * sum(min(r["fp8_mm"]["ms"], r.get("w8a16_best", {}).get("ms", 1e9)) for r in sel)
         steps.append({"m": m, "bf16_ms": b, "fp8_mm_ms": f, "fp8_q+mm_ms": q,
-                      "speedup_mm": b / f, "speedup_q+mm": b / q})
-    log.info("\nwhole %d-layer step (linear layers only)\n%6s %10s %10s %10s %8s %8s", a.layers, "M", "bf16 ms",
-             "fp8 ms", "fp8+q ms", "x mm", "x q+mm")
+                      "speedup_mm": b / f, "speedup_q+mm": b / q, "best_fp8_ms": w, "speedup_best": b / w})
+    log.info("\nwhole %d-layer step (linear layers only)\n%6s %10s %10s %10s %8s %8s %8s", a.layers, "M",
+             "bf16 ms", "fp8 ms", "fp8+q ms", "x mm", "x q+mm", "x best")
     for s in steps:
-        log.info("%6d %10.3f %10.3f %10.3f %8.2f %8.2f", s["m"], s["bf16_ms"], s["fp8_mm_ms"], s["fp8_q+mm_ms"],
-                 s["speedup_mm"], s["speedup_q+mm"])
+        log.info("%6d %10.3f %10.3f %10.3f %8.2f %8.2f %8.2f", s["m"], s["bf16_ms"], s["fp8_mm_ms"], s["fp8_q+mm_ms"],
+                 s["speedup_mm"], s["speedup_q+mm"], s["speedup_best"])
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "calls": a.calls, "rounds": a.rounds}
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "shapes": rows, "steps": steps}, f, indent=1)
