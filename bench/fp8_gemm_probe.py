@@ -14,8 +14,9 @@ tokens) it times, in interleaved rounds (A-B-C-...-C-B-A, so clocks and heat fal
   fastest of a small sweep of tile/split configurations, checked against the dequantized weights' F.linear.
 
 Each timing is a sustained run (`--calls` back-to-back calls over rotating inputs, so nothing stays in L2,
-captured in a CUDA graph and replayed between two events, as the engine's decode steps run). Reported per shape: TFLOP/s per variant (median of rounds), fp8 ÷ bf16 speed-ups, and the
-relative error of the fp8 product against the bf16 one on random normal data (‖fp8 − bf16‖ / ‖bf16‖).
+captured in a CUDA graph and replayed between two events, as the engine's decode steps run). Reported per
+shape: TFLOP/s per variant (median of rounds), fp8 ÷ bf16 speed-ups, and the relative error of the fp8 product
+against the bf16 one on random normal data (‖fp8 − bf16‖ / ‖bf16‖).
 The last table sums a whole 32-layer model step at each M: bf16 ms, fp8 ms, speed-up. `--device cpu` is refused
 (no FP8 GEMM there)."""
 from __future__ import annotations
