@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--chunked", type=int, default=1, help="enable_chunked_prefill (needed when max-batched < 32768)")
     ap.add_argument("--engine-json", default="{}", help="more engine fields (JSON object), e.g. a flag's A/B: "
                     "'{\"fused_rope_store\": true}'")
+    ap.add_argument("--traces", default="no-reuse,reuse", help="the seed traces the traces part runs")
     args = ap.parse_args()
     SEED_LIMITS.update(max_num_batched_tokens=args.max_batched, enable_chunked_prefill=bool(args.chunked),
                        fresh_prefill_backend=args.fresh_prefill_backend, **json.loads(args.engine_json))
@@ -149,7 +150,7 @@ def main() -> None:
 
         res["traces"] = {}
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        for name in ("no-reuse", "reuse"):
+        for name in args.traces.split(","):
             trace_cfg = TraceConfig(name=name, vocab_size=hf.vocab_size, seed=0)
             for warm in warmup_traces(trace_cfg, rounds=2):  # the protocol's two shifted rounds, unseen prefixes
                 timed_generate(llm, [r.token_ids.tolist() for r in warm.requests], sp)
