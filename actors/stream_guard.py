@@ -8,7 +8,7 @@ long, so that a flood of connections (idle, slow, or bad) cannot use up the acto
 - A connection past its hello with no stream open and no frame for `idle_timeout_s` is closed (clients ping).
 - A frame whose first byte arrived completes within `frame_timeout_s` plus its length at 1 MiB/s.
 - Accept failing for want of file descriptors (EMFILE, ENFILE) backs off accepting (up to ACCEPT_BACKOFF_MAX_S)
-  and closes the oldest pending connection; connections already served go on.
+  and closes the older half of the pending connections; connections already served go on.
 
 Refusals are logged as a summary line at most every LOG_EVERY_S (RefusalLog), never one line per event."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-ACCEPT_BACKOFF_MIN_S = 0.05
+ACCEPT_BACKOFF_MIN_S = 0.02
 ACCEPT_BACKOFF_MAX_S = 1.0
 LOG_EVERY_S = 10.0
 

@@ -102,7 +102,8 @@ class StreamServer:
 
     async def _accept(self, lsock: socket.socket) -> None:
         """Accept connections; when the process is out of file descriptors, back off (doubling up to
-        ACCEPT_BACKOFF_MAX_S) and close the oldest pending connection, instead of a tight loop of failed accepts."""
+        ACCEPT_BACKOFF_MAX_S) and close the older half of the pending connections, instead of a tight loop of
+        failed accepts."""
         loop, backoff = asyncio.get_running_loop(), 0.0
         while True:
             try:
@@ -116,7 +117,8 @@ class StreamServer:
                     continue
                 self.counters["socket_accept_errors"] += 1
                 self.refusals.note(f"accept failed ({errno.errorcode.get(e.errno, e.errno)}), backing off")
-                self._evict_oldest_pending("evicted to free a descriptor")
+                for _ in range(max(1, len(self.pending) // 2)):  # the flood holds them: room for new ones
+                    self._evict_oldest_pending("evicted to free descriptors")
                 backoff = min(max(backoff * 2, ACCEPT_BACKOFF_MIN_S), ACCEPT_BACKOFF_MAX_S)
                 await asyncio.sleep(backoff)
                 continue

@@ -110,10 +110,10 @@ async def run(port: int, pid: int, stream_once, args) -> dict:
             "fds_after": fds_of(pid), "valid_idle": _percentiles(idle), "valid_during": _percentiles(during)}
 
 
-def _standalone(args) -> dict:
-    """A StreamServer (stand-in streams: payload b"N" yields N chunks) in a child process."""
+def _standalone(args, stderr=None) -> dict:
+    """A StreamServer (stand-in streams: payload b"N" yields N chunks) in a child process (its log to `stderr`)."""
     child = subprocess.Popen([sys.executable, "-m", "bench.stream_flood_child", json.dumps(vars(args))],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         ep = json.loads(child.stdout.readline())
         from flame_llm.protocol.stream_frames import StreamEndpoint
@@ -136,10 +136,12 @@ def _standalone(args) -> dict:
             finally:
                 conn.close("done")
 
-        return asyncio.run(main())
+        out = asyncio.run(main())
     finally:
+        out_alive = child.poll() is None
         child.terminate()
         child.wait(30)
+    return {**out, "server_alive": out_alive}
 
 
 def _service(args) -> dict:
