@@ -123,11 +123,20 @@ class StreamServer:
                 await asyncio.sleep(backoff)
                 continue
             backoff = 0.0
+            # an accepted socket's proto is 0, so asyncio does not set TCP_NODELAY itself (small frames would wait
+            # for delayed ACKs: 40 ms a stream)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if len(self.pending) >= self.limits.max_pending:
                 self._evict_oldest_pending("pending cap: oldest without hello closed")
             cid = next(self._ids)
             conn = self.pending[cid] = _Conn(loop.create_task(self._serve_conn(cid, sock)))
-            conn.task.add_done_callback(lambda _, cid=cid: (self.pending.pop(cid, None), self.authed.pop(cid, None)))
+            conn.task.add_done_callback(lambda _, cid=cid, sock=sock: self._gone(cid, sock))
+            await asyncio.sleep(0)  # sock_accept does not yield while the backlog holds connections: the rest run
+
+    def _gone(self, cid: int, sock: socket.socket) -> None:
+        self.pending.pop(cid, None)
+        self.authed.pop(cid, None)
+        sock.close()  # its descriptor is freed even when its task was cancelled before it ran
 
     def _evict_oldest_pending(self, why: str) -> None:
         for conn in self.pending.values():
