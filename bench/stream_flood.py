@@ -165,6 +165,7 @@ def _service(args) -> dict:
 
     cfg = ServiceConfig.from_kwargs(model="tiny", num_shards=1, cpu_per_shard=1, namespace="bench-stream-flood",
                                     stream_hello_timeout_s=args.hello_timeout_s)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # its own, on loopback
     svc = start_service(cfg)
     try:
         actor = svc.actors[0]
