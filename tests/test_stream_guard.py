@@ -217,3 +217,13 @@ def test_refusals_are_logged_as_bounded_summaries(caplog):
     lines = [r for r in caplog.records if "refused or closed" in r.getMessage()]
     assert 1 <= len(lines) <= 3 and server.refusals.lines == len(lines)
     assert sum(int(r.getMessage().split(": ")[1].split(" ")[0]) for r in lines) == 100
+
+
+def test_a_bad_stream_bound_is_refused_naming_the_field():
+    import pytest
+    with pytest.raises(ValueError, match="shard field 'stream_hello_timeout_s'"):
+        ShardOptions(stream_hello_timeout_s=0)
+    with pytest.raises(ValueError, match="shard field 'stream_max_pending'"):
+        ShardOptions(stream_max_pending=0)
+    with pytest.raises(ValueError, match="shard field 'stream_max_connections'"):
+        ShardOptions(stream_max_connections="many")
