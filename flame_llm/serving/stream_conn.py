@@ -115,8 +115,6 @@ class StreamConn:
     def _break(self, why: str) -> None:
         if self.broken is None:
             self.broken = why
-            if self.pinger is not None:
-                self.pinger.cancel()
             if self.streams:
                 log.warning("shard %d: stream connection broke with %d streams open: %s", self.shard,
                             len(self.streams), why)
@@ -124,6 +122,8 @@ class StreamConn:
                 q.put_nowait(self.lost())
             self.streams.clear()
             try:
+                if self.pinger is not None:
+                    self.pinger.cancel()
                 self.writer.close()
             except RuntimeError:  # its loop closed first (a client dropped without close()): nothing to tell
                 pass
