@@ -21,8 +21,8 @@ class ShardOptions:
     zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
     result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
     fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
-    # the stream port's bounds (actors/stream_guard.py): a connection presents its token within the hello timeout
-    stream_hello_timeout_s: float = 5.0
+    # the stream port's bounds (actors/stream_guard.py)
+    stream_hello_timeout_s: float = 5.0  # a connection presents its token within this, or is closed
     stream_max_pending: int = 256  # connections not yet past their hello (a new one past it closes the oldest)
     stream_max_connections: int = 1024  # connections past their hello (one per client per shard); more are closed
     stream_idle_timeout_s: float = 120.0  # a connection with no stream and no frame (clients ping at a third of it)
