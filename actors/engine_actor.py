@@ -29,7 +29,7 @@ from actors.liveness import LIVE_TIMEOUT_S, Liveness, probe
 from actors.metrics import ShardMetrics
 from actors.pinning import ShardPlacement
 from actors.shard_options import ShardOptions
-from actors.stream_server import StreamServer
+from actors.stream_server import StreamServer, stream_host
 from flame_llm.engine.coalesce import coalesced
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
 from flame_llm.protocol.stream_frames import StreamEndpoint
@@ -149,16 +149,7 @@ class EngineActor:
         if self.stream_server is None:
             self.stream_server = StreamServer(self.stream_items, self.limits.max_payload_bytes, self.name,
                                               self.incarnation, self.stream_limits)
-        if client_node is None:
-            nodes = await asyncio.to_thread(lambda: sum(n["Alive"] for n in ray.nodes()))
-            local, why = nodes <= 1, f"a client on an unnamed node; the cluster has {nodes} node(s)"
-        else:
-            local, why = client_node == self.node_id, f"a client on node {client_node[:8]}"
-        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        if host not in self.stream_server.endpoints:
-            log.info("shard %s: stream port on %s: %s", self.name,
-                     "loopback" if local else f"the node's address {host} (a multi-node cluster)", why)
-        return await self.stream_server.start(host)
+        return await self.stream_server.start(await stream_host(client_node, self.node_id, self.name))
 
     async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None,
                            owner: str | None = None):

@@ -39,10 +39,27 @@ from flame_llm.protocol.stream_frames import (
 log = logging.getLogger(__name__)
 
 Items = Callable[[bytes, "str | None", "str | None", "str | None"], AsyncIterator["list[int] | bytes"]]
+LOOPBACK = "127.0.0.1"
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_cancels", "socket_dropped",
             "socket_hello_timeouts", "socket_refused_cap", "socket_idle_closed", "socket_frame_timeouts",
             "socket_bad_frames", "socket_accept_errors")
+
+
+async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
+    """The address shard `name` (on node_id) serves a client on `client_node` at: loopback for a client on its node
+    (or, unnamed, any client of a one-node cluster), else the node's address (a multi-node cluster). Logged."""
+    import ray
+
+    if client_node is None:
+        nodes = await asyncio.to_thread(lambda: sum(n["Alive"] for n in ray.nodes()))
+        local, why = nodes <= 1, f"a client on an unnamed node; the cluster has {nodes} node(s)"
+    else:
+        local, why = client_node == node_id, f"a client on node {client_node[:8]}"
+    host = LOOPBACK if local else ray.util.get_node_ip_address()
+    log.info("shard %s: stream port on %s for %s", name,
+             "loopback" if local else f"the node's address {host} (a multi-node cluster)", why)
+    return host
 
 
 class _Conn:
