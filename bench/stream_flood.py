@@ -173,21 +173,57 @@ def _service(args) -> dict:
         assert ep.host == LOOPBACK, ep
         client = Client.for_service(svc, stream_transport="socket")
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        door = _door(cfg) if args.door else None
 
         async def once() -> None:
+            if door is not None:  # through the front door (its client streams over the same port)
+                await asyncio.to_thread(door[1])
+                return
             async for _ in client.stream_chunks([5, 6, 7, 8], sp):
                 pass
 
         try:
             out = asyncio.run(run(ep.port, svc.health[0].pid, once, args))
+            out["valid_via"] = "front door (HTTP /v1/completions, stream)" if door else "Client.stream_chunks (socket)"
         finally:
             client.close()
+            if door is not None:
+                from flame_llm.serving.frontdoor import stop_frontdoor
+                stop_frontdoor(cfg.ray.namespace)
         out["shard"] = {k: v for k, v in ray.get(actor.stats.remote()).items() if k.startswith("socket_")}
         out["live"] = asdict(ray.get(actor.live.remote()))
         return out
     finally:
         svc.stop(timeout_s=10)
         ray.shutdown()
+
+
+def _door(cfg):
+    """The service's front door on a free loopback port, and a function that sends one 8-token completion, streamed
+    (SSE: the door's client streams it over the shard's stream port)."""
+    import http.client
+    from urllib.parse import urlparse
+
+    from flame_llm.serving.frontdoor import start_frontdoor
+    from flame_llm.serving.http_app import HttpConfig
+
+    handle, address = start_frontdoor(cfg.ray.namespace, HttpConfig(host=LOOPBACK, port=0), client=cfg.client)
+    url = urlparse(address)
+
+    def call(method: str, path: str, body: dict | None = None) -> dict:
+        c = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        try:
+            c.request(method, path, json.dumps(body) if body else None, {"Content-Type": "application/json"})
+            r = c.getresponse()
+            data = r.read()
+            assert r.status == 200 and (not body or b"[DONE]" in data), (r.status, data[:200])
+            return json.loads(data) if not body else {}
+        finally:
+            c.close()
+
+    model = call("GET", "/v1/models")["data"][0]["id"]
+    return handle, lambda: call("POST", "/v1/completions", {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 8,
+                                                            "temperature": 0, "ignore_eos": True, "stream": True})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--valid", type=int, default=20, help="valid streams measured idle")
     p.add_argument("--settle-s", type=float, default=6.0, help="wait after the flood before counting fds")
     p.add_argument("--target", choices=("service", "standalone"), default="service")
+    p.add_argument("--door", action="store_true", help="valid requests through the front door (HTTP), not a Client")
     p.add_argument("--flood-port", type=int, help=argparse.SUPPRESS)  # the flood process's own run
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
