@@ -21,6 +21,8 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
+import ray
+
 from actors.shard_options import ShardOptions
 from actors.stream_guard import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, RefusalLog, StreamLimits
 from flame_llm.protocol.stream_frames import (
@@ -49,8 +51,6 @@ COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_ca
 async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
     """The address shard `name` (on node_id) serves a client on `client_node` at: loopback for a client on its node
     (or, unnamed, any client of a one-node cluster), else the node's address (a multi-node cluster). Logged."""
-    import ray
-
     if client_node is None:
         nodes = await asyncio.to_thread(lambda: sum(n["Alive"] for n in ray.nodes()))
         local, why = nodes <= 1, f"a client on an unnamed node; the cluster has {nodes} node(s)"
@@ -129,7 +129,7 @@ class StreamServer:
                 if e.errno not in OUT_OF_FDS:
                     if lsock.fileno() < 0:  # closed by stop()
                         return
-                    log.warning("shard %s: stream accept failed: %s", self.name, e)
+                    self.refusals.note(f"accept failed ({errno.errorcode.get(e.errno, e.errno)})")
                     await asyncio.sleep(ACCEPT_BACKOFF_MIN_S)
                     continue
                 self.counters["socket_accept_errors"] += 1
