@@ -4,8 +4,9 @@
 (one request, its tokens as they are sampled; also served over a TCP socket by the stream server that
 `stream_endpoint` names, actors/stream_server.py) run in the default concurrency group (its own event loop); health,
 stats, abort, drain and shutdown run in the "control" group, on another loop, so a saturated admission loop
-never starves them. Requests are aborted on the caller's word or when the caller's Ray job dies
-(actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)` in
+never starves them; `live` runs a no-op on the serving loop from there (actors/liveness.py), so a wedged serving
+loop reports unhealthy and the supervisor restarts the shard. Requests are aborted on the caller's word or when
+the caller's Ray job dies (actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)` in
 flame_llm.serving.service.
 """
 from __future__ import annotations
@@ -23,11 +24,12 @@ from actors.admission import Admission, Overloaded, request_cost
 from actors.as_finished import as_finished
 from actors.faults import break_engine, slow_engine
 from actors.host import EngineHost
-from actors.inflight import Inflight
+from actors.inflight import DuplicateRequestId, Inflight
+from actors.liveness import LIVE_TIMEOUT_S, Liveness, probe
 from actors.metrics import ShardMetrics
 from actors.pinning import ShardPlacement
 from actors.shard_options import ShardOptions
-from actors.stream_server import StreamServer
+from actors.stream_server import StreamServer, stream_host
 from flame_llm.engine.coalesce import coalesced
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
 from flame_llm.protocol.stream_frames import StreamEndpoint
@@ -60,6 +62,9 @@ class EngineActor:
         self.metrics = ShardMetrics()
         self.inflight = Inflight()
         self.stream_server: StreamServer | None = None  # the socket transport's, once asked for
+        self.stream_limits = options.stream_limits()
+        self.serve_loop: asyncio.AbstractEventLoop | None = None  # the default group's loop, once a call ran there
+        self._engine_ids = 0  # the engine's request ids are unique per actor (owners may share ids)
         log.info("shard %s on %s (node %s)%s", self.name, self.device, self.node_id,
                  " (restarted)" if self.restarted else "")
 
@@ -135,16 +140,21 @@ class EngineActor:
             async for item in items:
                 yield item
 
-    async def stream_endpoint(self) -> StreamEndpoint:
-        """Where this incarnation's stream server listens (started on the first call, on the loop `stream` runs
-        on): the socket transport of `stream` (actors/stream_server.py), and the token a connection presents."""
+    async def stream_endpoint(self, client_node: str | None = None) -> StreamEndpoint:
+        """Where this incarnation's stream server listens for a client on node `client_node` (started on the first
+        call, on the loop `stream` runs on): the socket transport of `stream` (actors/stream_server.py), and the
+        token a connection presents. A client on this node (or, unnamed, any client of a one-node cluster) gets
+        the loopback address; the node's address is listened on only once a client on another node asks."""
+        self.serve_loop = asyncio.get_running_loop()
         if self.stream_server is None:
             self.stream_server = StreamServer(self.stream_items, self.limits.max_payload_bytes, self.name,
-                                              self.incarnation)
-        return await self.stream_server.start(ray.util.get_node_ip_address())
+                                              self.incarnation, self.stream_limits)
+        return await self.stream_server.start(await stream_host(client_node, self.node_id, self.name))
 
-    async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None):
-        """The items of one stream, whichever transport carries them (`stream`, the stream server)."""
+    async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None,
+                           owner: str | None = None):
+        """The items of one stream, whichever transport carries them (`stream`, the stream server). `owner`: the
+        sender's identity here (a stream connection; None: the caller), which its request id is unique within."""
         arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
         items = self._decode(payload)
         if not isinstance(items, Result) and len(items) != 1:
@@ -156,7 +166,7 @@ class EngineActor:
         self.metrics.counters["streams"] += 1
         chunks: asyncio.Queue = asyncio.Queue()
         task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
-                                                                  chunks.put_nowait, client))
+                                                                  chunks.put_nowait, client, owner))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         first_chunk_at = None
         try:
@@ -171,10 +181,12 @@ class EngineActor:
             yield self._encode([res])
         finally:
             if not task.done():  # its reader left (a cancel, a closed connection, ray.cancel): an abort, counted
-                self.inflight.abort([items[0].id])
+                self.inflight.abort([items[0].id], owner if owner is not None else caller)
 
     async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
-                     emit=None, client: str | None = None) -> Result:
+                     emit=None, client: str | None = None, owner: str | None = None) -> Result:
+        self.serve_loop = asyncio.get_running_loop()
+        owner = owner if owner is not None else caller
         if isinstance(item, RequestError):
             self.metrics.counters["errors"] += 1
             return self._result(item.id, error=item.info())
@@ -183,20 +195,25 @@ class EngineActor:
             self.metrics.counters["errors"] += 1
             res.error = ErrorInfo(ErrorCode.DRAINING, f"shard {self.name} is draining")
             return res
-        if not self.inflight.add(item.id, caller):  # aborted on its way here
-            res.finish_reason = "abort"
+        try:
+            if not self.inflight.add(item.id, caller, owner):  # aborted on its way here
+                res.finish_reason = "abort"
+                return res
+        except DuplicateRequestId as e:  # refused before it registered: the one in flight is untouched
+            self.metrics.counters["errors"] += 1
+            res.error = ErrorInfo(ErrorCode.DUPLICATE_ID, str(e))
             return res
         try:
             return await self._admit_and_run(item, res, t_start, emit, (caller, client))
         except asyncio.CancelledError:
-            if not self.inflight.was_aborted(item.id):
+            if not self.inflight.was_aborted(item.id, owner):
                 raise
             asyncio.current_task().uncancel()
-            self.inflight.forget(item.id)
+            self.inflight.forget(item.id, owner)
             res.finish_reason, res.timings = "abort", {"total_s": time.perf_counter() - t_start}
             return res
         finally:
-            self.inflight.remove(item.id, caller)
+            self.inflight.remove(item.id, caller, owner)
 
     async def _admit_and_run(self, item: Request, res: Result, t_start: float, emit, sender: tuple) -> Result:
         sp = item.sampling
@@ -209,11 +226,13 @@ class EngineActor:
             res.timings = {"queue_s": time.perf_counter() - t_start}
             return res
         t_admit = time.perf_counter()
+        self._engine_ids += 1
+        engine_id = f"{item.id}#{self._engine_ids}"  # two owners' equal ids are two engine requests
         try:
             if emit is None:
-                out = await self.engine.generate(item.prompt_token_ids, sp, request_id=item.id, checked=True)
+                out = await self.engine.generate(item.prompt_token_ids, sp, request_id=engine_id, checked=True)
             else:
-                async for x in self.engine.stream_chunks(item.prompt_token_ids, sp, item.id, checked=True):
+                async for x in self.engine.stream_chunks(item.prompt_token_ids, sp, engine_id, checked=True):
                     if isinstance(x, list):
                         emit(x)
                     else:
@@ -240,14 +259,26 @@ class EngineActor:
         timings = {"queue_s": t_admit - t_start, "engine_s": t_done - t_admit, "total_s": t_done - t_start}
         res = Result.from_output(out, item.prompt_token_ids, timings, shard=self.shard, device=self.device,
                                  node=self.node_id)
+        res.id = item.id
         self.metrics.served(res)
         return res
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    def abort(self, request_ids: list[str]) -> int:
-        """Abort these requests (waiting for admission or in the engine): each answers finish_reason "abort"
-        with the tokens streamed so far. An id not here yet is remembered and never started. The number found."""
-        return self.inflight.abort(list(request_ids))
+    def abort(self, request_ids: list[str], caller: str | None = None) -> int:
+        """Abort these requests of `caller` (the Ray job id its requests came with; waiting for admission or in the
+        engine): each answers finish_reason "abort" with the tokens streamed so far. An id not here yet is
+        remembered and never started. The number found."""
+        return self.inflight.abort(list(request_ids), caller)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def live(self, timeout_s: float = LIVE_TIMEOUT_S) -> Liveness:
+        """Whether the loop that serves requests and the stream port runs (a no-op within timeout_s), and the
+        process's file descriptors (actors/liveness.py). Unlike `health`, a wedged serving loop fails it."""
+        return await probe(self.serve_loop, timeout_s)
+
+    async def debug_block_loop(self, seconds: float) -> None:
+        """Fault injection (tests, drills): the serving loop blocks for `seconds`, as a wedged one does."""
+        time.sleep(seconds)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def health(self) -> ShardHealth:

@@ -6,7 +6,12 @@ Every request runs in its own task on the actor's submit loop; aborting it cance
 request is aborted by AsyncEngine when its awaiting task is cancelled). An abort that arrives before its
 request is remembered for a while, so a request that was cancelled while on its way is never started. `abort`
 runs on the actor's control threads, the rest on the submit loop: one lock makes registering a request and
-aborting it exclusive (an abort sees the task, or the request sees the abort)."""
+aborting it exclusive (an abort sees the task, or the request sees the abort).
+
+Requests are keyed by their owner and id (issue 37): the owner is the sender's identity inside the actor (a
+stream connection of the socket transport, else the caller's Ray job id), so one owner's id never reaches another
+owner's request (its registration, its abort); a second request with an id its owner has in flight is refused
+before it registers (DuplicateRequestId)."""
 from __future__ import annotations
 
 import asyncio
@@ -47,55 +52,71 @@ async def dead_jobs(job_ids: set[str]) -> set[str]:
     return {j for j, dead in zip(ids, await asyncio.gather(*(one(j) for j in ids))) if dead}
 
 
+Key = tuple[str | None, str]  # (owner, request id)
+
+
+class DuplicateRequestId(ValueError):
+    """A request whose id its owner has in flight here already."""
+
+
 class Inflight:
     def __init__(self) -> None:
-        self.tasks: dict[str, asyncio.Task] = {}  # request id -> the task serving it
-        self.callers: dict[str, set[str]] = {}  # caller job id -> its request ids
-        self.aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when its abort arrived
+        self.tasks: dict[Key, asyncio.Task] = {}  # (owner, request id) -> the task serving it
+        self.callers: dict[str, set[Key]] = {}  # caller job id -> its requests
+        self.aborted: OrderedDict[Key, float] = OrderedDict()  # (owner, request id) -> when its abort arrived
         self.loop: asyncio.AbstractEventLoop | None = None  # the submit loop (abort comes from another thread)
         self.watcher: asyncio.Task | None = None
         # caller_checks / caller_check_s: the watcher's looks at the job table and the seconds they took
         self.counters = {"aborted": 0, "aborted_dead_caller": 0, "caller_checks": 0, "caller_check_s": 0.0}
         self._lock = threading.Lock()
 
-    def add(self, rid: str, caller: str | None) -> bool:
-        """Register the current task as serving `rid` for `caller`; False when it was aborted already."""
+    def add(self, rid: str, caller: str | None, owner: str | None = None) -> bool:
+        """Register the current task as serving `rid` for `owner` (None: the caller); False when it was aborted
+        already. DuplicateRequestId when the owner has a request `rid` in flight (nothing registered)."""
+        key = (owner if owner is not None else caller, rid)
         with self._lock:
-            if self.aborted.pop(rid, None) is not None:
+            if key in self.tasks:
+                raise DuplicateRequestId(f"field 'id': request id {rid!r} is already in flight from this sender; "
+                                         "ids must be unique among a sender's requests in flight")
+            if self.aborted.pop(key, None) is not None:
                 return False
             self.loop = asyncio.get_running_loop()
-            self.tasks[rid] = asyncio.current_task()
+            self.tasks[key] = asyncio.current_task()
             if caller:
-                self.callers.setdefault(caller, set()).add(rid)
+                self.callers.setdefault(caller, set()).add(key)
         if caller and self.watcher is None:
             self.watcher = self.loop.create_task(self._watch())
         return True
 
-    def remove(self, rid: str, caller: str | None) -> None:
+    def remove(self, rid: str, caller: str | None, owner: str | None = None) -> None:
+        key = (owner if owner is not None else caller, rid)
         with self._lock:
-            self.tasks.pop(rid, None)
+            self.tasks.pop(key, None)
             ids = self.callers.get(caller) if caller else None
             if ids is not None:
-                ids.discard(rid)
+                ids.discard(key)
                 if not ids:
                     del self.callers[caller]
 
-    def was_aborted(self, rid: str) -> bool:
+    def was_aborted(self, rid: str, owner: str | None = None) -> bool:
         """Whether `rid`'s cancellation is one of ours (an abort), not the actor's own shutdown."""
         with self._lock:
-            return rid in self.aborted
+            return (owner, rid) in self.aborted
 
-    def abort(self, rids: list[str]) -> int:
-        """Cancel the tasks serving `rids` (from any thread); remember the others. The number found. A request
-        counts in "aborted" once, however many aborts reach it (a client's and its stream's end, say)."""
+    def abort(self, rids: list[str], owner: str | None = None) -> int:
+        """Cancel the tasks serving `owner`'s `rids` (from any thread); remember the others. The number found. A
+        request counts in "aborted" once, however many aborts reach it (a client's and its stream's end, say)."""
+        return self._abort([(owner, rid) for rid in rids])
+
+    def _abort(self, keys: list[Key]) -> int:
         now = time.monotonic()
         found = counted = 0
         with self._lock:
-            for rid in rids:
-                again = rid in self.aborted
-                self.aborted[rid] = now
-                self.aborted.move_to_end(rid)
-                task = self.tasks.get(rid)
+            for key in keys:
+                again = key in self.aborted
+                self.aborted[key] = now
+                self.aborted.move_to_end(key)
+                task = self.tasks.get(key)
                 if task is not None and self.loop is not None:
                     found += 1
                     counted += not again
@@ -106,9 +127,9 @@ class Inflight:
             self.counters["aborted"] += counted
         return found
 
-    def forget(self, rid: str) -> None:
+    def forget(self, rid: str, owner: str | None = None) -> None:
         with self._lock:
-            self.aborted.pop(rid, None)
+            self.aborted.pop((owner, rid), None)
 
     async def _watch(self) -> None:
         """Abort the requests of callers whose Ray job died; ends when no caller is left. Looks back off while
@@ -129,9 +150,9 @@ class Inflight:
                 self.counters["caller_check_s"] += time.perf_counter() - t0
                 for job in dead:
                     with self._lock:
-                        rids = list(self.callers.pop(job, ()))
-                    log.warning("caller job %s is gone: aborting its %d requests", job, len(rids))
-                    self.counters["aborted_dead_caller"] += len(rids)
-                    self.abort(rids)
+                        keys = list(self.callers.pop(job, ()))
+                    log.warning("caller job %s is gone: aborting its %d requests", job, len(keys))
+                    self.counters["aborted_dead_caller"] += len(keys)
+                    self._abort(keys)
         finally:
             self.watcher = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.stream_guard import StreamLimits
 from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_ZSTD_LEVEL
 from flame_llm.protocol.wire import MAX_LEVEL, MIN_LEVEL
 from flame_llm.validate import check_bool, check_int, check_number
@@ -20,6 +21,12 @@ class ShardOptions:
     zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
     result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
     fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
+    # the stream port's bounds (actors/stream_guard.py)
+    stream_hello_timeout_s: float = 5.0  # a connection presents its token within this, or is closed
+    stream_max_pending: int = 256  # connections not yet past their hello (a new one past it closes the oldest)
+    stream_max_connections: int = 1024  # connections past their hello (one per client per shard); more are closed
+    stream_idle_timeout_s: float = 120.0  # a connection with no stream and no frame (clients ping at a third of it)
+    stream_frame_timeout_s: float = 30.0  # a frame begun must complete within this (+ its length at 1 MiB/s)
 
     def __post_init__(self) -> None:
         for name, low, high in (("torch_threads", 1, 1 << 10), ("max_inflight_tokens", 1, 1 << 40),
@@ -28,3 +35,11 @@ class ShardOptions:
             check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
         check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
         check_bool("fair_admission", self.fair_admission, where="shard field")
+        for name in ("stream_hello_timeout_s", "stream_idle_timeout_s", "stream_frame_timeout_s"):
+            check_number(name, getattr(self, name), 0, 86400, low_open=True, where="shard field")
+        check_int("stream_max_pending", self.stream_max_pending, 1, 1 << 20, where="shard field")
+        check_int("stream_max_connections", self.stream_max_connections, 1, 1 << 20, where="shard field")
+
+    def stream_limits(self) -> StreamLimits:
+        return StreamLimits(self.stream_hello_timeout_s, self.stream_max_pending, self.stream_max_connections,
+                            self.stream_idle_timeout_s, self.stream_frame_timeout_s)

@@ -1,101 +1,220 @@
 """An engine actor's stream server (ClientConfig.stream_transport = "socket"): a TCP server on the actor's own
-event loop, bound to its node's IP on an ephemeral port, carrying streams without a Ray call per request or per
+event loop, on an ephemeral port of the loopback address (a client on the actor's node) or of the node's address
+(once a client on another node asks: a multi-node cluster), carrying streams without a Ray call per request or per
 chunk (flame_llm/protocol/stream_frames.py says the framing). Each stream is served by the same async generator
 as the actor's Ray `stream` method (EngineActor.stream_items): token chunks, then the result payload.
 
 A connection presents the actor's secret token first, or it is closed. A stream ends on its shard when its
 client cancels it or when its connection closes (the caller is gone, as the dead-caller watcher decides for Ray
 callers): its task is cancelled, and the actor aborts its request as `EngineActor.abort` would (counted in the
-shard's "aborted"), which frees its admission slot."""
+shard's "aborted"), which frees its admission slot. Every wait of a connection is bounded (actors/stream_guard.py);
+a bad frame after the hello closes only what it must: an OPEN or CANCEL whose fields are unusable is refused alone
+(counted in socket_bad_frames; an OPEN with a usable new stream id is answered FAIL), a frame that breaks the
+framing closes its connection."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import itertools
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
+import ray
+
+from actors.shard_options import ShardOptions
+from actors.stream_guard import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, RefusalLog, StreamLimits
 from flame_llm.protocol.stream_frames import (
     FRAME_OVERHEAD,
     HELLO_MAX_BYTES,
     Frame,
     FrameError,
+    FrameIdle,
     StreamEndpoint,
     encode_frame,
     keepalive,
     read_frame,
+    read_frame_within,
 )
 
 log = logging.getLogger(__name__)
 
-Items = Callable[[bytes, "str | None", "str | None"], AsyncIterator["list[int] | bytes"]]
+Items = Callable[[bytes, "str | None", "str | None", "str | None"], AsyncIterator["list[int] | bytes"]]
+LOOPBACK = "127.0.0.1"
+OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_cancels", "socket_dropped",
+            "socket_hello_timeouts", "socket_refused_cap", "socket_idle_closed", "socket_frame_timeouts",
+            "socket_bad_frames", "socket_accept_errors")
+
+
+async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
+    """The address shard `name` (on node_id) serves a client on `client_node` at: loopback for a client on its node
+    (or, unnamed, any client of a one-node cluster), else the node's address (a multi-node cluster). Logged."""
+    if client_node is None:
+        nodes = await asyncio.to_thread(lambda: sum(n["Alive"] for n in ray.nodes()))
+        local, why = nodes <= 1, f"a client on an unnamed node; the cluster has {nodes} node(s)"
+    else:
+        local, why = client_node == node_id, f"a client on node {client_node[:8]}"
+    host = LOOPBACK if local else ray.util.get_node_ip_address()
+    log.info("shard %s: stream port on %s for %s", name,
+             "loopback" if local else f"the node's address {host} (a multi-node cluster)", why)
+    return host
+
+
+class _Conn:
+    __slots__ = ("task", "evicted")
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task, self.evicted = task, False
 
 
 class StreamServer:
-    def __init__(self, items: Items, max_payload_bytes: int, name: str, incarnation: str) -> None:
+    def __init__(self, items: Items, max_payload_bytes: int, name: str, incarnation: str,
+                 limits: StreamLimits | None = None) -> None:
         self.items, self.name, self.incarnation = items, name, incarnation
+        self.limits = limits if limits is not None else ShardOptions().stream_limits()
         # a request payload is zstd of at most max_payload_bytes (incompressible input grows a little)
         self.max_frame_bytes = max_payload_bytes + max_payload_bytes // 64 + FRAME_OVERHEAD
-        self.server: asyncio.base_events.Server | None = None
-        self.endpoint: StreamEndpoint | None = None
-        self._starting: asyncio.Future | None = None
-        self.conns: set[asyncio.Task] = set()
-        self.counters = {"socket_connections": 0, "socket_refused": 0, "socket_streams": 0, "socket_cancels": 0,
-                         "socket_dropped": 0}
+        self.token = StreamEndpoint.new_token()  # one per incarnation, whichever address a client comes by
+        self.endpoints: dict[str, StreamEndpoint] = {}  # host -> where it listens
+        self._starting: dict[str, asyncio.Future] = {}
+        self._listeners: list[tuple[socket.socket, asyncio.Task]] = []
+        self.pending: dict[int, _Conn] = {}  # connections before their hello, oldest first
+        self.authed: dict[int, _Conn] = {}
+        self._ids = itertools.count()
+        self.refusals = RefusalLog(log, name)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    @property
+    def endpoint(self) -> StreamEndpoint | None:
+        return next(iter(self.endpoints.values()), None)
 
     async def start(self, host: str) -> StreamEndpoint:
-        """Listen on host (an ephemeral port), on the running loop, once; the endpoint clients connect to."""
-        if self._starting is None:
-            self._starting = asyncio.ensure_future(self._start(host))
-        return await asyncio.shield(self._starting)
+        """Listen on host (an ephemeral port), on the running loop, once per host; the endpoint clients connect to."""
+        if host not in self._starting:
+            self._starting[host] = asyncio.ensure_future(self._start(host))
+        return await asyncio.shield(self._starting[host])
 
     async def _start(self, host: str) -> StreamEndpoint:
-        self.server = await asyncio.start_server(self._serve_conn, host, 0)
-        port = self.server.sockets[0].getsockname()[1]
-        self.endpoint = StreamEndpoint(host, port, StreamEndpoint.new_token(), self.incarnation)
+        lsock = socket.create_server((host, 0), backlog=1024)
+        lsock.setblocking(False)
+        task = asyncio.get_running_loop().create_task(self._accept(lsock))
+        self._listeners.append((lsock, task))
+        port = lsock.getsockname()[1]
+        ep = self.endpoints[host] = StreamEndpoint(host, port, self.token, self.incarnation,
+                                                   self.limits.idle_timeout_s)
         log.info("shard %s: stream server on %s:%d", self.name, host, port)
-        return self.endpoint
+        return ep
 
     async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for t in list(self.conns):
+        for lsock, task in self._listeners:
+            task.cancel()
+            lsock.close()
+        conns = [c.task for c in (*self.pending.values(), *self.authed.values())]
+        for t in conns:
             t.cancel()
-        await asyncio.gather(*self.conns, return_exceptions=True)
+        await asyncio.gather(*conns, *(t for _, t in self._listeners), return_exceptions=True)
+        self.refusals.close()
 
-    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.conns.add(asyncio.current_task())
-        keepalive(writer.get_extra_info("socket"))
+    async def _accept(self, lsock: socket.socket) -> None:
+        """Accept connections; when the process is out of file descriptors, back off (doubling up to
+        ACCEPT_BACKOFF_MAX_S) and close the older half of the pending connections, instead of a tight loop of
+        failed accepts."""
+        loop, backoff = asyncio.get_running_loop(), 0.0
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(lsock)
+            except OSError as e:
+                if e.errno not in OUT_OF_FDS:
+                    if lsock.fileno() < 0:  # closed by stop()
+                        return
+                    self.refusals.note(f"accept failed ({errno.errorcode.get(e.errno, e.errno)})")
+                    await asyncio.sleep(ACCEPT_BACKOFF_MIN_S)
+                    continue
+                self.counters["socket_accept_errors"] += 1
+                self.refusals.note(f"accept failed ({errno.errorcode.get(e.errno, e.errno)}), backing off")
+                for _ in range(max(1, len(self.pending) // 2)):  # the flood holds them: room for new ones
+                    self._evict_oldest_pending("evicted to free descriptors")
+                backoff = min(max(backoff * 2, ACCEPT_BACKOFF_MIN_S), ACCEPT_BACKOFF_MAX_S)
+                await asyncio.sleep(backoff)
+                continue
+            backoff = 0.0
+            # an accepted socket's proto is 0, so asyncio does not set TCP_NODELAY itself (small frames would wait
+            # for delayed ACKs: 40 ms a stream)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if len(self.pending) >= self.limits.max_pending:
+                self._evict_oldest_pending("pending cap: oldest without hello closed")
+            cid = next(self._ids)
+            conn = self.pending[cid] = _Conn(loop.create_task(self._serve_conn(cid, sock)))
+            conn.task.add_done_callback(lambda _, cid=cid, sock=sock: self._gone(cid, sock))
+            await asyncio.sleep(0)  # sock_accept does not yield while the backlog holds connections: the rest run
+
+    def _gone(self, cid: int, sock: socket.socket) -> None:
+        self.pending.pop(cid, None)
+        self.authed.pop(cid, None)
+        sock.close()  # its descriptor is freed even when its task was cancelled before it ran
+
+    def _evict_oldest_pending(self, why: str) -> None:
+        for conn in self.pending.values():
+            if not conn.evicted:
+                conn.evicted = True
+                self.counters["socket_refused"] += 1
+                self.counters["socket_refused_cap"] += 1
+                self.refusals.note(why)
+                conn.task.cancel()
+                return
+
+    async def _serve_conn(self, cid: int, sock: socket.socket) -> None:
+        conn = self.pending[cid]
+        writer = None
         streams: dict[int, asyncio.Task] = {}
+        lim = self.limits
         try:
             try:
-                hello = await read_frame(reader, HELLO_MAX_BYTES)
-            except FrameError:
+                async with asyncio.timeout(lim.hello_timeout_s) as hello_wait:
+                    reader, writer = await asyncio.open_connection(sock=sock)
+                    hello = await read_frame(reader, HELLO_MAX_BYTES)
+            except (FrameError, OSError, asyncio.IncompleteReadError) as e:
                 hello = None
-            if hello is None or hello[0] != Frame.HELLO or len(hello) != 2 or not self.endpoint.accepts(hello[1]):
+                if isinstance(e, TimeoutError) and hello_wait.expired():
+                    self.counters["socket_hello_timeouts"] += 1
+                    self.counters["socket_refused"] += 1
+                    self.refusals.note(f"no hello within {lim.hello_timeout_s:g}s")
+                    return
+            if hello is None or hello[0] != Frame.HELLO or len(hello) != 2 or not self._accepts(hello[1]):
                 self.counters["socket_refused"] += 1
-                log.warning("shard %s: stream connection from %s refused (no valid token)", self.name,
-                            writer.get_extra_info("peername"))
+                self.refusals.note("no valid token")
                 return
+            del self.pending[cid]
+            if len(self.authed) >= lim.max_connections:
+                self.counters["socket_refused_cap"] += 1
+                self.refusals.note(f"connection cap ({lim.max_connections}) reached")
+                return
+            self.authed[cid] = conn
             self.counters["socket_connections"] += 1
-            while (frame := await read_frame(reader, self.max_frame_bytes)) is not None:
-                kind = frame[0]
-                if kind == Frame.OPEN and len(frame) == 5 and isinstance(frame[1], int) \
-                        and isinstance(frame[2], bytes) and frame[1] not in streams:
-                    sid, payload, caller, client = frame[1:]
-                    caller, client = (x if isinstance(x, str) else None for x in (caller, client))
-                    self.counters["socket_streams"] += 1
-                    task = asyncio.get_running_loop().create_task(self._stream(writer, sid, payload, caller, client))
-                    streams[sid] = task
-                    task.add_done_callback(lambda _, sid=sid: streams.pop(sid, None))
-                elif kind == Frame.CANCEL and len(frame) == 2:
-                    task = streams.pop(frame[1], None)
-                    if task is not None:
-                        self.counters["socket_cancels"] += 1
-                        task.cancel()
-                else:
-                    raise FrameError(f"unexpected frame {str(frame)[:80]}")
-        except (FrameError, asyncio.IncompleteReadError, ConnectionError) as e:
-            log.warning("shard %s: stream connection closed: %s: %s", self.name, type(e).__name__, e)
+            keepalive(writer.get_extra_info("socket"))
+            owner = f"socket-{self.incarnation[:8]}-{cid}"  # this connection's requests (actors/inflight.py)
+            while True:
+                try:
+                    frame = await read_frame_within(reader, self.max_frame_bytes, lim.idle_timeout_s,
+                                                    lim.frame_timeout_s)
+                except FrameIdle:
+                    if streams:
+                        continue
+                    self.counters["socket_idle_closed"] += 1
+                    self.refusals.note(f"idle for {lim.idle_timeout_s:g}s with no stream")
+                    return
+                if frame is None:
+                    return
+                self._frame(frame, streams, writer, owner)
+        except FrameError as e:
+            self.counters["socket_bad_frames"] += 1
+            if "deadline" in str(e):
+                self.counters["socket_frame_timeouts"] += 1
+            self.refusals.note(f"closed: {e}"[:120])
+        except (asyncio.IncompleteReadError, OSError) as e:  # a reset, a cut frame, a TCP keepalive timeout
+            self.refusals.note(f"closed: {type(e).__name__}")
         finally:
             if streams:  # the connection is gone, and with it whoever would read these streams
                 self.counters["socket_dropped"] += len(streams)
@@ -104,13 +223,65 @@ class StreamServer:
             for task in list(streams.values()):
                 task.cancel()
             await asyncio.gather(*streams.values(), return_exceptions=True)
+            self._close(conn, writer, sock)
+
+    @staticmethod
+    def _close(conn: _Conn, writer: asyncio.StreamWriter | None, sock: socket.socket) -> None:
+        """Free the connection's descriptor now: a clean close when nothing is left to send, else an abort (a peer
+        that does not read must not keep it)."""
+        if writer is None:
+            sock.close()
+        elif writer.transport.get_write_buffer_size() == 0:
             writer.close()
-            self.conns.discard(asyncio.current_task())
+        else:
+            writer.transport.abort()
+
+    def _accepts(self, presented) -> bool:
+        ep = self.endpoint
+        return ep is not None and ep.accepts(presented)
+
+    def _frame(self, frame: list, streams: dict[int, asyncio.Task], writer: asyncio.StreamWriter,
+               owner: str) -> None:
+        """One frame after the hello. A malformed OPEN or CANCEL is refused alone; other kinds from a client close
+        the connection (FrameError)."""
+        kind = frame[0]
+        if kind == Frame.PING and len(frame) == 1:
+            return
+        if kind == Frame.OPEN and len(frame) == 5:
+            sid, payload, caller, client = frame[1:]
+            if type(sid) is not int or sid in streams:
+                return self._bad(f"OPEN with an unusable stream id {str(sid)[:40]}")
+            if not isinstance(payload, bytes):
+                self._bad("OPEN whose payload is not bytes")
+                writer.write(encode_frame(Frame.FAIL, sid, "the OPEN frame's payload must be bytes"))
+                return
+            caller, client = (x if isinstance(x, str) else None for x in (caller, client))
+            self.counters["socket_streams"] += 1
+            task = asyncio.get_running_loop().create_task(self._stream(writer, sid, payload, caller, client, owner))
+            streams[sid] = task
+            task.add_done_callback(lambda _, sid=sid: streams.pop(sid, None))
+            return
+        if kind == Frame.CANCEL and len(frame) == 2:
+            sid = frame[1]
+            if type(sid) is not int:
+                return self._bad(f"CANCEL with an unusable stream id {str(sid)[:40]}")
+            task = streams.pop(sid, None)
+            if task is not None:
+                self.counters["socket_cancels"] += 1
+                task.cancel()
+            return
+        if kind in (Frame.OPEN, Frame.CANCEL, Frame.PING):
+            return self._bad(f"{Frame(kind).name} frame of {len(frame)} elements")
+        raise FrameError(f"unexpected frame {str(frame)[:80]}")
+
+    def _bad(self, what: str) -> None:
+        self.counters["socket_bad_frames"] += 1
+        self.refusals.note(f"frame refused: {what}")
 
     async def _stream(self, writer: asyncio.StreamWriter, sid: int, payload: bytes, caller: str | None,
-                      client: str | None) -> None:
+                      client: str | None, owner: str) -> None:
         try:
-            async with aclosing(self.items(payload, caller, client)) as items:  # closed at once when cancelled
+            async with aclosing(self.items(payload, caller, client, owner)) as items:  # closed when cancelled
                 async for item in items:
                     kind = Frame.CHUNK if isinstance(item, list) else Frame.RESULT
                     writer.write(encode_frame(kind, sid, item))

@@ -90,9 +90,9 @@ def serve(args) -> int:
             if time.monotonic() >= next_look:
                 next_look = time.monotonic() + SUPERVISE_EVERY_S
                 try:
-                    svc.replace_lost_shards()
+                    svc.supervise()  # shards whose node is gone, and shards that are wedged
                 except Exception as e:  # noqa: BLE001 - try again next round
-                    log.warning("replacing lost shards failed: %s", e)
+                    log.warning("supervising the shards failed: %s", e)
     except KeyboardInterrupt:
         pass
     finally:

@@ -61,7 +61,7 @@ def test_the_watcher_backs_off_and_aborts_a_dead_callers_requests(local_ray, mon
                 await asyncio.sleep(30)
                 return False
             except asyncio.CancelledError:
-                return inf.was_aborted(rid)
+                return inf.was_aborted(rid, caller)
             finally:
                 inf.remove(rid, caller)
 

@@ -77,7 +77,7 @@ class Dispatcher:
         """request_ids: the ids the attempts went under (batcher.attempt_id)."""
         self.counters.aborts_sent += len(request_ids)
         try:
-            self.actors[shard].abort.remote(request_ids)
+            self.actors[shard].abort.remote(request_ids, self.caller)  # ids are the caller's own there
         except Exception as e:  # noqa: BLE001 - the shard is gone; so are its requests
             log.debug("abort on shard %d failed: %s", shard, e)
 

@@ -12,6 +12,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.engine_actor import CONCURRENCY_GROUPS, EngineActor
+from actors.liveness import LIVE_TIMEOUT_S
 from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards, replacement_placement
 from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.preflight import check_cpu_memory
@@ -23,6 +24,8 @@ __all__ = ["Service", "attach", "find_service", "init_ray", "start_service", "st
 log = logging.getLogger(__name__)
 SHARD_PREFIX = "flame-shard-"
 MAX_CONCURRENCY = 1024  # concurrent submit calls (batches) per engine actor
+UNHEALTHY_STRIKES = 2  # failed liveness looks in a row before a shard is restarted
+LIVE_CALL_GRACE_S = 10.0  # a liveness call answers within its probe's timeout plus this, or counts as failed
 
 
 @dataclass(slots=True)
@@ -34,6 +37,50 @@ class Service:
     health: list[ShardHealth] = field(default_factory=list)
     model: str = ""  # the model directory the shards load
     lifetime: str | None = None  # the actors' Ray lifetime ("detached" or None)
+    strikes: dict[int, int] = field(default_factory=dict)  # shard -> failed liveness looks in a row
+    judged: set[int] = field(default_factory=set)  # shards that passed a look since they (re)started
+
+    def supervise(self) -> tuple[list[int], list[int]]:
+        """One look of `flame-llm serve`'s supervisor: (shards replaced because their node is gone, shards
+        restarted because they were unhealthy)."""
+        return self.replace_lost_shards(), self.replace_unhealthy_shards()
+
+    def replace_unhealthy_shards(self, probe_timeout_s: float = LIVE_TIMEOUT_S) -> list[int]:
+        """Restart each shard whose serving loop is wedged or whose process is out of file descriptors (its `live`
+        probe failed, or the call did not answer, UNHEALTHY_STRIKES looks in a row, after it passed one since it
+        started: a shard still loading is not judged). Ray restarts the killed actor on its device; the clients'
+        restart wait, batch resend and stream resume carry what it had in flight (nothing accepted is lost). The
+        shards restarted."""
+        refs = {k: a.live.remote(probe_timeout_s) for k, a in self.actors.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=probe_timeout_s + LIVE_CALL_GRACE_S)
+        restarted = []
+        for k, ref in refs.items():
+            try:
+                live = ray.get(ref, timeout=0)
+                why = live.why
+            except ray.exceptions.GetTimeoutError:
+                live, why = None, f"its liveness call did not answer within {probe_timeout_s + LIVE_CALL_GRACE_S}s"
+            except ray.exceptions.RayError:  # dead or restarting: Ray restarts it, or replace_lost_shards places it
+                self.strikes.pop(k, None)
+                self.judged.discard(k)
+                continue
+            if live is not None and live.ok:
+                self.strikes.pop(k, None)
+                self.judged.add(k)
+                continue
+            if k not in self.judged:
+                continue
+            self.strikes[k] = self.strikes.get(k, 0) + 1
+            log.warning("shard %s is unhealthy (%d of %d looks): %s", self.placements[k].name, self.strikes[k],
+                        UNHEALTHY_STRIKES, why)
+            if self.strikes[k] >= UNHEALTHY_STRIKES:
+                log.warning("shard %s: restarting it (Ray restarts the actor; its clients resend what it had)",
+                            self.placements[k].name)
+                ray.kill(self.actors[k], no_restart=False)
+                self.strikes.pop(k, None)
+                self.judged.discard(k)
+                restarted.append(k)
+        return restarted
 
     def stop(self, timeout_s: float = 30.0) -> None:
         stop_actors(list(self.actors.values()), self.router, timeout_s)

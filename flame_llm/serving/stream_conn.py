@@ -47,6 +47,9 @@ class StreamConn:
         self.next_sid = 0
         self.broken: str | None = None  # why the connection is unusable (then no stream is left on it)
         self.reader = asyncio.get_running_loop().create_task(self._read(reader))
+        # the server closes a connection with no stream and no frame for idle_timeout_s: a ping at a third of it
+        self.pinger = asyncio.get_running_loop().create_task(self._ping(endpoint.idle_timeout_s / 3)) \
+            if endpoint.idle_timeout_s > 0 else None
 
     def lost(self) -> RayActorError:
         ep = self.endpoint
@@ -73,6 +76,12 @@ class StreamConn:
     def close(self, why: str) -> None:
         self._break(why)
         self.reader.cancel()
+
+    async def _ping(self, every_s: float) -> None:
+        while self.broken is None:
+            await asyncio.sleep(every_s)
+            if self.broken is None:
+                self.writer.write(encode_frame(Frame.PING))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "closed by the shard"
@@ -113,6 +122,8 @@ class StreamConn:
                 q.put_nowait(self.lost())
             self.streams.clear()
             try:
+                if self.pinger is not None:
+                    self.pinger.cancel()
                 self.writer.close()
             except RuntimeError:  # its loop closed first (a client dropped without close()): nothing to tell
                 pass
@@ -168,7 +179,9 @@ class StreamConns:
         return await asyncio.shield(fut)
 
     async def _connect(self, shard: int) -> StreamConn:
-        endpoint: StreamEndpoint = await self.actors[shard].stream_endpoint.remote()  # RayActorError: it is dead
+        # this node's id: a shard on it answers its loopback address (actors/engine_actor.py stream_endpoint)
+        node = ray.get_runtime_context().get_node_id()
+        endpoint: StreamEndpoint = await self.actors[shard].stream_endpoint.remote(node)  # RayActorError: it is dead
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(endpoint.host, endpoint.port),
                                                     CONNECT_TIMEOUT_S)
