@@ -6,10 +6,12 @@ A window keeps --streams streams open back to back (closed loop: each stream ask
 ignored, of a fresh --prompt-tokens prompt; when one ends the next starts) for --duration-s. Around it every
 process of the system is read (psutil: user + system CPU seconds): serve-http's one process; flame's engine actor,
 front door and router actors. Per system: output tokens, wall tok/s, each process's CPU microseconds per output
-token and their sum, the CPU share of the engine step itself is the same on both sides (the same engine and batch),
-so the difference of the sums is what the distributed stream path costs per token. The load generator (this
-process) is read too, apart. --py-spy S samples the engine actor and the door for S seconds of one flame window
-(py-spy record, raw stacks) and lists the functions holding the most samples (own and inclusive).
+token and their sum, and the engine's process split into its engine thread (the step loop: scheduling, the model,
+handing tokens to the loops) and its other threads (serve-http: the HTTP loop; the engine actor: the stream server's
+loop and Ray's). The engine step costs the same on both sides at the same batch; what differs is the path. The load
+generator (this process) is read too, apart. --py-spy S samples the engine actor and the door for S seconds of one
+flame window (py-spy record, raw stacks) and lists the functions holding the most samples (own and inclusive: wall
+samples of running threads, so a thread waiting for the GIL inside a call counts there).
 
     RAY_ADDRESS= python -m bench.stream_cpu --streams 8 --output-tokens 256 --duration-s 15 --rounds 2 --out s.json
 """
@@ -45,6 +47,26 @@ def cpu_s(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of a process (native thread id -> user + system)."""
+    import psutil
+
+    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
+
+
+def engine_thread_share(before: dict[int, float], after: dict[int, float], engine_tid: int | None) -> tuple[float, str]:
+    """(CPU seconds of the engine's step thread over the window, how it was found): the AsyncEngine thread's native
+    id where the process tells it (the engine actor), else the busiest thread that is not the main one (serve-http:
+    its main thread runs the HTTP loop; the engine thread runs the model and dwarfs the rest)."""
+    delta = {t: after[t] - before.get(t, 0.0) for t in after}
+    if engine_tid is not None and engine_tid in delta:
+        return delta[engine_tid], "its AsyncEngine thread"
+    main = min(delta)  # the process's first thread (tid == pid)
+    rest = {t: v for t, v in delta.items() if t != main}
+    t = max(rest, key=rest.get) if rest else main
+    return delta[t], "the busiest thread but the main one"
+
+
 async def window(url: str, streams: int, out_tokens: int, prompt_tokens: int, vocab: int, duration_s: float,
                  seed: int) -> list[Outcome]:
     """Closed-loop streams for duration_s (a stream started before the end runs to its end)."""
@@ -65,29 +87,38 @@ async def window(url: str, streams: int, out_tokens: int, prompt_tokens: int, vo
     return outs
 
 
-def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int) -> dict:
+def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int,
+            engine: tuple[str, int | None]) -> dict:
+    """engine: (the process that runs the engine, its engine thread's native id when known)."""
+    proc, tid = engine
+    threads0 = thread_cpu_s(pids[proc])
     before, t = cpu_s({**pids, "load generator": os.getpid()}), time.perf_counter()
     outs = asyncio.run(window(url, a.streams, a.output_tokens, a.prompt_tokens, vocab, a.duration_s, seed))
     wall = time.perf_counter() - t
     after = cpu_s({**pids, "load generator": os.getpid()})
+    eng_s, how = engine_thread_share(threads0, thread_cpu_s(pids[proc]), tid)
     tokens = sum(o.output_tokens for o in outs)
     per_tok = {k: 1e6 * (after[k] - before[k]) / tokens for k in after}
+    split = {"engine thread": 1e6 * eng_s / tokens, "found as": how,
+             "other threads": per_tok[proc] - 1e6 * eng_s / tokens}
     system = sum(v for k, v in per_tok.items() if k != "load generator")
     itl = [b - x for o in outs for x, b in zip(o.chunk_s, o.chunk_s[1:])]
     return {"system": name, "streams": len(outs), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "cpu_us_per_token": per_tok, "system_cpu_us_per_token": system,
+            "cpu_us_per_token": per_tok, "engine_process_split": split, "system_cpu_us_per_token": system,
             "system_cpu_cores": system * tokens / wall / 1e6, "itl_s": percentiles(itl),
             "chunks_per_token": sum(len(o.chunk_s) for o in outs) / tokens}
 
 
-def flame_pids(flame) -> dict[str, int]:
+def flame_pids(flame) -> tuple[dict[str, int], int]:
+    """The pids of flame's actors on this one-shard service, and the engine actor's engine thread's native id."""
     import ray
 
     actor = next(iter(flame.service.actors.values()))
     door, _ = flame._door
     pid = lambda h: ray.get(h.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
+    tid = ray.get(actor.__ray_call__.remote(lambda self: self.engine._thread.native_id))
     return {"engine actor": ray.get(actor.health.remote()).pid, "front door": pid(door),
-            "router": pid(flame.service.router)}
+            "router": pid(flame.service.router)}, tid
 
 
 def py_spy(pids: dict[str, int], seconds: float, folder: str) -> list[subprocess.Popen]:
@@ -121,12 +152,15 @@ def top_functions(path: str, n: int = 20) -> dict:
 def table(rows: list[dict]) -> str:
     names = sorted({k for r in rows for k in r["cpu_us_per_token"]})
     lines = ["| system | round | tokens | tok/s | " + " | ".join(f"{n} us/tok" for n in names)
-             + " | system us/tok | system CPU cores | ITL p50 / p99 ms | chunks/token |",
-             "|---" * (8 + len(names)) + "|"]
+             + " | of the engine's process: engine thread / other threads us/tok | system us/tok | system CPU cores | "
+               "ITL p50 / p99 ms | chunks/token |",
+             "|---" * (9 + len(names)) + "|"]
     for r in rows:
         c = r["cpu_us_per_token"]
         lines.append(f"| {r['system']} | {r['round']} | {r['tokens']} | {r['tok_s']:.0f} | "
                      + " | ".join(f"{c[n]:.1f}" if n in c else "-" for n in names)
+                     + f" | {r['engine_process_split']['engine thread']:.1f} / "
+                       f"{r['engine_process_split']['other threads']:.1f}"
                      + f" | {r['system_cpu_us_per_token']:.1f} | {r['system_cpu_cores']:.2f} | "
                        f"{1e3 * r['itl_s']['p50']:.2f} / {1e3 * r['itl_s']['p99']:.2f} | "
                        f"{r['chunks_per_token']:.2f} |")
@@ -172,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             http.start()
             flame.start()
             urls = {"serve-http": http.http_replicas()[0].url, "flame door": flame.http_replicas()[0].url}
-            pids = {"serve-http": {"serve-http": http.procs[0].pid}, "flame door": flame_pids(flame)}
+            door_pids, tid = flame_pids(flame)
+            pids = {"serve-http": {"serve-http": http.procs[0].pid}, "flame door": door_pids}
+            engine = {"serve-http": ("serve-http", None), "flame door": ("engine actor", tid)}
             for url in urls.values():  # warm both paths
                 asyncio.run(window(url, a.streams, 8, a.prompt_tokens, vocab, 0.5, 99))
             order = [n for k in range(a.rounds) for n in (list(urls) if k % 2 == 0 else list(urls)[::-1])]
@@ -181,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 if a.py_spy and name == "flame door" and not spy:
                     spy_pids = {n: p for n, p in pids[name].items() if n != "router"}
                     spies = py_spy(spy_pids, min(a.py_spy, a.duration_s), os.path.join(a.logs, "py-spy"))
-                row = measure(name, urls[name], pids[name], a, vocab, seed=k)
+                row = measure(name, urls[name], pids[name], a, vocab, seed=k, engine=engine[name])
                 row["round"] = k // 2
                 rows.append(row)
                 for proc in spies:
