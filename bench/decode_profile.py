@@ -99,8 +99,8 @@ def _point(drv, pt: Point, a, rng) -> None:
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             _timed(drv, a.profile_steps, pt.prefill, rng)
-        kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.key
-                        and not e.key.startswith("ProfilerStep"))
+        kernel_us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                        for e in prof.key_averages() if e.key and not e.key.startswith("ProfilerStep"))
         pt.gpu_ms = kernel_us / 1e3 / a.profile_steps
         pt.idle_ms = pt.wall_ms - pt.gpu_ms
     print(a.one, json.dumps({k: v for k, v in asdict(pt).items() if v not in (None, "")}), flush=True)

@@ -37,7 +37,8 @@ def test_two_systems_table_gives_flame_over_vllm_per_point():
         {"batch": 8, "context": 1024, "prefill": 0, "wall_ms": 7.5, "gpu_ms": 6.4, "idle_ms": 1.1, "host_ms": None,
          "paths": None, "skipped": ""}]}
     md = decode_profile.render([flame, vllm])
-    assert "| 8 | 1024 | 0 | 9.00 / 8.00 / 1.00 | decode graph 24 | 7.50 / 6.40 / 1.10 | graph 8 | 1.200 | 1.250 |" in md
+    row = "| 8 | 1024 | 0 | 9.00 / 8.00 / 1.00 | decode graph 24 | 7.50 / 6.40 / 1.10 | graph 8 | 1.200 | 1.250 |"
+    assert row in md
 
 
 def test_bad_grid_flags_are_refused_naming_the_flag(tmp_path):
@@ -49,3 +50,20 @@ def test_bad_grid_flags_are_refused_naming_the_flag(tmp_path):
                        (["--systems", "sglang"], "--systems: engine and/or vllm")):
         with pytest.raises(SystemExit, match=msg):
             decode_profile.main([*flags, "--out", str(tmp_path / "x.json")])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_decode_steps_replay_graphs_and_have_kernel_times(tmp_path):
+    """The tiny model on CUDA: pure decode points take the decode graph, every measured point has its kernel time
+    from the profiler and its idle time is the wall minus it."""
+    out = tmp_path / "p.json"
+    assert decode_profile.main(["--systems", "engine", "--model", "tiny", "--batches", "1,8", "--contexts", "256",
+                                "--mixed", "8x256+64", "--steps", "8", "--profile-steps", "4", "--out",
+                                str(out)]) == 0
+    (res,) = json.load(open(out))["results"]
+    assert res["cuda_graphs"] and 8 in res["graph_sizes"]
+    for p in res["points"]:
+        assert not p["skipped"] and p["gpu_ms"] > 0 and p["idle_ms"] == pytest.approx(p["wall_ms"] - p["gpu_ms"])
+        if p["prefill"] == 0:
+            assert set(p["paths"]) == {"decode graph"}
