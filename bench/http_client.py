@@ -73,9 +73,9 @@ class StickyHttpClient:
         assert self.session is not None, "open() first"
         t_release = time.perf_counter()
         items = [RouteItem(prefix_chain(r.token_ids, self.model_revision), estimate_prefill_work(len(r.token_ids)),
-                           max_tokens) for r in requests]
+                           r.max_tokens or max_tokens) for r in requests]  # the decode trace: each its own length
         shards = self.policy.route_batch(items)
-        records = await asyncio.gather(*(self._one(r, s, it[1], max_tokens, t_release)
+        records = await asyncio.gather(*(self._one(r, s, it[1], it[2], t_release)
                                          for r, s, it in zip(requests, shards, items, strict=True)))
         return t_release, list(records)
 

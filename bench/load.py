@@ -238,8 +238,9 @@ LOAD_ARGUMENTS = [
     (("--auto-bisect",), {"type": int, "default": _A.bisect, "help": "--rates auto: windows bisecting the knee"}),
     (("--auto-max-windows",), {"type": int, "default": _A.max_windows, "help": "--rates auto: at most this many"}),
     (("--auto-max-s",), {"type": float, "default": _A.max_s, "help": "--rates auto: seconds of windows at most"}),
-    (("--output-len",), {"default": "", "help": "load mode: answer lengths, N, uniform:LO-HI or lognormal:LO-HI "
-                         "(seeded; default: --output-tokens each)"}),
+    (("--output-len",), {"default": _L.output_len, "help": "load mode: answer lengths (seeded): qa (lognormal "
+                         "32-512, median 128), long (lognormal 64-1024), N, uniform:LO-HI, lognormal:LO-HI, or fixed "
+                         "(--output-tokens each)"}),
     (("--doc-zipf",), {"type": float, "default": _L.doc_zipf,
                        "help": "load mode: document popularity Zipf exponent (0: uniform; hot prefixes)"}),
     (("--kill-shard-at",), {"type": float, "default": None,

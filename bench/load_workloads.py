@@ -1,6 +1,8 @@
 """The workloads load mode's document-QA stream can be (issue 18 item 6), as pure seeded functions:
 
-- answer lengths drawn from a distribution (`--output-len 16`, `uniform:16-1024`, `lognormal:16-1024`),
+- answer lengths drawn from a distribution (`--output-len 16`, `uniform:16-1024`, `lognormal:16-1024`, or a preset:
+  `qa`, lognormal 32-512 with median 128, the default since issue 39: a fixed 16-token answer hides decode; `long`,
+  lognormal 64-1,024; `fixed`, --output-tokens each, the seed's 16),
 - documents asked about with Zipf-skewed popularity (`--doc-zipf S`: document k of the mix is asked with weight
   1 / (k + 1)**S, so a few prefixes are hot), or uniformly (S = 0),
 - more distinct documents than the KV cache holds (`--docs N`; the report states both in tokens),
@@ -14,6 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 DISTS = ("fixed", "uniform", "lognormal")
+# named answer-length specs: a chat or QA answer (issue 39's measured stream), a longer one; "fixed" is LoadConfig's
+# --output-tokens each (resolved there: it knows that value)
+PRESETS = {"qa": "lognormal:32-512", "long": "lognormal:64-1024"}
+DEFAULT_OUTPUT_LEN = "qa"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +38,9 @@ class OutputLen:
 
     @classmethod
     def parse(cls, spec: str) -> OutputLen:
-        """"N" (fixed), "uniform:LO-HI" or "lognormal:LO-HI"; ValueError naming the field otherwise."""
-        s = spec.strip()
+        """"N" (fixed), "uniform:LO-HI", "lognormal:LO-HI" or a preset name (PRESETS); ValueError naming the field
+        otherwise."""
+        s = PRESETS.get(spec.strip(), spec.strip())
         try:
             if ":" not in s:
                 n = int(s)
@@ -44,7 +51,8 @@ class OutputLen:
         except ValueError as e:
             if "output length" in str(e):
                 raise
-            raise ValueError(f"--output-len must be N, uniform:LO-HI or lognormal:LO-HI; got {spec!r}") from None
+            raise ValueError(f"--output-len must be N, uniform:LO-HI, lognormal:LO-HI, fixed or one of "
+                             f"{sorted(PRESETS)}; got {spec!r}") from None
 
     def spec(self) -> str:
         return str(self.lo) if self.dist == "fixed" else f"{self.dist}:{self.lo}-{self.hi}"

@@ -25,7 +25,7 @@ from bench.provenance import call_info, machine_info
 from bench.report import render_markdown, write_report
 from bench.runner import RUN_ARGUMENTS, check_round_robin, local_ray_scope, options_from_args, run_one
 from bench.system_config import parse_system
-from bench.traces import TRACE_NAMES
+from bench.traces import BURST_TRACES, TRACE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ ARGUMENTS = [
                    "help": "burst: the paired burst report; load: sustained Poisson load at each of --rates"}),
     (("--systems",), {"default": "flame,engine", "help": "comma-separated labels: flame, engine, vllm, vllm-seed, "
                       "each optionally -rr; the first is the subject of the report's ratios"}),
-    (("--traces",), {"default": ",".join(TRACE_NAMES), "help": "comma-separated: no-reuse, reuse"}),
+    (("--traces",), {"default": ",".join(TRACE_NAMES), "help": "comma-separated: no-reuse, reuse (the seed's), decode "
+                      "(issue 39: long drawn answers, --decode-*)"}),
     (("--pairs",), {"type": int, "default": 5, "help": "interleaved pairs per trace (the report warns below "
                     "3: no spread to judge)"}),
     (("--pair-start",), {"type": int, "default": 0, "help": "index of the first pair (to split the pairs of one "
@@ -60,9 +61,9 @@ def run(a: argparse.Namespace) -> int:
     for s in systems:
         parse_system(s, o.policy)  # a bad label fails before anything starts
     check_round_robin(systems, o)
-    bad = [t for t in traces if t not in TRACE_NAMES]
+    bad = [t for t in traces if t not in BURST_TRACES]
     if bad or not traces:
-        raise SystemExit(f"--traces must be a comma-separated subset of {TRACE_NAMES}; got {a.traces!r}")
+        raise SystemExit(f"--traces must be a comma-separated subset of {BURST_TRACES}; got {a.traces!r}")
     if len(set(systems)) != len(systems) or len(systems) < 1:
         raise SystemExit(f"--systems must list distinct systems; got {a.systems!r}")
     if a.pairs < 1 or a.pair_start < 0:

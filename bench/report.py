@@ -1,10 +1,12 @@
 """Paired report from raw run records: `flame-llm report <raw dir>` (or `python -m bench.report`).
 
 Every number comes from the per-request records: a run's throughput is its request count over the latest
-completion (seconds from burst release), cached percentage is cached over prompt tokens, latencies are the
-completion times pooled over a system's runs. Runs whose checks failed are listed and left out of the
-statistics. The first system is the subject; ratios are subject / each other system, per pair and of the
-medians. Writes report.md, report.json and report.png (the PNG only when matplotlib is importable).
+completion (seconds from burst release), and its output tokens over the same span (output tok/s: what a
+decode-heavy trace measures; for the seed's 16-token answers it is 16 x req/s), cached percentage is cached over
+prompt tokens, latencies are the completion times pooled over a system's runs. Runs whose checks failed are
+listed and left out of the statistics. The first system is the subject; ratios (of req/s and of output tok/s) are
+subject / each other system, per pair and of the medians. Writes report.md, report.json and report.png (the PNG
+only when matplotlib is importable).
 """
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ def run_summary(run: dict) -> dict:
     reqs = run["requests"]
     burst = max((r["done_s"] for r in reqs), default=0.0)
     prompt = sum(r["prompt_tokens"] for r in reqs)
+    out_tokens = sum(r.get("output_len", 0) for r in reqs)
     return {"pair": run["pair"], "position": run["position"], "ok": bool(run["checks"]["ok"]),
             "requests": len(reqs), "burst_s": burst, "req_s": len(reqs) / burst if burst > 0 else 0.0,
+            "output_tokens": out_tokens, "out_tok_s": out_tokens / burst if burst > 0 else 0.0,
             "cached_pct": 100.0 * sum(r["cached_tokens"] for r in reqs) / prompt if prompt else 0.0,
             "path": run.get("path"), "failures": run["checks"].get("failures", {}), "error": run.get("error")}
 
@@ -83,6 +87,7 @@ def system_stats(runs: list[dict]) -> dict:
     summ = [s for s, _ in both]
     good = [r for s, r in both if s["ok"]]
     rates = [s["req_s"] for s in summ if s["ok"]]
+    toks = [s["out_tok_s"] for s in summ if s["ok"]]
     reqs = [q for r in good for q in r["requests"]]
     prompt = sum(q["prompt_tokens"] for q in reqs)
     # durations only: done_at is a clock reading (it feeds each record's done_s instead)
@@ -91,6 +96,7 @@ def system_stats(runs: list[dict]) -> dict:
     return {
         "runs": len(summ), "runs_ok": len(rates),
         "req_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)} if rates else None,
+        "out_tok_s": {"median": statistics.median(toks), "min": min(toks), "max": max(toks)} if toks else None,
         "cached_pct": 100.0 * sum(q["cached_tokens"] for q in reqs) / prompt if prompt else 0.0,
         "cached_reported": all(q.get("cached_reported", True) for q in reqs),
         "latency_s": _pct([q["done_s"] for q in reqs]),
@@ -115,6 +121,8 @@ def build_report(runs: list[dict], order: list[str] | None = None) -> dict:
         first = by_label[labels[0]][0]
         prov = pair_provenance(by_label)
         ratios = [_ratio(labels[0], ref, stats[labels[0]], stats[ref], set(prov["mixed"])) for ref in labels[1:]]
+        for r, ref in zip(ratios, labels[1:]):  # the same pairs' output tok/s (the decode trace's other figure)
+            r["out_tok_s"] = _ratio(labels[0], ref, stats[labels[0]], stats[ref], set(prov["mixed"]), "out_tok_s")
         out["traces"][name] = {"trace": first["trace"], "systems": labels, "stats": stats, "ratios": ratios,
                                "warnings": warnings(stats, ratios) + prov["warnings"], "provenance": prov,
                                "engine_config": first.get("engine_config"), "placement": first.get("placement"),
@@ -140,13 +148,14 @@ def warnings(stats: dict, ratios: list[dict]) -> list[str]:
     return out
 
 
-def _ratio(subj: str, ref: str, a: dict, b: dict, skip: set[int] = frozenset()) -> dict:
-    """subj / ref: of the medians (every ok run), and per pair over the pairs both ran ok (but those in skip: a pair
-    whose runs mix machines or calls)."""
-    ra = {s["pair"]: s["req_s"] for s in a["per_run"] if s["ok"] and s["pair"] not in skip}
-    rb = {s["pair"]: s["req_s"] for s in b["per_run"] if s["ok"] and s["pair"] not in skip}
+def _ratio(subj: str, ref: str, a: dict, b: dict, skip: set[int] = frozenset(), key: str = "req_s") -> dict:
+    """subj / ref of `key` (req_s or out_tok_s): of the medians (every ok run), and per pair over the pairs both ran
+    ok (but those in skip: a pair whose runs mix machines or calls)."""
+    ra = {s["pair"]: s.get(key, 0.0) for s in a["per_run"] if s["ok"] and s["pair"] not in skip}
+    rb = {s["pair"]: s.get(key, 0.0) for s in b["per_run"] if s["ok"] and s["pair"] not in skip}
     paired = {p: ra[p] / rb[p] for p in sorted(set(ra) & set(rb)) if rb[p] > 0}
-    med = a["req_s"]["median"] / b["req_s"]["median"] if a["req_s"] and b["req_s"] else None
+    ma, mb = a.get(key), b.get(key)
+    med = ma["median"] / mb["median"] if ma and mb and mb["median"] > 0 else None
     vals = list(paired.values())
     return {"subject": subj, "reference": ref, "ratio_of_medians": med, "paired": paired,
             "paired_min": min(vals) if vals else None, "paired_max": max(vals) if vals else None,
@@ -163,37 +172,54 @@ def _first_machine_note(t: dict) -> str:
     return f" (the first record's; the pairs ran on {n} machines, listed below)" if n > 1 else ""
 
 
+def _trace_shape(tr: dict) -> str:
+    """What the trace's requests are: the seed's documents and questions, or the decode trace's drawn lengths."""
+    if tr.get("max_output_tokens"):
+        p, o = tr["prompt_tokens"], tr["output_tokens_drawn"]
+        return (f"{tr['num_requests']} prompts sharing nothing, {p['min']}-{p['max']} tokens "
+                f"(median {p['median']:.0f}, "
+                f"drawn in {tr['min_doc_tokens'] + tr['question_tokens']}-{tr['doc_tokens'] + tr['question_tokens']}); "
+                f"answers {o['min']}-{o['max']} tokens (median {o['median']:.0f}, drawn in {tr['output_tokens']}-"
+                f"{tr['max_output_tokens']}; {tr['total_output_tokens']} in all), EOS ignored, greedy; ")
+    return (f"{tr['num_requests']} requests = {tr['num_docs']} documents x {tr['questions_per_doc']} "
+            f"question(s); prompt = {tr['doc_tokens']}-token document + {tr['question_tokens']}-token question "
+            f"({tr['prompt_tokens']} tokens); output {tr['output_tokens']} tokens, EOS ignored, greedy; ")
+
+
 def render_markdown(rep: dict, source: str) -> str:
     lines = ["# Burst benchmark report", "", f"Raw records: `{source}`. Every figure below is recomputed from the "
              "per-request records; runs that failed a check are listed and excluded.", ""]
     for name, t in rep["traces"].items():
         tr = t["trace"]
-        lines += [f"## Trace `{name}`", "",
-                  f"{tr['num_requests']} requests = {tr['num_docs']} documents x {tr['questions_per_doc']} "
-                  f"question(s); prompt = {tr['doc_tokens']}-token document + {tr['question_tokens']}-token question "
-                  f"({tr['prompt_tokens']} tokens); output {tr['output_tokens']} tokens, EOS ignored, greedy; "
-                  f"seed {tr['seed']}, digest `{tr['trace_digest']}`.",
+        lines += [f"## Trace `{name}`", "", _trace_shape(tr) + f"seed {tr['seed']}, digest `{tr['trace_digest']}`.",
                   f"Token ids: {tr['token_source']}. Prefix relation: {tr['prefix_relation']}. "
                   f"Warmup: {len(t['warmup_shifts'] or [])} full rounds shifted by {t['warmup_shifts']} within the "
                   "vocabulary (same lengths and prefix relations, prefixes unseen).",
                   f"Engine limits (flame/engine): `{json.dumps(t['engine_config'])}`; shard -> device "
                   f"`{t['placement']}`{_first_machine_note(t)}; placement policy: {t['policy']}.", "",
-                  "| system | runs ok | req/s median [min-max] | cached % | completion latency p50 / p90 / p99 (s) |",
-                  "|---|---|---|---|---|"]
+                  "| system | runs ok | req/s median [min-max] | output tok/s median [min-max] | cached % | "
+                  "completion latency p50 / p90 / p99 (s) |",
+                  "|---|---|---|---|---|---|"]
         for lab in t["systems"]:
             s = t["stats"][lab]
             rs, lat = s["req_s"], s["latency_s"]
             rate = f"{rs['median']:.3f} [{rs['min']:.3f}-{rs['max']:.3f}]" if rs else "n/a"
+            ts = s.get("out_tok_s")
+            toks = f"{ts['median']:.1f} [{ts['min']:.1f}-{ts['max']:.1f}]" if ts else "n/a"
             cached = f"{s['cached_pct']:.2f}" + ("" if s["cached_reported"] else " (not reported)")
             src = "" if s["latency_source"] == ["request"] else " (burst end: no per-request times)"
             lat_s = f"{_f(lat.get('p50'))} / {_f(lat.get('p90'))} / {_f(lat.get('p99'))}{src}" if lat else "n/a"
-            lines.append(f"| {lab} | {s['runs_ok']}/{s['runs']} | {rate} | {cached} | {lat_s} |")
+            lines.append(f"| {lab} | {s['runs_ok']}/{s['runs']} | {rate} | {toks} | {cached} | {lat_s} |")
         if t["ratios"]:
-            lines += ["", "| ratio | of medians | paired [min-max] | pairs >= 99% |", "|---|---|---|---|"]
+            lines += ["", "| ratio | req/s of medians | paired [min-max] | pairs >= 99% | output tok/s of medians | "
+                      "paired [min-max] |", "|---|---|---|---|---|---|"]
             for r in t["ratios"]:
+                tok = r.get("out_tok_s") or {}
                 lines.append(f"| {r['subject']} / {r['reference']} | {_f(r['ratio_of_medians'], '{:.4f}')} | "
                              f"[{_f(r['paired_min'], '{:.4f}')}-{_f(r['paired_max'], '{:.4f}')}] | "
-                             f"{r['pairs_at_or_above_floor']}/{r['pairs']} |")
+                             f"{r['pairs_at_or_above_floor']}/{r['pairs']} | "
+                             f"{_f(tok.get('ratio_of_medians'), '{:.4f}')} | "
+                             f"[{_f(tok.get('paired_min'), '{:.4f}')}-{_f(tok.get('paired_max'), '{:.4f}')}] |")
         lines += [f"\n**Warning: these ratios are not evidence.** {w}." for w in t.get("warnings", [])]
         lines += ["", "| pair | " + " | ".join(f"{lab} req/s (order)" for lab in t["systems"]) + " |",
                   "|---" * (len(t["systems"]) + 1) + "|"]

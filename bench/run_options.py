@@ -40,6 +40,23 @@ class RunOptions:
     vllm_pythonpath: str = ""
     vllm_args: list[str] = field(default_factory=list)
     vllm_return_token_ids: bool = False
+    # the decode trace (issue 39): prompts sharing nothing, prompt and answer lengths drawn uniformly in LO-HI
+    decode_prompts: int = 256
+    decode_prompt_tokens: str = "1024-2048"
+    decode_output_tokens: str = "128-1024"
+
+    def decode_range(self, name: str) -> tuple[int, int]:
+        """(lo, hi) of a decode_* "LO-HI" option; ValueError naming the flag and the limit otherwise."""
+        spec = getattr(self, name)
+        flag = "--" + name.replace("_", "-")
+        try:
+            lo, hi = (int(x) for x in str(spec).split("-", 1))
+        except ValueError:
+            raise ValueError(f"{flag} must be LO-HI (token counts); got {spec!r}") from None
+        floor = 2 if name == "decode_prompt_tokens" else 1  # a prompt is a document of >= 1 token and a question
+        if not floor <= lo <= hi:
+            raise ValueError(f"{flag} needs {floor} <= LO <= HI; got {spec!r}")
+        return lo, hi
 
 
 _D = RunOptions()
@@ -48,6 +65,7 @@ _D = RunOptions()
 # The CPU trace is sized so a burst lasts a few seconds on 2 cores (see bench/report.py: MIN_BURST_S).
 CPU_DEFAULTS = {"model": "tiny", "load_format": "auto", "docs": 16, "doc_tokens": 1024,
                 "question_tokens": 16, "max_model_len": 2048, "max_num_seqs": 32, "max_num_batched_tokens": 2048,
+                "decode_prompts": 32, "decode_prompt_tokens": "128-256", "decode_output_tokens": "32-128",
                 "engine_json": '{"cpu_kvcache_gib": 0.125}'}  # the CPU trace's KV fits in a few MB
 GPU_DEFAULTS = {**{k: getattr(_D, k) for k in CPU_DEFAULTS if k != "engine_json"}, "engine_json": "{}"}
 _HELP = {"model": "model dir (config.json; dummy weights) or 'tiny'",
@@ -55,7 +73,9 @@ _HELP = {"model": "model dir (config.json; dummy weights) or 'tiny'",
          "docs": "documents per trace", "doc_tokens": "tokens per document", "question_tokens": "tokens per question",
          "max_model_len": "engine max_model_len (flame, engine, vllm)", "max_num_seqs": "engine max_num_seqs",
          "max_num_batched_tokens": "engine max_num_batched_tokens (below max_model_len: chunked prefill)",
-         "engine_json": "more flame_llm Config fields (flame and engine), a JSON object"}
+         "engine_json": "more flame_llm Config fields (flame and engine), a JSON object",
+         "decode_prompts": "prompts of the decode trace", "decode_prompt_tokens": "decode trace: prompt lengths LO-HI "
+         "(drawn uniformly, seeded)", "decode_output_tokens": "decode trace: answer lengths LO-HI (drawn, EOS ignored)"}
 
 
 def _profiled(name: str, **kwargs) -> tuple:
@@ -85,6 +105,7 @@ RUN_ARGUMENTS = [
     (("--torch-threads",), {"type": int, "default": _D.torch_threads, "help": "CPU intra-op threads per shard"}),
     (("--enforce-eager",), {"action": "store_true", "help": "flame and engine without CUDA graphs"}),
     _profiled("engine_json"),
+    _profiled("decode_prompts", type=int), _profiled("decode_prompt_tokens"), _profiled("decode_output_tokens"),
     (("--startup-timeout-s",), {"type": float, "default": _D.startup_timeout_s, "help": "a system's start"}),
     (("--burst-timeout-s",), {"type": float, "default": _D.burst_timeout_s, "help": "one burst, warmup rounds "
                               "each"}),
@@ -131,8 +152,16 @@ def options_from_args(a: argparse.Namespace) -> RunOptions:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     names = [f for f in RunOptions.__dataclass_fields__ if f not in ("gpu_uuids", "engine_json", "vllm_args")]
-    return RunOptions(**{n: getattr(a, n) for n in names}, engine_json=extra, vllm_args=shlex.split(a.vllm_args),
-                      gpu_uuids=[u.strip() for u in a.gpu_uuids.split(",") if u.strip()])
+    o = RunOptions(**{n: getattr(a, n) for n in names}, engine_json=extra, vllm_args=shlex.split(a.vllm_args),
+                   gpu_uuids=[u.strip() for u in a.gpu_uuids.split(",") if u.strip()])
+    try:
+        for name in ("decode_prompt_tokens", "decode_output_tokens"):
+            o.decode_range(name)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if o.decode_prompts < 1:
+        raise SystemExit(f"--decode-prompts must be >= 1; got {o.decode_prompts}")
+    return o
 
 
 def check_bench_memory(a: argparse.Namespace, available: int | None = None) -> None:

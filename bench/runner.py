@@ -34,7 +34,7 @@ from bench.run_options import (  # noqa: F401 - re-exported: the run's options a
 )
 from bench.system_config import Setup, parse_system
 from bench.systems import make_system
-from bench.traces import TRACE_NAMES, Trace, TraceConfig, make_trace, warmup_traces
+from bench.traces import BURST_TRACES, DECODE_TRACE, Trace, TraceConfig, make_trace, warmup_traces
 from flame_llm.protocol.types import prompt_digest
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,12 @@ def trace_config(o: RunOptions, name: str, model_dir: str) -> TraceConfig:
     from flame_llm.config import load_hf_config
 
     vocab = load_hf_config(model_dir).vocab_size
+    if name == DECODE_TRACE:  # its own shape (--decode-*): prompt lengths include the question
+        (p_lo, p_hi), (o_lo, o_hi) = o.decode_range("decode_prompt_tokens"), o.decode_range("decode_output_tokens")
+        q = min(o.question_tokens, p_lo - 1)
+        return TraceConfig(name=name, num_docs=o.decode_prompts, doc_tokens=p_hi - q, min_doc_tokens=p_lo - q,
+                           question_tokens=q, output_tokens=o_lo, max_output_tokens=o_hi, seed=o.seed,
+                           vocab_size=vocab)
     return TraceConfig(name=name, num_docs=o.docs, questions=o.questions, doc_tokens=o.doc_tokens,
                      question_tokens=o.question_tokens, output_tokens=o.output_tokens, seed=o.seed, vocab_size=vocab)
 
@@ -100,7 +106,6 @@ def check_run(trace: Trace, records: list[dict], placement: list[str]) -> dict:
             fail("unexpected", f"{rid}: not in the trace")
         elif n > 1:
             fail("duplicate", f"{rid}: answered {n} times")
-    n_out = trace.config.output_tokens
     for rec in records:
         req = want.get(rec["id"])
         if req is None:
@@ -115,6 +120,7 @@ def check_run(trace: Trace, records: list[dict], placement: list[str]) -> dict:
         if rec["prompt_tokens"] != len(req.token_ids):
             fail("prompt_tokens", f"{rec['id']}: {rec['prompt_tokens']} prompt tokens served, "
                                   f"{len(req.token_ids)} sent")
+        n_out = req.max_tokens or trace.config.output_tokens
         if rec["output_len"] != n_out or rec["finish_reason"] != "length":
             fail("output_len", f"{rec['id']}: {rec['output_len']} tokens ({rec['finish_reason']}), want {n_out}")
         shard = rec.get("shard")
@@ -201,7 +207,7 @@ def local_ray_scope():
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.runner", description="one fresh burst run, raw JSON out")
     p.add_argument("--system", required=True, help="flame | engine | vllm | vllm-seed, optionally with -rr")
-    p.add_argument("--trace", required=True, choices=TRACE_NAMES)
+    p.add_argument("--trace", required=True, choices=BURST_TRACES)
     p.add_argument("--pair", type=int, default=0, help="pair index recorded for the report")
     add_run_args(p)
     a = p.parse_args(argv)

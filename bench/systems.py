@@ -58,6 +58,9 @@ class FlameSystem:
         from flame_llm.sampling_params import SamplingParams
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if any(r.max_tokens not in (0, max_tokens) for r in requests):  # the decode trace: each its own length
+            sp = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens or max_tokens, ignore_eos=True)
+                  for r in requests]
         prompts = [r.token_ids for r in requests]
         self._before = self._counters()  # outside the timed span: the last burst's counters are its own
         call = asyncio.wait_for(self.client.agenerate(prompts, sp), self.setup.burst_timeout_s)

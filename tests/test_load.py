@@ -239,7 +239,8 @@ def test_load_mode_against_the_front_door_and_the_engine_server(tmp_path):
     out = tmp_path / "load"
     argv = ["bench", "--mode", "load", "--systems", "flame,engine-rr", "--model", "tiny", "--load-format", "auto",
             "--rates", "2,6", "--duration-s", "4", "--drain-s", "60", "--docs", "4", "--doc-tokens", "96",
-            "--question-tokens", "8", "--output-tokens", "4", "--warmup-requests", "2", "--max-model-len", "512",
+            "--question-tokens", "8", "--output-len", "fixed", "--output-tokens", "4", "--warmup-requests", "2",
+            "--max-model-len", "512",
             "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--engine-json",
             '{"cpu_kvcache_gib": 0.0625}', "--out", str(out)]
     assert cli.main(argv) == 0
@@ -354,7 +355,8 @@ def test_a_shard_killed_mid_window_is_restarted_and_its_effect_recorded(tmp_path
     out = tmp_path / "kill"
     argv = ["bench", "--mode", "load", "--systems", "flame", "--model", "tiny", "--load-format", "auto",
             "--rates", "4", "--duration-s", "5", "--drain-s", "60", "--docs", "4", "--doc-tokens", "64",
-            "--question-tokens", "8", "--output-tokens", "400", "--warmup-requests", "2", "--max-model-len", "512",
+            "--question-tokens", "8", "--output-len", "fixed", "--output-tokens", "400", "--warmup-requests", "2",
+            "--max-model-len", "512",
             "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--kill-shard-at", "1", "--engine-json",
             '{"cpu_kvcache_gib": 0.0625}', "--out", str(out)]
     assert cli.main(argv) == 0
@@ -385,3 +387,50 @@ def test_a_failed_window_event_fails_the_window_instead_of_passing_unseen():
     with pytest.raises(RuntimeError, match="event failed: TypeError"):
         replica = Replica(0, "http://127.0.0.1:9", "cpu-0")
         asyncio.run(run_rate([replica], cfg, 0.001, docs, "rev", event=(0.0, boom, {})))
+
+
+def test_load_modes_default_answers_are_drawn_lengths_not_one_fixed_length():
+    """Issue 39: a fixed 16-token answer hides decode. `flame-llm bench --mode load` with no length option draws
+    answers lognormally in 32-512 tokens (median 128), seeded; `--output-len long` is 64-1,024 (median 256) and the
+    fixed answer stays available as `--output-len fixed` (--output-tokens each) or N."""
+    import argparse
+
+    from bench import pairs
+    from bench.load import load_config
+    from bench.loadgen import answer_rng
+    from bench.run_options import resolve_options
+
+    parser = argparse.ArgumentParser()
+    pairs.add_arguments(parser)
+
+    def drawn(*flags: str) -> np.ndarray:
+        a = parser.parse_args(["--mode", "load", *flags])
+        resolve_options(a)  # the machine's defaults, as `flame-llm bench` fills them
+        cfg = load_config(a, vocab_size=512)
+        lengths, rng = cfg.lengths(), answer_rng(cfg, 0)
+        return np.array([lengths.draw(rng) for _ in range(2000)])
+
+    default = drawn()
+    assert len(set(default.tolist())) > 50, "load mode's default answers have one fixed length"
+    assert default.min() >= 32 and default.max() <= 512 and abs(np.median(default) - 128) < 10
+    assert np.array_equal(default, drawn())  # seeded
+    long = drawn("--output-len", "long")
+    assert long.min() >= 64 and long.max() <= 1024 and abs(np.median(long) - 256) < 20
+    assert set(drawn("--output-len", "fixed").tolist()) == {16} and set(drawn("--output-len", "24").tolist()) == {24}
+    assert set(drawn("--output-len", "fixed", "--output-tokens", "7").tolist()) == {7}
+
+
+def test_interactive_goodput_counts_mlperfs_bounds_whatever_the_slo_flags():
+    """TTFT <= 0.5 s and TPOT <= 30 ms (MLPerf's interactive bounds) beside the --slo-* goodput (here 2 s / 100 ms,
+    which every request meets): a late first token or a slow decode each miss it; the report shows both."""
+    cfg = LoadConfig(rates=(1.0,), duration_s=10.0, slo_ttft_s=2.0, slo_tpot_s=0.1)
+    outs = [Outcome(0.0, 0, 0, ttft_s=0.4, e2e_s=0.4 + 10 * 0.025, chunk_s=[0.4, 0.65], output_tokens=11),  # meets
+            Outcome(1.0, 0, 0, ttft_s=0.6, e2e_s=0.6 + 10 * 0.025, chunk_s=[0.6, 0.85], output_tokens=11),  # TTFT
+            Outcome(2.0, 0, 0, ttft_s=0.3, e2e_s=0.3 + 10 * 0.035, chunk_s=[0.3, 0.65], output_tokens=11),  # TPOT
+            Outcome(3.0, 0, 0, ttft_s=0.5, e2e_s=0.5, chunk_s=[0.5], output_tokens=1)]  # one token: TTFT only
+    w = summarize(outs, 1.0, cfg)
+    assert w["goodput_rps"] == pytest.approx(0.4) and w["slo_met_pct"] == 100.0
+    assert w["interactive_rps"] == pytest.approx(0.2) and w["interactive_met_pct"] == 50.0
+    md = render([record("flame", cfg, [w], [outs], {})])
+    assert "TTFT <= 0.5 s and TPOT <= 30 ms" in md and "| 0.200 (50.0) |" in md
+    assert f"| {w['output_tok_s']:.1f} |" in md

@@ -1,5 +1,10 @@
 """AsyncEngine: the LLMEngine step loop on its own thread, awaited from any asyncio loop.
 
+Everything a step hands to callers (stream tokens, ends, results, failures) is gathered per asyncio loop and handed
+over with one call_soon_threadsafe per loop when the step's tokens are committed: each such call writes the loop's
+self-pipe and wakes it, so one per stream per token cost the engine thread a syscall per token (bench.stream_cpu,
+issue 39). The calls run on each loop in the order they were made.
+
 A failure that can be pinned on one request (its sampling fails on its own in a step, its output cannot be
 made, it cannot be added) fails that request alone with RequestFailed; the engine serves on. Any other
 exception in the loop fails every waiting request and stops the loop (`failed`, `error`)."""
@@ -61,6 +66,8 @@ class AsyncEngine:
         # bounded hand-off (handoff_wait_ms): the loops handed work since the last wait, and the waits' counts
         self._handoff_s = config.scheduler_config.handoff_wait_ms / 1000
         self._handed: set[asyncio.AbstractEventLoop] = set()
+        # the hand-offs gathered since the last flush, per loop, in order (one wake-up per loop: _flush)
+        self._batch: dict[asyncio.AbstractEventLoop, list[tuple]] = {}
         self._handoff = {"handoff_waits": 0, "handoff_timeouts": 0, "handoff_wait_s": 0.0, "handoff_wait_max_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="flame-engine", daemon=True)
         self._thread.start()
@@ -179,6 +186,7 @@ class AsyncEngine:
                     seq = engine.abort(rid)
                     if seq is not None:
                         self._deliver(seq)
+                self._flush()
                 if not engine.is_finished():
                     engine.step(self._commit)
                 if self._handed:
@@ -196,6 +204,7 @@ class AsyncEngine:
             self._push_tokens(p)
         for seq in finished:
             self._deliver(seq)
+        self._flush()
 
     def _push_tokens(self, p: _Pending) -> None:
         seq = p.seq
@@ -221,12 +230,18 @@ class AsyncEngine:
             self._fail_one(p, RequestFailed(seq.request_id, out.error or "unknown error"))
             return
         if p.stream is not None:
-            _call(p.loop, p.stream.put_nowait, None)
+            self._hand(p.loop, p.stream.put_nowait, None)
         self._hand(p.loop, _resolve, p.future, out)
 
     def _hand(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-        if _call(loop, fn, *args) and self._handoff_s:
-            self._handed.add(loop)
+        """Gather a call for `loop`; _flush hands each loop its calls at once."""
+        self._batch.setdefault(loop, []).append((fn, args))
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, {}
+        for loop, calls in batch.items():
+            if _call(loop, _run_all, calls) and self._handoff_s:
+                self._handed.add(loop)
 
     def _wait_handoff(self) -> None:
         """Let the GIL go until every loop handed work this step has run it and the task it woke (a release
@@ -250,8 +265,8 @@ class AsyncEngine:
 
     def _fail_one(self, p: _Pending, exc: BaseException) -> None:
         if p.stream is not None:
-            _call(p.loop, p.stream.put_nowait, None)
-        _call(p.loop, _fail, p.future, exc)
+            self._hand(p.loop, p.stream.put_nowait, None)
+        self._hand(p.loop, _fail, p.future, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         pending = list(self._pending.values()) + [p for _, p in self._adds]
@@ -259,6 +274,7 @@ class AsyncEngine:
         self._adds.clear()
         for p in pending:
             self._fail_one(p, exc)
+        self._flush()
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
@@ -268,6 +284,15 @@ def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _run_all(calls: list[tuple]) -> None:
+    """A step's hand-offs to one loop, run on it in order; one that raises is logged and the rest still run."""
+    for fn, args in calls:
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("a hand-off from the engine failed")
 
 
 def _resolve(fut: asyncio.Future, value) -> None:
