@@ -186,8 +186,8 @@ class EngineActor:
         if not self.inflight.add(item.id, caller):  # aborted on its way here
             res.finish_reason = "abort"
             return res
-        try:
-            return await self._admit_and_run(item, res, t_start, emit, (caller, client))
+        try:  # each (sender, user) takes its own turn in fair admission (Request.user: the door's users)
+            return await self._admit_and_run(item, res, t_start, emit, (caller, client, item.user))
         except asyncio.CancelledError:
             if not self.inflight.was_aborted(item.id):
                 raise
