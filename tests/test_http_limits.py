@@ -192,3 +192,91 @@ def test_callers_by_key_then_user_then_address():
     alice = http_auth.caller_of(None, "alice", "1.2.3.4")
     assert alice.startswith("user:") and "alice" not in alice and alice != http_auth.caller_of(None, "bob", "x")
     assert http_auth.caller_of(None, "", "1.2.3.4") == "addr:1.2.3.4"
+
+
+
+def _drop_test(url: str, body: dict, settled) -> bytes:
+    """A stream request from a client that never reads (a 4 kB receive buffer): waits for settled() (bounded),
+    then reads what the server sent until it closes."""
+    host, port = url[len("http://"):].split(":")
+    raw = json.dumps({**body, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        s.settimeout(10)
+        s.connect((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+        settled()
+        got = b""
+        while len(got) < 256 << 20 and (part := s.recv(1 << 20)):
+            got += part
+        return got
+    finally:
+        s.close()
+
+
+def test_a_client_that_never_reads_is_dropped_and_its_requests_aborted(door):
+    """A streamed response whose client stops reading: dropped once stream_buffer_events events wait for it; its
+    requests leave the engine. Before, every event was buffered (the issue: +52 MB for one n=256 request) and the
+    requests ran to their end."""
+    _, _, backend, _ = door
+    engine = backend.engine
+    url, close = _serve(backend, HttpConfig(port=0, stream_buffer_events=32))
+
+    def settled():
+        deadline = time.monotonic() + 30
+        while engine.stats()["num_in_flight"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while engine.stats()["num_in_flight"]:
+            assert time.monotonic() < deadline, "the engine still serves a client that does not read"
+            time.sleep(0.05)
+    try:
+        got = _drop_test(url, {"prompt": [[31, 32, k] for k in range(16)], "max_tokens": 480, "ignore_eos": True},
+                         settled)
+    finally:
+        close()
+    tokens = got.count(b'"token_ids":[') - got.count(b'"token_ids":[]')
+    assert b"data: [DONE]" not in got and tokens < 16 * 480, tokens
+
+
+class FloodBackend:
+    """A fake backend (named so): streams 64-token chunks as fast as the loop runs, to fill a socket that the
+    tiny model on this CPU would take minutes to; records when its stream is closed (the request's abort)."""
+
+    def __init__(self, backend) -> None:
+        self.limits, self.tokenizer, self.model_names = backend.limits, None, backend.model_names
+        self.chunks, self.closed = 0, False
+
+    async def stream(self, prompt, sp, user: str = ""):
+        import asyncio
+
+        from flame_llm.serving.client_stream import StreamChunk
+
+        try:
+            for _ in range(1 << 20):
+                self.chunks += 1
+                yield StreamChunk(list(range(64)))
+                await asyncio.sleep(0)
+        finally:
+            self.closed = True
+
+
+def test_a_write_that_does_not_drain_drops_the_client(door):
+    """stream_drain_timeout_s: a write waiting that long for a client that does not read drops it, and its stream
+    is closed (on a real backend: its request aborted)."""
+    _, _, backend, _ = door
+    flood = FloodBackend(backend)
+    url, close = _serve(flood, HttpConfig(port=0, stream_buffer_events=1 << 30, stream_drain_timeout_s=0.5))
+
+    def settled():
+        deadline = time.monotonic() + 60
+        while not flood.closed:
+            assert time.monotonic() < deadline, f"still streaming to a client that does not read ({flood.chunks})"
+            time.sleep(0.05)
+    try:
+        got = _drop_test(url, {"prompt": [5, 6], "max_tokens": 100}, settled)
+    finally:
+        close()
+    assert b"data: [DONE]" not in got and flood.chunks < 1 << 20

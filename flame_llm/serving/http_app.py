@@ -58,6 +58,11 @@ class HttpConfig:
     max_body_bytes: int = 8 << 20
     header_timeout_s: float = 10.0  # a connection idle or mid-head this long is closed
     body_timeout_s: float = 30.0  # a body that has not arrived whole by then is a 408
+    # a streamed response: events waiting for a client that reads slower than they come, at most (past it the
+    # client is dropped and its requests aborted: ~0.3 kB an event, ~1.2 MB a response at 4096), and how long one
+    # write may wait for the client to read (a client that stops reading is dropped after it)
+    stream_buffer_events: int = 4096
+    stream_drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         w = "http field"
@@ -72,6 +77,8 @@ class HttpConfig:
         check_int("max_body_bytes", self.max_body_bytes, 1024, where=w)
         check_number("header_timeout_s", self.header_timeout_s, 0, low_open=True, where=w)
         check_number("body_timeout_s", self.body_timeout_s, 0, low_open=True, where=w)
+        check_int("stream_buffer_events", self.stream_buffer_events, 1, where=w)
+        check_number("stream_drain_timeout_s", self.stream_drain_timeout_s, 0, low_open=True, where=w)
 
     def request_limits(self, max_text_chars: int | None = None) -> api.RequestLimits:
         return api.RequestLimits(self.max_prompts_per_request, self.max_tokens_per_request, max_text_chars)
@@ -132,7 +139,7 @@ async def read_json(request: web.Request) -> object:
 
 async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     t0 = time.perf_counter()
-    backend = request.app[BACKEND]
+    backend, cfg = request.app[BACKEND], request.app[CONFIG]
     body = await read_json(request)
     args = (kind, body, backend.limits, request.app[LIMITS], backend.tokenizer, backend.model_names)
     if api.has_text(kind, body):  # tokenizing: off the loop that serves every other request
@@ -143,7 +150,8 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     req.user = caller_of(request.get(CALLER), req.user, request.remote)
     observe = request.app[OBSERVE]
     if req.stream:
-        return await stream_events(request, req, backend, t0, observe)
+        return await stream_events(request, req, backend, t0, observe, cfg.stream_buffer_events,
+                                   cfg.stream_drain_timeout_s)
     results, texts = await collect(req, backend, t0, observe)
     failed = [r for r in results if r["error"] is not None]
     if failed:
