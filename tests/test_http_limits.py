@@ -179,7 +179,7 @@ def test_key_sources_and_their_errors(tmp_path, monkeypatch):
 
 
 def test_a_keyless_door_beyond_loopback_is_warned_about():
-    none, one = http_auth.Keys(None, None), http_auth.Keys("k", None)
+    none, one = False, True
     assert http_auth.exposure_warning("127.0.0.1", none) is None
     assert http_auth.exposure_warning("::1", none) is None and http_auth.exposure_warning("localhost", none) is None
     assert "no API key" in http_auth.exposure_warning("0.0.0.0", none)
@@ -280,3 +280,20 @@ def test_a_write_that_does_not_drain_drops_the_client(door):
     finally:
         close()
     assert b"data: [DONE]" not in got and flood.chunks < 1 << 20
+
+
+def test_start_warns_of_a_keyless_door_beyond_loopback(door, caplog):
+    """The warning at the call site: start() on 0.0.0.0 with no key logs it (the port is taken, so nothing listens
+    beyond loopback here), and not with a key."""
+    import asyncio
+
+    from aiohttp import web
+
+    from flame_llm.serving.http_app import start
+
+    port = int(door[0].rsplit(":", 1)[1])
+    for key, warned in ((None, True), ("k", False)):
+        caplog.clear()
+        with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="cannot listen"):
+            asyncio.run(start(web.Application(), HttpConfig(host="0.0.0.0", port=port, api_key=key)))
+        assert any("beyond loopback, with no API key" in r.message for r in caplog.records) == warned

@@ -226,7 +226,8 @@ async def start(app: web.Application, cfg: HttpConfig, host: str | None = None,
     """Serve `app` on the running loop; (runner, "http://host:port"). A client's disconnect cancels its handler;
     a connection idle or mid-head for header_timeout_s is closed (aiohttp's keep-alive timer, which runs from
     the connection's start and is not extended by a partial head)."""
-    warning = exposure_warning(host or cfg.host, app[KEYS])
+    warning = exposure_warning(host or cfg.host, bool(app[KEYS]) if KEYS in app else bool(cfg.api_key
+                                                                                          or cfg.api_key_file))
     if warning:
         log.warning(warning)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, keepalive_timeout=cfg.header_timeout_s)

@@ -78,9 +78,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_warning(host: str, keys: Keys) -> str | None:
+def exposure_warning(host: str, keyed: bool) -> str | None:
     """The warning for a door that anyone on the network can use: it listens beyond loopback with no key."""
-    if keys or is_loopback(host):
+    if keyed or is_loopback(host):
         return None
     return (f"the HTTP front door listens on {host}, beyond loopback, with no API key: anyone who can reach the port "
             f"can generate (set http.api_key_file, {API_KEY_ENV} or --api-key-file; or bind http.host 127.0.0.1)")

@@ -152,7 +152,7 @@ def serve(args: argparse.Namespace, announce=None) -> int:
 
     app.on_cleanup.append(_close)
     say = announce or log.info
-    warning = exposure_warning(args.host, app[KEYS])
+    warning = exposure_warning(args.host, bool(app[KEYS]))
     if warning:
         log.warning(warning)
     web.run_app(app, host=args.host, port=args.port, access_log=None, handle_signals=True,
