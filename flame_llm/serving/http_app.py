@@ -52,9 +52,9 @@ class HttpConfig:
     served_model_name: str | None = None  # the model name clients send (default: the model directory's name)
     max_prompts_per_request: int = 256  # prompts x n of one request; more is a 413
     max_tokens_per_request: int = 1 << 20  # prompt plus max output tokens over one request's completions (413)
-    # a larger body (by its Content-Length, or as it arrives) is a 413. 8 MiB: a request at max_tokens_per_request
-    # (1 Mi tokens) as JSON token ids of at most 7 bytes each ("123456,") fits, and so does any text that could fit
-    # in a context of 1 Mi tokens of ~4 characters and more; what is larger is refused before it is read
+    # a larger body (by its Content-Length, or as it arrives) is a 413, unread. 8 MiB: about a million prompt token
+    # ids as JSON (ids of up to 6 digits and their separator, 7-8 bytes each: max_tokens_per_request's prompt side),
+    # or a text of 8 M characters, past any context below 2 M tokens; 16 MiB let a 15 MB text in
     max_body_bytes: int = 8 << 20
     header_timeout_s: float = 10.0  # a connection idle or mid-head this long is closed
     body_timeout_s: float = 30.0  # a body that has not arrived whole by then is a 408
