@@ -41,6 +41,54 @@ def _wait(cond, timeout_s: float, what) -> None:
         time.sleep(0.05)
 
 
+class LedgerRouter:
+    """The real router handle, with a ledger (a spy, not a fake: every call goes on to the router): per shard, the
+    requests routed or placed there and the completions sent for it. Each routed request must be completed (or
+    forgotten) exactly once; the router's own count cannot show a missing `forget` on a shard that restarts, as
+    the restart's drop_shard clears that shard's count."""
+
+    def __init__(self, router) -> None:
+        self.router, self.charged, self.completed = router, {}, {}
+        outer = self
+
+        class _Route:
+            @staticmethod
+            def remote(items, avoid):
+                async def call():
+                    shards = await outer.router.route.remote(items, avoid)
+                    for s in shards:
+                        outer.charged[s] = outer.charged.get(s, 0) + 1
+                    return shards
+                return call()
+
+        class _Place:
+            @staticmethod
+            def remote(items, shards):
+                for s in shards:
+                    outer.charged[s] = outer.charged.get(s, 0) + 1
+                return outer.router.place.remote(items, shards)
+
+        class _Complete:
+            @staticmethod
+            def remote(cs):
+                for c in cs:
+                    outer.completed[c.shard] = outer.completed.get(c.shard, 0) + 1
+                return outer.router.complete.remote(cs)
+
+        self.route, self.place, self.complete = _Route, _Place, _Complete
+        self.drop_shard, self.stats = router.drop_shard, router.stats
+
+    def balanced(self) -> bool:
+        return self.charged == self.completed
+
+
+def _ledger(client) -> LedgerRouter:
+    d = client.dispatch
+    ledger = LedgerRouter(d.router)
+    d.router = d.routing.router = ledger
+    return ledger
+
+
 def _prompts(n, length, seed, prefix=()):
     rng = np.random.default_rng(seed)
     return [list(prefix) + rng.integers(3, 500, size=length).tolist() for _ in range(n)]
@@ -52,6 +100,7 @@ def test_requests_rerouted_after_a_lost_shard_leave_no_work_at_the_router(servic
     for s in svc.actors:
         ray.get(svc.router.drop_shard.remote(s))
     client = make_client(svc.cfg, svc.router, svc.actors, reroute_on_loss=True)
+    ledger = _ledger(client)
     try:
         doc = _prompts(1, 200, seed=5)[0]
         (first,) = client.generate([doc + [1, 2]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
@@ -63,6 +112,7 @@ def test_requests_rerouted_after_a_lost_shard_leave_no_work_at_the_router(servic
         assert [r.error for r in out["res"]] == [None] * 6
         _wait(lambda: dead not in watch.restarting, 120, lambda: "the shard did not come back")
         _wait(lambda: _outstanding(svc) == [0.0, 0.0], 10, lambda: _outstanding(svc))
+        _wait(ledger.balanced, 5, lambda: (ledger.charged, ledger.completed))
     finally:
         client.close()
 
@@ -82,5 +132,43 @@ def test_an_aborted_request_leaves_its_batch_queue_at_once(service):
         _wait(lambda: not any(b.items for b in d.batchers.values()), 2,
               lambda: {s: len(b.items) for s, b in d.batchers.items()})
         _wait(lambda: _outstanding(svc) == [0.0, 0.0], 5, lambda: _outstanding(svc))
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_streams_resumed_after_a_lost_shard_leave_no_work_at_the_router(service):
+    """The door's path: streams (over the stream socket) whose shard dies mid-stream go on elsewhere; once they
+    end and the shard is back, the router counts no work."""
+    import threading
+
+    svc = service
+    for s in svc.actors:
+        ray.get(svc.router.drop_shard.remote(s))
+    client = make_client(svc.cfg, svc.router, svc.actors, reroute_on_loss=True)
+    ledger = _ledger(client)
+    try:
+        doc = _prompts(1, 200, seed=8)[0]
+        (first,) = client.generate([doc + [1, 2]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        dead, watch = first.shard, client.dispatch.shards
+        sp = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        results: list = []
+
+        def one(prompt) -> None:
+            async def run():
+                return [c async for c in client.stream_chunks(prompt, sp)][-1].result
+            results.append(asyncio.run_coroutine_threadsafe(run(), client._loop).result(timeout=180))
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in _prompts(4, 8, seed=9, prefix=doc)]
+        for t in threads:
+            t.start()
+        _wait(lambda: ray.get(svc.actors[dead].stats.remote())["inflight_requests"] > 0, 60, lambda: "not busy")
+        ray.kill(svc.actors[dead], no_restart=False)
+        for t in threads:
+            t.join(timeout=180)
+        assert [r.error for r in results] == [None] * 4
+        _wait(lambda: dead not in watch.restarting, 120, lambda: "the shard did not come back")
+        _wait(lambda: _outstanding(svc) == [0.0, 0.0], 10, lambda: _outstanding(svc))
+        _wait(ledger.balanced, 5, lambda: (ledger.charged, ledger.completed))
     finally:
         client.close()
