@@ -203,8 +203,8 @@ class EngineActor:
             self.metrics.counters["errors"] += 1
             res.error = ErrorInfo(ErrorCode.DUPLICATE_ID, str(e))
             return res
-        try:
-            return await self._admit_and_run(item, res, t_start, emit, (caller, client))
+        try:  # each (sender, user) takes its own turn in fair admission (Request.user: the door's users)
+            return await self._admit_and_run(item, res, t_start, emit, (caller, client, item.user))
         except asyncio.CancelledError:
             if not self.inflight.was_aborted(item.id, owner):
                 raise

@@ -141,7 +141,9 @@ COMMANDS = {
               ["config", (("--detach",), {"action": "store_true", "help": "return once up (needs ray.address)"}),
                (("--host",), {"help": f"front door address (unset: http.host, {HttpConfig().host})"}),
                (("--http-port",), {"type": int, "help": f"front door port (unset: http.port, {HttpConfig().port})"}),
-               (("--api-key",), {"help": "front door bearer token (unset: http.api_key, none)"}),
+               (("--api-key",), {"help": "front door bearer token (unset: http.api_key, else FLAME_API_KEY; shows "
+                                         "in `ps`: prefer --api-key-file or the environment variable)"}),
+               (("--api-key-file",), {"help": "a file of front door keys, one a line (unset: http.api_key_file)"}),
                (("--no-http",), {"action": "store_true", "help": "no HTTP front door"})]),
     "submit": (submit, "submit prompts (a JSONL file of token-id lists or strings, or random ones)",
                ["config", "namespace", "address",

@@ -48,11 +48,16 @@ def serve(args) -> int:
     import ray
 
     from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
+    from flame_llm.serving.http_auth import Keys, key_from_env
     from flame_llm.serving.service import start_service
 
     cfg = config_of(args)
     http = dataclasses.replace(cfg.http, **{k: v for k, v in (("host", args.host), ("port", args.http_port),
-                                                               ("api_key", args.api_key)) if v is not None})
+                                                               ("api_key", args.api_key),
+                                                               ("api_key_file", args.api_key_file)) if v is not None})
+    http = dataclasses.replace(http, api_key=key_from_env(http.api_key, http.api_key_file))
+    if http.enabled:
+        Keys(http.api_key, http.api_key_file)  # a key file that cannot be read: the error, before anything starts
     if args.no_http:
         http = dataclasses.replace(http, enabled=False)
     if args.detach and cfg.ray.address is None:
@@ -71,7 +76,7 @@ def serve(args) -> int:
     print_placement(svc.health)
     if address:
         print(f"listening on {address} (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, "
-              f"/metrics{'; bearer token required' if http.api_key else ''})")
+              f"/metrics{'; bearer token required' if http.api_key or http.api_key_file else ''})")
     if os.environ.get("RAY_AUTH_MODE") == "token":  # Ray turned token auth on for the cluster it started
         print("other processes connect with RAY_AUTH_MODE=token set (Ray's token file is ~/.ray/auth_token; "
               "flame-llm sets it when that file exists)")

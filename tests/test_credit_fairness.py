@@ -5,6 +5,8 @@ import asyncio
 import pytest
 
 from flame_llm.fair_queue import FairQueue
+from flame_llm.protocol.types import Request
+from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.batcher import ClientCounters, Pending
 from flame_llm.serving.credit import Credit
 
@@ -36,12 +38,12 @@ def test_fair_queue_remove_and_drop_keep_the_others_turns():
 
 
 def _pending(loop, user: str) -> Pending:
-    return Pending(None, [], 1.0, 100, loop.create_future(), shard=0, user=user)
+    return Pending(Request("r", [1], SamplingParams(), user), [], 1.0, 100, loop.create_future(), shard=0)
 
 
 def _credit(sent: list) -> Credit:
     return Credit({0: 2}, max_batch_prompts=8, max_payload_bytes=1 << 20, avoid={}, counters=ClientCounters(),
-                  send_part=lambda s, part: sent.append([p.user for p in part]),
+                  send_part=lambda s, part: sent.append([p.request.user for p in part]),
                   held_back=lambda s, gone, again: None)
 
 

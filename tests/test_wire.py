@@ -13,6 +13,7 @@ from flame_llm.protocol.types import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_BATCH_REQUESTS,
     MAX_ID_BYTES,
+    MAX_USER_BYTES,
     RESULT_FIELDS,
     EngineLimits,
     Request,
@@ -82,7 +83,7 @@ def test_request_wire_size_bounds_the_decoded_size():
     sp = SamplingParams(temperature=0.5, top_k=MAX_TOP_K, top_p=0.5, max_tokens=MAX_OUTPUT_TOKENS, ignore_eos=True,
                         stop_token_ids=(TOKEN_ID_LIMIT - 1,) * 3, seed=SEED_LIMIT - 1)  # every field at its widest
     counts = [1, 300, 70_000]
-    reqs = [Request("é" * (MAX_ID_BYTES // 2 - i), np.zeros(n, np.uint32), sp)
+    reqs = [Request("é" * (MAX_ID_BYTES // 2 - i), np.zeros(n, np.uint32), sp, "ü" * (MAX_USER_BYTES // 2))
             for i, n in enumerate(counts)]
     payload = encode_requests(reqs, "r" * MAX_REVISION_BYTES)
     decoded = zstandard.frame_content_size(payload)
@@ -254,6 +255,9 @@ _TOK = np.array([7, 8], "<u4").tobytes()
     (_req(rid="ok"), "ok", "duplicate_id", "'ok' appears more than once"),
     ({**_req(rid="b"), "extra": 1}, "b", "bad_request", "'extra'"),
     ({"id": "b", "prompt": _TOK}, "b", "bad_request", "keys must be exactly id, prompt, sampling"),
+    ({**_req(rid="b"), "user": ""}, "b", "bad_request", "user must be a non-empty str"),
+    ({**_req(rid="b"), "user": 7}, "b", "bad_request", "user must be .* at most 128 UTF-8 bytes"),
+    ({**_req(rid="b"), "user": "é" * 65}, "b", "bad_request", "at most 128 UTF-8 bytes"),
     (_req(rid="b", prompt="text"), "b", "bad_prompt", "must be bytes"),
     (_req(rid="b", prompt=b""), "b", "empty_prompt", "at least 1 token; got 0"),
     (_req(rid="b", prompt=b"\x01\x02\x03\x04\x05"), "b", "bad_prompt", "5 bytes is not a multiple of 4"),
@@ -278,6 +282,15 @@ def test_request_errors_are_per_slot(bad, rid, code, match):
     assert (err.id, err.code) == (rid, code)
     assert re.search(match, err.message), err.message
     assert err.info().to_dict() == {"code": code, "message": err.message, "retry_after_s": None}
+
+
+def test_a_requests_user_travels_only_when_set():
+    """Request.user (the shard's fair admission turns of a sender's users): off the wire when "", so a client
+    without users sends the bytes it sent before."""
+    plain = Request("a", [1, 2], SamplingParams())
+    assert "user" not in plain.to_wire()
+    items = _decode(encode_requests([plain, Request("b", [3], SamplingParams(), "key:0123")], "m")).items
+    assert (items[0].user, items[1].user) == ("", "key:0123")
 
 
 def test_prompt_at_the_limits_is_accepted():

@@ -25,6 +25,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 4 << 20  # decoded bytes of one request batch
 DEFAULT_ZSTD_LEVEL = 1  # zstd level of request and result payloads
 MAX_RESULT_PAYLOAD_BYTES = 256 << 20  # decoded bytes of one result payload a client accepts
 MAX_ID_BYTES = 256  # UTF-8 bytes of a request id
+MAX_USER_BYTES = 128  # UTF-8 bytes of a request's user (its turn in the shard's fair admission)
 MAX_BATCH_REQUESTS = 8192  # requests in one batch (and results in one result payload); an invalid slot costs ~0.5 kB
 TOKEN_COUNT_LIMIT = 1 << 32  # prompt and cached token counts in results are below this
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
@@ -126,11 +127,18 @@ class Request:
     id: str
     prompt_token_ids: list[int] | np.ndarray  # decoded requests carry a read-only uint32 array
     sampling: SamplingParams
+    # whom the request is for, among its sender's users: the shard's fair admission gives each (sender, user) its
+    # own turn (the HTTP front door's users: an API key, an OpenAI `user`, an address). "": the sender's own turn,
+    # and not on the wire
+    user: str = ""
 
     def to_wire(self) -> dict:
         prompt = token_bytes(self.prompt_token_ids, f"request {self.id!r}: prompt_token_ids")
         sp = self.sampling  # not asdict(): its deep copy was most of a request's encode time
-        return {"id": self.id, "prompt": prompt, "sampling": {f: getattr(sp, f) for f in SAMPLING_FIELDS}}
+        m = {"id": self.id, "prompt": prompt, "sampling": {f: getattr(sp, f) for f in SAMPLING_FIELDS}}
+        if self.user:
+            m["user"] = self.user
+        return m
 
     @classmethod
     def from_wire(cls, r: Any, limits: EngineLimits, seen: set[str]) -> Request | RequestError:
@@ -144,9 +152,13 @@ class Request:
             if rid in seen:
                 raise RequestError(ErrorCode.DUPLICATE_ID, f"id {rid!r} appears more than once in the batch", "id")
             seen.add(rid)
-            if set(r) != {"id", "prompt", "sampling"}:
-                raise RequestError(ErrorCode.BAD_REQUEST, "request keys must be exactly id, prompt, sampling; "
-                                                          f"got {key_list(r)}", "request")
+            user = r.get("user", "")
+            if set(r) - {"user"} != {"id", "prompt", "sampling"}:
+                raise RequestError(ErrorCode.BAD_REQUEST, "request keys must be exactly id, prompt, sampling and "
+                                                          f"optionally user; got {key_list(r)}", "request")
+            if not user and "user" in r or not fits_utf8(user, MAX_USER_BYTES):
+                raise RequestError(ErrorCode.BAD_REQUEST, f"user must be a non-empty str of at most {MAX_USER_BYTES} "
+                                                          f"UTF-8 bytes when given; got {brief(user)}", "user")
             prompt = r["prompt"]
             if not isinstance(prompt, bytes):
                 raise RequestError(ErrorCode.BAD_PROMPT, "prompt must be bytes (little-endian uint32 token ids); "
@@ -156,7 +168,7 @@ class Request:
                                                          "of 4 (uint32 token ids)", "prompt")
             tokens = np.frombuffer(prompt, dtype="<u4")
             limits.check_prompt(tokens)
-            return cls(rid, tokens, sampling_from_map(r["sampling"]))
+            return cls(rid, tokens, sampling_from_map(r["sampling"]), user)
         except RequestError as e:
             e.id = rid
             return e

@@ -47,7 +47,7 @@ MAX_WINDOW = 1 << 23  # level 19 uses an 8 MiB window; a bigger one is refused b
 _CHUNK = 1 << 20
 # Upper bounds of one request's msgpack bytes besides its prompt (id at MAX_ID_BYTES, all sampling
 # fields at their widest, per stop token) and of the batch's envelope; test_wire checks them.
-REQUEST_OVERHEAD = 400
+REQUEST_OVERHEAD = 540  # with a user at MAX_USER_BYTES (140 of it)
 STOP_TOKEN_BYTES = 5  # a uint32 stop token id (SamplingParams bounds them below 2**32)
 BATCH_OVERHEAD = 320
 # Unpacking bounds (see the module docstring). A request map is at least ~29 bytes with 2-3 containers, a

@@ -27,7 +27,6 @@ class Pending:
     overloads: int = 0  # of those, resends after an overloaded answer: not counted against max_retries
     est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
     deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
-    user: str = ""  # whose turn it takes in the client's credit queue (Credit: one turn per user, in rotation)
 
 
 def set_estimates(p: Pending, model_revision: str, max_model_len: int) -> None:

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator
 
 import ray
 
+from flame_llm.protocol.checks import fits_utf8
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
-from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, EngineLimits, Result
-from flame_llm.sampling_params import SamplingParams
+from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result
+from flame_llm.sampling_params import SamplingParams, brief
 from flame_llm.serving.batcher import ClientCounters
 from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
@@ -35,6 +36,12 @@ from flame_llm.serving.service_config import ClientConfig, ServiceConfig
 log = logging.getLogger(__name__)
 ABANDON_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
 
+
+
+def check_user(user: str) -> None:
+    """A request's user (Request.user): a str of at most MAX_USER_BYTES UTF-8 bytes; ValueError naming it."""
+    if not fits_utf8(user, MAX_USER_BYTES):
+        raise ValueError(f"user must be a string of at most {MAX_USER_BYTES} UTF-8 bytes; got {brief(user)}")
 
 class Client:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str,
@@ -101,9 +108,8 @@ class Client:
     async def agenerate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams],
                         overload_deadline_s: float | None = None, user: str = "") -> list[Result]:
         """As generate, awaited from any asyncio loop; cancelling it aborts its requests on the shards. `user`:
-        whose turn its requests take while they wait for a shard's credit (stream_chunks)."""
-        if not isinstance(user, str):
-            raise ValueError(f"user must be a string; got {type(user).__name__}")
+        whose turn its requests take while they wait for a shard's credit and in its fair admission (stream_chunks)."""
+        check_user(user)
         call = generate_call(self.dispatch, self.requests, prompts, sampling_params, False, overload_deadline_s,
                              user=user)
         if self._on_loop():
@@ -135,9 +141,8 @@ class Client:
         checked like generate's requests and retried likewise; a shard's death after its first token sends the
         rest on as a continuation (ClientConfig.stream_resume, flame_llm/serving/resume.py). Leaving the loop early
         (break, cancel, close) aborts the request on its shard. `user`: whose turn it takes while it waits for
-        a shard's credit (users take turns; the front door passes its end users)."""
-        if not isinstance(user, str):
-            raise ValueError(f"user must be a string; got {type(user).__name__}")
+        a shard's credit and in its fair admission (users take turns; the front door passes its end users)."""
+        check_user(user)
         caller_loop = asyncio.get_running_loop()
         chunks: asyncio.Queue = asyncio.Queue()
 
@@ -234,7 +239,7 @@ class Client:
     async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None], user: str = "") -> None:
         t0 = time.perf_counter()
         p = self.requests.prepare(prompt, sp, asyncio.get_running_loop())
-        p.user = user
+        p.request.user = user
         self.counters.streams += 1
         result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
         result.timings["client_s"] = time.perf_counter() - t0

@@ -52,7 +52,7 @@ async def generate_call(d: Dispatcher, requests: RequestMaker, prompts: list,
     pend = [requests.prepare(prompt, sp, loop, deadline_s) for prompt, sp in zip(prompts, sampling_params,
                                                                                strict=True)]
     for i, p in enumerate(pend):
-        p.user = user
+        p.request.user = user
         p.future.add_done_callback(lambda f, i=i: landed(i, f))
     try:
         routed = [p for p in pend if not p.future.done()]

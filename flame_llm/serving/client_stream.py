@@ -85,7 +85,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         split.pop("first_chunk_at_client", None)  # this attempt's
         try:
             t0 = time.perf_counter()
-            took = await d.take_credit(shard, p.user)  # within the shard's credit, as batches are, in p.user's turn
+            took = await d.take_credit(shard, p.request.user)  # in its user's turn, as batches are
             split["credit_wait_s"] = time.perf_counter() - t0
             try:
                 r = await _one_stream(d, shard, payload, attempt_id(p), streamed, push, split, untold)

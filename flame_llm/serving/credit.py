@@ -118,4 +118,4 @@ class Credit:
 
 
 def _user(p: Pending) -> str:
-    return p.user
+    return p.request.user

@@ -2,7 +2,9 @@
 as OpenAI error objects (404, 405, 413 and 500 too), an optional bearer token, and the hardening a public port
 needs: a connection that has not sent a whole request head within header_timeout_s is closed, a body must
 arrive within body_timeout_s (else 408), a Content-Length over max_body_bytes is refused before the body is
-read (413), JSON nested too deep is a 400. A client that disconnects cancels its handler, which aborts its
+read (413), JSON nested too deep is a 400, a text prompt longer than could fit in max_model_len is a 400 before
+it is tokenized, and text is tokenized off the event loop (one bounded pool), so a large prompt holds up no other
+request. A client that disconnects cancels its handler, which aborts its
 requests on the engines.
 
 A backend is any object with: `limits` (EngineLimits), `tokenizer` (or None), `model_names` (served name
@@ -15,11 +17,13 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from flame_llm.serving import openai_api as api
+from flame_llm.serving.http_auth import Keys, caller_of, exposure_warning
 from flame_llm.serving.http_stream import collect, stream_events
 from flame_llm.serving.metrics import HttpMetrics
 from flame_llm.validate import check_bool, check_int, check_number, check_str
@@ -29,6 +33,11 @@ BACKEND = web.AppKey("backend", object)
 CONFIG = web.AppKey("config", object)
 OBSERVE = web.AppKey("observe", object)
 HTTP_METRICS = web.AppKey("http_metrics", HttpMetrics)
+KEYS = web.AppKey("keys", Keys)
+LIMITS = web.AppKey("limits", api.RequestLimits)
+TOKENIZE = web.AppKey("tokenize", ThreadPoolExecutor)
+TOKENIZE_THREADS = 2  # text requests tokenized at once; more wait their turn (each is bounded by max_text_chars)
+CALLER = web.RequestKey("flame_caller", object)  # the caller id of the API key a request carries (None: none)
 
 
 @dataclass(slots=True)
@@ -37,13 +46,23 @@ class HttpConfig:
     enabled: bool = True  # flame-llm serve opens the front door (--no-http: not)
     host: str = "127.0.0.1"  # the address it binds (0.0.0.0: every interface)
     port: int = 8000  # the front door's port (--http-port; 0: any free port)
-    api_key: str | None = None  # when set, /v1/* and /metrics need "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # when set, /v1/* and /metrics need "Authorization: Bearer <api_key>" (it shows in
+    # `ps` when given as --api-key: prefer api_key_file or the FLAME_API_KEY environment variable)
+    api_key_file: str | None = None  # a file of keys, one a line, each accepted (and each its own user for fairness)
     served_model_name: str | None = None  # the model name clients send (default: the model directory's name)
     max_prompts_per_request: int = 256  # prompts x n of one request; more is a 413
     max_tokens_per_request: int = 1 << 20  # prompt plus max output tokens over one request's completions (413)
-    max_body_bytes: int = 16 << 20  # a larger body (by its Content-Length, or as it arrives) is a 413
+    # a larger body (by its Content-Length, or as it arrives) is a 413, unread. 8 MiB: about a million prompt token
+    # ids as JSON (ids of up to 6 digits and their separator, 7-8 bytes each: max_tokens_per_request's prompt side),
+    # or a text of 8 M characters, past any context below 2 M tokens; 16 MiB let a 15 MB text in
+    max_body_bytes: int = 8 << 20
     header_timeout_s: float = 10.0  # a connection idle or mid-head this long is closed
     body_timeout_s: float = 30.0  # a body that has not arrived whole by then is a 408
+    # a streamed response: events waiting for a client that reads slower than they come, at most (past it the
+    # client is dropped and its requests aborted: ~0.3 kB an event, ~1.2 MB a response at 4096), and how long one
+    # write may wait for the client to read (a client that stops reading is dropped after it)
+    stream_buffer_events: int = 4096
+    stream_drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         w = "http field"
@@ -51,15 +70,18 @@ class HttpConfig:
         check_str("host", self.host, what="a host name or address", where=w)
         check_int("port", self.port, 0, 65535, limit="an integer in [0, 65535] (0: any free)", where=w)
         check_str("api_key", self.api_key, optional=True, where=w)
+        check_str("api_key_file", self.api_key_file, optional=True, where=w)
         check_str("served_model_name", self.served_model_name, optional=True, empty=True, where=w)
         check_int("max_prompts_per_request", self.max_prompts_per_request, 1, where=w)
         check_int("max_tokens_per_request", self.max_tokens_per_request, 2, where=w)
         check_int("max_body_bytes", self.max_body_bytes, 1024, where=w)
         check_number("header_timeout_s", self.header_timeout_s, 0, low_open=True, where=w)
         check_number("body_timeout_s", self.body_timeout_s, 0, low_open=True, where=w)
+        check_int("stream_buffer_events", self.stream_buffer_events, 1, where=w)
+        check_number("stream_drain_timeout_s", self.stream_drain_timeout_s, 0, low_open=True, where=w)
 
-    def request_limits(self) -> api.RequestLimits:
-        return api.RequestLimits(self.max_prompts_per_request, self.max_tokens_per_request)
+    def request_limits(self, max_text_chars: int | None = None) -> api.RequestLimits:
+        return api.RequestLimits(self.max_prompts_per_request, self.max_tokens_per_request, max_text_chars)
 
 
 def _json_error(e: api.ApiError) -> web.Response:
@@ -68,11 +90,14 @@ def _json_error(e: api.ApiError) -> web.Response:
 
 @web.middleware
 async def errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every error as an OpenAI error object; the bearer token checked first when one is configured."""
+    """Every error as an OpenAI error object; the bearer token checked first when keys are configured (/health
+    answers without one, with less: see `health`)."""
     cfg: HttpConfig = request.app[CONFIG]
+    keys = request.app[KEYS]
     try:
-        if cfg.api_key and request.path != "/health":
-            if request.headers.get("Authorization", "") != f"Bearer {cfg.api_key}":
+        if keys:
+            request[CALLER] = keys.match(request.headers.get("Authorization", ""))
+            if request[CALLER] is None and request.path != "/health":
                 raise api.ApiError(401, "missing or incorrect API key: send \"Authorization: Bearer <key>\"", None,
                                    "invalid_request_error", "invalid_api_key")
         return await handler(request)
@@ -116,12 +141,17 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     t0 = time.perf_counter()
     backend, cfg = request.app[BACKEND], request.app[CONFIG]
     body = await read_json(request)
-    req = api.parse(kind, body, backend.limits, cfg.request_limits(), backend.tokenizer, backend.model_names)
-    if not req.user:  # the end users who take turns at a busy shard: named by `user`, else by their address
-        req.user = f"addr:{request.remote}"
+    args = (kind, body, backend.limits, request.app[LIMITS], backend.tokenizer, backend.model_names)
+    if api.has_text(kind, body):  # tokenizing: off the loop that serves every other request
+        req = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZE], api.parse, *args)
+    else:
+        req = api.parse(*args)
+    # the users who take turns at the client's credit and in the shards' fair queue
+    req.user = caller_of(request.get(CALLER), req.user, request.remote)
     observe = request.app[OBSERVE]
     if req.stream:
-        return await stream_events(request, req, backend, t0, observe)
+        return await stream_events(request, req, backend, t0, observe, cfg.stream_buffer_events,
+                                   cfg.stream_drain_timeout_s)
     results, texts = await collect(req, backend, t0, observe)
     failed = [r for r in results if r["error"] is not None]
     if failed:
@@ -144,10 +174,17 @@ async def models(request: web.Request) -> web.Response:
          "max_model_len": backend.limits.max_model_len}]})
 
 
+HEALTH_OPEN_FIELDS = ("status", "shards", "shards_up")  # what /health shows a keyed door's callers without a key
+
+
 async def health(request: web.Request) -> web.Response:
+    """The backend's health: a 503 when it cannot serve. On a door with keys, a request without one (a load
+    balancer's probe) sees only the status and shard counts, not the model's path, limits or namespace."""
     info = await request.app[BACKEND].health()
     if info.get("status") != "ok":
         raise api.ApiError(503, info.get("message", "unhealthy"), None, "server_error")
+    if request.app[KEYS] and request.get(CALLER) is None:
+        info = {k: info[k] for k in HEALTH_OPEN_FIELDS if k in info}
     return web.json_response(info)
 
 
@@ -164,6 +201,18 @@ def build_app(backend, cfg: HttpConfig, observe=None) -> web.Application:
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[http_metrics.middleware, errors])
     app[BACKEND], app[CONFIG], app[OBSERVE] = backend, cfg, observe or (lambda name, seconds: None)
     app[HTTP_METRICS] = http_metrics
+    app[KEYS] = Keys(cfg.api_key, cfg.api_key_file)
+    text_limit = None
+    if backend.tokenizer is not None:
+        from flame_llm.serving.openai_prompts import max_text_chars
+        text_limit = max_text_chars(backend.limits.max_model_len, backend.tokenizer)
+    app[LIMITS] = cfg.request_limits(text_limit)
+    app[TOKENIZE] = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="flame-tokenize")
+
+    async def _close_pool(app: web.Application) -> None:
+        app[TOKENIZE].shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(_close_pool)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -177,6 +226,10 @@ async def start(app: web.Application, cfg: HttpConfig, host: str | None = None,
     """Serve `app` on the running loop; (runner, "http://host:port"). A client's disconnect cancels its handler;
     a connection idle or mid-head for header_timeout_s is closed (aiohttp's keep-alive timer, which runs from
     the connection's start and is not extended by a partial head)."""
+    warning = exposure_warning(host or cfg.host, bool(app[KEYS]) if KEYS in app else bool(cfg.api_key
+                                                                                          or cfg.api_key_file))
+    if warning:
+        log.warning(warning)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, keepalive_timeout=cfg.header_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host or cfg.host, cfg.port if port is None else port)

@@ -18,7 +18,8 @@ import uuid
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import EngineLimits, Result, prompt_digest
 from flame_llm.serving.client_stream import StreamChunk
-from flame_llm.serving.http_app import HttpConfig, build_app
+from flame_llm.serving.http_app import KEYS, HttpConfig, build_app
+from flame_llm.serving.http_auth import exposure_warning, key_from_env
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,10 @@ ARGUMENTS = [
     (("--load-format",), {"default": "auto", "choices": ("auto", "dummy")}),
     (("--engine-json",), {"default": "{}", "help": "extra flame_llm.config.Config fields as a JSON object"}),
     (("--torch-threads",), {"type": int, "default": 0, "help": "CPU intra-op threads (0: torch's default)"}),
-    (("--api-key",), {"default": None, "help": "require 'Authorization: Bearer <key>' on /v1/* and /metrics"}),
+    (("--api-key",), {"default": None, "help": "require 'Authorization: Bearer <key>' on /v1/* and /metrics (shows "
+                                               "in `ps`: prefer --api-key-file or FLAME_API_KEY)"}),
+    (("--api-key-file",), {"default": None, "help": "a file of accepted keys, one a line (unset: --api-key, else "
+                                                    "the FLAME_API_KEY environment variable)"}),
     (("--max-prompts-per-request",), {"type": int, "default": _HTTP.max_prompts_per_request,
                                       "help": "prompts x n of one request (more: 413)"}),
     (("--max-tokens-per-request",), {"type": int, "default": _HTTP.max_tokens_per_request,
@@ -135,7 +139,8 @@ def serve(args: argparse.Namespace, announce=None) -> int:
     from flame_llm.config import engine_fields_from_json
 
     kwargs = engine_fields_from_json(args.engine_json)
-    cfg = HttpConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+    cfg = HttpConfig(host=args.host, port=args.port, api_key=key_from_env(args.api_key, args.api_key_file),
+                     api_key_file=args.api_key_file, served_model_name=args.served_model_name,
                      max_prompts_per_request=args.max_prompts_per_request,
                      max_tokens_per_request=args.max_tokens_per_request)
     host = EngineHost.start(args.model, {"load_format": args.load_format, **kwargs}, args.gpu_uuid,
@@ -147,6 +152,9 @@ def serve(args: argparse.Namespace, announce=None) -> int:
 
     app.on_cleanup.append(_close)
     say = announce or log.info
+    warning = exposure_warning(args.host, bool(app[KEYS]))
+    if warning:
+        log.warning(warning)
     web.run_app(app, host=args.host, port=args.port, access_log=None, handle_signals=True,
                 print=lambda _: say(f"listening on http://{args.host}:{args.port}"),
                 handler_cancellation=True, keepalive_timeout=cfg.header_timeout_s)

@@ -1,11 +1,15 @@
 """Serving one checked OpenAI request over a backend: as one response (`collect`) or as server-sent events
 (`stream_events`, each choice's text as its tokens are sampled). A request with stop strings is streamed from
-its shard even when the response is not, so that the engine stops (aborts) the moment a stop string matches."""
+its shard even when the response is not, so that the engine stops (aborts) the moment a stop string matches.
+A streamed response is bounded: at most http.stream_buffer_events events wait for its writer, and a write that
+cannot go out within http.stream_drain_timeout_s (a client that does not read) drops the client; either way its
+requests are aborted on the engines."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 
 from aiohttp import web
@@ -14,6 +18,7 @@ from flame_llm.protocol.types import Result
 from flame_llm.serving import openai_api as api
 from flame_llm.serving.detok import TextStream
 
+log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -62,57 +67,80 @@ async def collect(req: api.ApiRequest, backend, t0: float, observe) -> tuple[lis
     return [r.to_dict() for r in results], texts
 
 
+class SlowClient(Exception):
+    """The client does not read its stream fast enough: it is dropped and its requests aborted."""
+
+
 def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: float,
-                        observe) -> web.StreamResponse:
+async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: float, observe,
+                        max_events: int = 4096, drain_s: float = 30.0) -> web.StreamResponse:
     """Server-sent events: each choice's chunks as its tokens arrive, its last chunk with its finish reason, a
     usage chunk when asked for, then [DONE]. A failed choice ends the stream with an error event. The client
-    going away (a failed write, or its handler cancelled) cancels every choice: their requests are aborted."""
+    going away (a failed write, or its handler cancelled) cancels every choice: their requests are aborted; so does
+    a client that falls behind by max_events events, or whose write does not drain within drain_s seconds."""
     model = backend.model_names[0]
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
-    events: asyncio.Queue = asyncio.Queue()
+    events: asyncio.Queue = asyncio.Queue()  # at most max_events, plus one last item per choice
+
+    async def write(data: bytes) -> None:
+        try:
+            await asyncio.wait_for(resp.write(data), drain_s)
+        except asyncio.TimeoutError:
+            raise SlowClient(f"a write did not drain within stream_drain_timeout_s ({drain_s:g}s)") from None
 
     async def one(index: int, prompt, sp) -> None:
         def on_text(text: str, token_ids: list[int]) -> None:
+            if events.qsize() >= max_events:  # leaves run_choice: its stream is closed, the request aborted
+                raise SlowClient(f"{max_events} events wait for the client (stream_buffer_events)")
             events.put_nowait(("text", index, text, token_ids))
 
         try:
             result, _ = await run_choice(backend, prompt, sp, req.stop, on_text, req.user)
+        except SlowClient as e:
+            events.put_nowait(("slow", index, e, None))
+            return
         except Exception as e:  # noqa: BLE001 - reported to the client as the stream's error
             events.put_nowait(("error", index, api.ApiError(500, f"{type(e).__name__}: {e}", None, "server_error")))
             return
         events.put_nowait(("done", index, result, None))
 
-    if req.kind == "chat":
-        for k in range(len(req.prompts)):
-            await resp.write(_event(api.chunk(req, model, k, "", [], None, first=True)))
-    tasks = [asyncio.create_task(one(k, p, sp)) for k, (p, sp) in enumerate(zip(req.prompts, req.sampling))]
-    results: list[Result | None] = [None] * len(tasks)
+    tasks: list[asyncio.Task] = []
+    results: list[Result | None] = [None] * len(req.prompts)
     first = True
     try:
+        if req.kind == "chat":
+            for k in range(len(req.prompts)):
+                await write(_event(api.chunk(req, model, k, "", [], None, first=True)))
+        tasks = [asyncio.create_task(one(k, p, sp)) for k, (p, sp) in enumerate(zip(req.prompts, req.sampling))]
         while any(r is None for r in results):
             kind, index, a, b = await events.get()
+            if kind == "slow":
+                raise a
             if kind == "text":
                 if first and b:
                     observe("ttft_s", time.perf_counter() - t0)
                     first = False
-                await resp.write(_event(api.chunk(req, model, index, a, b, None)))
+                await write(_event(api.chunk(req, model, index, a, b, None)))
                 continue
             error = a if kind == "error" else (api.result_error(a.to_dict()) if a.error is not None else None)
             if error is not None:
-                await resp.write(_event(error.body()))
+                await write(_event(error.body()))
                 break
             results[index] = a
-            await resp.write(_event(api.chunk(req, model, index, "", [], a.finish_reason)))
+            await write(_event(api.chunk(req, model, index, "", [], a.finish_reason)))
         else:
             if req.include_usage:
-                await resp.write(_event(api.usage_chunk(req, model, [r.to_dict() for r in results])))
-        await resp.write(b"data: [DONE]\n\n")
+                await write(_event(api.usage_chunk(req, model, [r.to_dict() for r in results])))
+        await write(b"data: [DONE]\n\n")
         await resp.write_eof()
+    except SlowClient as e:  # dropped: nothing more is written; its requests are aborted below
+        log.info("%s %s: client %s dropped: %s", request.method, request.path, request.remote, e)
+        if request.transport is not None:
+            request.transport.abort()
     finally:
         for t in tasks:
             t.cancel()

@@ -29,6 +29,7 @@ from flame_llm.serving.openai_errors import STATUS_CODES as STATUS_CODES
 from flame_llm.serving.openai_errors import ApiError, short
 from flame_llm.serving.openai_errors import result_error as result_error
 from flame_llm.serving.openai_prompts import chat_prompt, completion_prompts, stop_strings
+from flame_llm.serving.openai_prompts import has_text as has_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the room left)
 MAX_USER_CHARS = 256  # the `user` field (an end-user id)
@@ -52,6 +53,7 @@ class RequestLimits:
     """What one HTTP request may ask for (the `http` section's per-request limits)."""
     max_prompts: int  # prompts x n
     max_tokens: int  # prompt plus max output tokens, summed over the choices
+    max_text_chars: int | None = None  # a longer text prompt is a 400 before tokenizing (openai_prompts.max_text_chars)
 
 
 @dataclass(slots=True)
@@ -90,9 +92,9 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
     if kind == "completion":
         if "prompt" not in body:
             raise ApiError(400, "field 'prompt' is required", "prompt")
-        prompts = completion_prompts(body["prompt"], tokenizer, engine.vocab_size)
+        prompts = completion_prompts(body["prompt"], tokenizer, engine.vocab_size, limits.max_text_chars)
     else:
-        prompts = [chat_prompt(body.get("messages"), tokenizer)]
+        prompts = [chat_prompt(body.get("messages"), tokenizer, limits.max_text_chars)]
     n = body.get("n", 1)
     if n is None:
         n = 1

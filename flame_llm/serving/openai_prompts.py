@@ -8,6 +8,44 @@ from flame_llm.serving.openai_errors import ApiError, short
 
 MAX_STOP_STRINGS = 16
 MAX_INT64 = (1 << 63) - 1
+FALLBACK_CHARS_PER_TOKEN = 64  # a tokenizer whose vocabulary cannot be listed: a generous bound on a token's text
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The characters of the tokenizer's longest vocabulary entry (added tokens included): no token covers more
+    of a text, so a text of c characters is at least c / this many tokens. Byte-level vocabularies spell a byte
+    as one character, so a multi-byte character counts as several here: the bound only grows."""
+    try:
+        return max(1, max(len(t) for t in tokenizer.get_vocab()))
+    except Exception:  # noqa: BLE001 - no listable vocabulary: the generous constant
+        return FALLBACK_CHARS_PER_TOKEN
+
+
+def max_text_chars(max_model_len: int, tokenizer) -> int:
+    """The longest text (characters) that could still fit in max_model_len tokens: a longer one is refused
+    before it is tokenized (a 15 MB text took the event loop 21 s and 1.2 GB to tokenize before its 400)."""
+    return max_model_len * (longest_token_chars(tokenizer) if tokenizer is not None else FALLBACK_CHARS_PER_TOKEN)
+
+
+def has_text(kind: str, body: object) -> bool:
+    """Whether parsing the body tokenizes text (chat messages, a text prompt or a list with one): the front doors
+    parse such a body off the event loop."""
+    if kind == "chat":
+        return True
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, str):
+        return True
+    # token ids (a flat list of ints, perhaps 1M long) are not scanned: only a list of prompts is
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int) \
+        and any(isinstance(p, str) for p in prompt)
+
+
+def check_text_chars(field: str, chars: int, limit: int | None) -> None:
+    """A 400 naming the field when a text of `chars` characters is past `limit` (max_text_chars)."""
+    if limit is not None and chars > limit:
+        raise ApiError(400, f"field {field!r}: the text is {chars} characters; at most {limit} can fit in this "
+                            "model's maximum context length (max_model_len tokens x the tokenizer's longest token)",
+                       field, code="context_length_exceeded")
 
 
 def _token_array(p: object, vocab_size: int) -> np.ndarray | None:
@@ -23,7 +61,9 @@ def _token_array(p: object, vocab_size: int) -> np.ndarray | None:
     return np.fromiter(p, dtype=np.int64, count=len(p))
 
 
-def completion_prompts(prompt: object, tokenizer, vocab_size: int) -> list[np.ndarray]:
+def completion_prompts(prompt: object, tokenizer, vocab_size: int, text_limit: int | None = None) -> list[np.ndarray]:
+    """The prompts of a completions body; a text longer than text_limit characters is a 400 before any is
+    tokenized."""
     one = prompt if isinstance(prompt, str) else _token_array(prompt, vocab_size)
     if one is not None:
         prompts = [one]
@@ -34,6 +74,9 @@ def completion_prompts(prompt: object, tokenizer, vocab_size: int) -> list[np.nd
     if any(p is None for p in prompts):
         raise ApiError(400, "field 'prompt' must be a non-empty list of token ids (integers >= 0), a list of such "
                             f"lists, text, or a list of texts; got {short(prompt)}", "prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            check_text_chars("prompt", len(p), text_limit)
     return [_tokenized(p, tokenizer) if isinstance(p, str) else p for p in prompts]
 
 
@@ -44,7 +87,9 @@ def _tokenized(text: str, tokenizer) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
-def chat_prompt(messages: object, tokenizer) -> np.ndarray:
+def chat_prompt(messages: object, tokenizer, text_limit: int | None = None) -> np.ndarray:
+    """The prompt of chat messages through the chat template; contents longer than text_limit characters in all
+    are a 400 before the template runs (the template only adds to them)."""
     ok = isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and _content(m.get("content")) is not None
         for m in messages)
@@ -58,6 +103,7 @@ def chat_prompt(messages: object, tokenizer) -> np.ndarray:
         raise ApiError(400, "the model's tokenizer has no chat template, so chat messages cannot be turned into a "
                             "prompt; use /v1/completions", "messages")
     plain = [{"role": m["role"], "content": _content(m["content"])} for m in messages]
+    check_text_chars("messages", sum(len(m["content"]) for m in plain), text_limit)
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # the template's own checks (roles, order): the request's fault

@@ -44,4 +44,5 @@ def continuation(original: Request, streamed: list[int]) -> Request:
     prompt = np.concatenate([np.asarray(original.prompt_token_ids, dtype=np.uint32),
                              np.asarray(streamed, dtype=np.uint32)])
     seed = None if sp.seed is None else (sp.seed + k) % SEED_LIMIT
-    return Request(original.id, prompt, dataclasses.replace(sp, max_tokens=sp.max_tokens - k, seed=seed))
+    return Request(original.id, prompt, dataclasses.replace(sp, max_tokens=sp.max_tokens - k, seed=seed),
+                   original.user)
