@@ -16,6 +16,7 @@ from test_stream_socket import _payload, _raw
 from flame_llm import SamplingParams
 from flame_llm.protocol.stream_frames import Frame, encode_frame, read_frame
 from flame_llm.protocol.wire import decode_results
+from flame_llm.serving.frontdoor import ClientBackend
 
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -129,6 +130,8 @@ def test_a_wedged_shard_reports_unhealthy_and_is_restarted_with_its_stream_finis
     time.sleep(0.5)
     live = ray.get(actor.live.remote(0.5), timeout=30)
     assert not live.ok and live.loop_lag_s is None and "wedged" in live.why and live.fds > 0
+    door = asyncio.run(ClientBackend(client).health())  # the front door's /health: the wedged shard is not up
+    assert door["shards"] == 1 and door["shards_up"] == 0 and door["status"] == "unavailable"
     restarted = []
     for _ in range(3):
         restarted += svc.replace_unhealthy_shards(probe_timeout_s=1.0)

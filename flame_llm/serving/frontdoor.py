@@ -61,11 +61,14 @@ class ClientBackend:
         return self.client.stream_chunks(prompt, sp, user)
 
     async def health(self) -> dict:
-        """Every shard's health() at once (a probe target: no stats, no actor lookups); a shard that does not
-        answer within HEALTH_TIMEOUT_S counts as down."""
+        """Every shard's health() and live() at once (a probe target: no stats, no actor lookups); a shard that does
+        not answer within HEALTH_TIMEOUT_S, drains, or whose serving loop is wedged (`live` runs a no-op on it,
+        actors/liveness.py; `health` answers from the control loop even then) counts as down."""
         async def one(actor) -> bool:
             try:
-                return not (await asyncio.wait_for(actor.health.remote(), HEALTH_TIMEOUT_S)).draining
+                h, live = await asyncio.wait_for(
+                    asyncio.gather(actor.health.remote(), actor.live.remote(HEALTH_TIMEOUT_S / 2)), HEALTH_TIMEOUT_S)
+                return not h.draining and live.ok
             except Exception:  # noqa: BLE001 - dead, restarting or slow: not up
                 return False
 
