@@ -27,8 +27,8 @@ from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
+from flame_llm.models.fp8_checkpoint import load_weights
 from flame_llm.models.llama import MODELS, set_gemm_lt, set_mlp_row_split
-from flame_llm.models.loader import init_dummy, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +52,7 @@ class ModelRunner:
                 self.model = MODELS[hf.architectures[0]](hf)
         finally:
             torch.set_default_dtype(prev_dtype)
-        if mc.load_format == "dummy":
-            init_dummy(self.model, mc.seed)
-        else:
-            load_model(self.model, mc.model)
+        load_weights(self.model, mc, self.device)  # dummy or safetensors; FP8 projections with quantization fp8
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = resolve_backend(rc.attention_backend, self.device, self.block_size, self.dtype,
