@@ -161,3 +161,16 @@ def test_quantization_from_engine_json_and_yaml_fields():
     from flame_llm.config import engine_fields_from_json
     assert engine_fields_from_json('{"quantization": "fp8"}') == {"quantization": "fp8"}
     assert EngineConfig.from_kwargs().model_config.quantization is None
+
+
+def test_serve_http_quantization_flag():
+    import argparse
+
+    from flame_llm.serving.http_server import add_arguments, engine_fields
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", "m", "--quantization", "fp8", "--load-format", "dummy"])
+    assert engine_fields(args) == {"load_format": "dummy", "quantization": "fp8"}
+    assert engine_fields(p.parse_args(["--model", "m"])) == {"load_format": "auto"}  # off: the field left out
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--quantization", "int8"])

@@ -90,7 +90,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, shape[-1])
     xq, xs = per_token_quant(x2)
     if x.is_cuda:
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+        # row-wise scaling writes bf16 only (cuBLASLt); a float32/float16 model gets it cast
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+        y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
     else:  # reference: dequantize both, multiply in float32
         y = ((xq.float() * xs) @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
     if bias is not None:
