@@ -1,0 +1,138 @@
+"""FP8 numerics (issue 40) of our engine on one model, against the same model unquantized, same dummy weights:
+1. per projection of every layer, the relative error of our FP8 linear (W8A8, per-channel weights, per-token
+   activations) against the model dtype's on the inputs that layer really sees in a prefill of the prompts;
+2. greedy decoding of the same prompts by both engines: first tokens equal, matched prefix length, sequences equal;
+3. teacher-forced: every prompt position's logits, cosine similarity and argmax agreement.
+Dummy weights say nothing of accuracy: these say how far FP8 moves this model's numbers (what the GPU path of
+kernels/fp8_quant.py computes). On a GPU (Llama-3.1-8B shapes, the default):
+    python -m bench.fp8_check --out fp8_check.json
+On CPU (the tiny model): python -m bench.fp8_check --model tiny --prompts 4 --prompt-len 32 --max-tokens 8"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+from flame_llm import LLM, SamplingParams
+from flame_llm.config import engine_fields_from_json
+from flame_llm.engine.sequence import Sequence
+from flame_llm.kernels.fp8_quant import fp8_linear, quantize_weight
+from flame_llm.layers.layers import Linear
+from flame_llm.models.tiny import resolve_model
+
+MODEL_8B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models",
+                        "llama-3.1-8b")
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def step_logits(llm: LLM, prompts: list[list[int]], hook=None) -> torch.Tensor:
+    """Every row's logits of one eager prefill step of `prompts` (fresh blocks from 0; run it after generating:
+    it overwrites the cache's blocks without the block manager knowing)."""
+    runner, seqs, nxt = llm.engine.model_runner, [], 0
+    bs = runner.block_size
+    for p in prompts:
+        s = Sequence(p, SamplingParams(temperature=0, max_tokens=1), bs)
+        s.block_table = list(range(nxt, nxt + (len(p) + bs - 1) // bs))
+        nxt += len(s.block_table)
+        seqs.append(s)
+    assert nxt <= runner.num_blocks, "more prompt blocks than the pool holds"
+    x = runner.prepare(seqs, [s.num_tokens for s in seqs], [0] * len(seqs))
+    handles = []
+    if hook is not None:
+        handles = [m.register_forward_hook(hook) for m in runner.model.modules() if isinstance(m, Linear)]
+    try:
+        with torch.inference_mode():
+            return runner.compute_logits(runner.forward(runner.upload(x))).float()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def layer_errors(llm: LLM, prompts: list[list[int]]) -> dict[str, list[float]]:
+    """Per projection name (qkv_proj, o_proj, gate_up_proj, down_proj), per layer: ||fp8 - ref|| / ||ref||, where
+    ref is the unquantized engine's projection output on its own input."""
+    names = {m: n for n, m in llm.engine.model_runner.model.named_modules() if isinstance(m, Linear)}
+    errs: dict[str, list[float]] = defaultdict(list)
+
+    def hook(mod, inputs, out):
+        wq, ws = quantize_weight(mod.weight)
+        y = fp8_linear(inputs[0], wq, ws, mod.bias).float()
+        ref = out.float()
+        errs[names[mod].rsplit(".", 1)[-1]].append(((y - ref).norm() / ref.norm()).item())
+
+    step_logits(llm, prompts, hook)
+    return dict(errs)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    matched = []
+    for x, y in zip(a, b, strict=True):
+        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        matched.append(n / max(len(x), 1))
+    return {"first_token_equal": sum(x[:1] == y[:1] for x, y in zip(a, b)) / len(a),
+            "matched_prefix_fraction_mean": sum(matched) / len(matched),
+            "sequences_equal": sum(x == y for x, y in zip(a, b)) / len(a)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fp8_check", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=MODEL_8B, help="model directory ('tiny': the embedded default)")
+    p.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-json", default="{}", help="more engine fields for both engines (JSON object)")
+    p.add_argument("--out", default=None, help="write the figures here (JSON)")
+    a = p.parse_args(argv)
+    model = resolve_model(a.model)
+    length = a.prompt_len + a.max_tokens
+    fields = {"load_format": a.load_format, "max_model_len": max(length, 128), "max_num_seqs": a.prompts,
+              "max_num_batched_tokens": max(a.prompts * a.prompt_len, length, 128), "enable_prefix_caching": False,
+              "num_kvcache_blocks": a.prompts * (-(-length // 16)) + 8, "block_size": 16,
+              **engine_fields_from_json(a.engine_json)}
+    base, fp8 = LLM(model, **fields), LLM(model, quantization="fp8", **fields)
+    prompts = make_prompts(a.prompts, a.prompt_len, base.engine.model_runner.vocab_size, a.seed)
+    out_base, out_fp8 = greedy(base, prompts, a.max_tokens), greedy(fp8, prompts, a.max_tokens)
+    errs = layer_errors(base, prompts)
+    lb, lf = step_logits(base, prompts), step_logits(fp8, prompts)
+    cos = torch.nn.functional.cosine_similarity(lf, lb, dim=-1)
+    res = {"model": os.path.basename(os.path.normpath(model)), "load_format": a.load_format,
+           "device": str(base.engine.model_runner.device), "dtype": str(base.engine.model_runner.dtype),
+           "prompts": a.prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "seed": a.seed,
+           "layer_rel_error": {k: {"mean": sum(v) / len(v), "max": max(v), "per_layer": v} for k, v in errs.items()},
+           "greedy": agreement(out_fp8, out_base),
+           "teacher_forced": {"positions": len(cos), "logits_cosine_mean": cos.mean().item(),
+                              "logits_cosine_min": cos.min().item(),
+                              "argmax_agreement": (lf.argmax(-1) == lb.argmax(-1)).float().mean().item()}}
+    print(f"{res['model']} ({res['device']}, {res['dtype']} vs fp8), {a.prompts} prompts x {a.prompt_len} tokens")
+    print("| projection | rel. error mean | max (over layers) |")
+    print("|---|---|---|")
+    for k, v in res["layer_rel_error"].items():
+        print(f"| {k} | {v['mean']:.4f} | {v['max']:.4f} |")
+    g, t = res["greedy"], res["teacher_forced"]
+    print(f"greedy ({a.max_tokens} tokens): first token equal {g['first_token_equal']:.3f}, matched prefix "
+          f"{g['matched_prefix_fraction_mean']:.3f}, sequences equal {g['sequences_equal']:.3f}")
+    print(f"teacher-forced ({t['positions']} positions): logits cosine mean {t['logits_cosine_mean']:.4f} "
+          f"(min {t['logits_cosine_min']:.4f}), argmax agreement {t['argmax_agreement']:.3f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
