@@ -70,6 +70,10 @@ class CacheConfig:
     # blocks become prefix-cache hits when the step that computes them is scheduled, so a request admitted in
     # the same step shares them instead of computing them again (off: only after that step ran)
     enable_same_step_prefix_sharing: bool = True  # blocks are hits from the step that computes them
+    # "fp8": K/V stored as e4m3 (twice the tokens in the same memory), static scale 1.0 (values clamped to
+    # +-448), read by our Triton kernel and the torch path (FA4 takes no FP8 K/V: "auto" picks triton). "auto": the
+    # model dtype
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8
 
     def __post_init__(self) -> None:
         check(is_int(self.block_size) and self.block_size >= 16 and self.block_size % 16 == 0, "block_size",
@@ -81,6 +85,7 @@ class CacheConfig:
         check_number("cpu_kvcache_gib", self.cpu_kvcache_gib, 0, low_open=True, **_F)
         for name in ("enable_prefix_caching", "enable_lru", "enable_same_step_prefix_sharing"):
             check_bool(name, getattr(self, name), **_F)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, **_F)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor: an all-zero row gets a finite scale
 
 

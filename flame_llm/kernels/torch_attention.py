@@ -17,8 +17,12 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     nh, hd = k_cache.shape[-2:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, nh, hd)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, nh, hd)[slots] = v[keep].to(v_cache.dtype)
+    k, v = k[keep], v[keep]
+    if k_cache.dtype == torch.float8_e4m3fn:  # kv_cache_dtype fp8, scale 1.0: saturate (e4m3 has no inf)
+        fmax = torch.finfo(k_cache.dtype).max
+        k, v = k.clamp(-fmax, fmax), v.clamp(-fmax, fmax)
+    k_cache.view(-1, nh, hd)[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, nh, hd)[slots] = v.to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -73,9 +77,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mask = torch.arange(longest, device=q.device)[None, :] < seq_lens[rows, None]
         # rows past a sequence's length are whatever the pool holds (NaN included): a masked score
         # still multiplies its value row, so they must be finite
+        kv = [x.to(q.dtype) for x in kv]  # the same tensors, unless the cache is e4m3 (kv_cache_dtype fp8)
         for x in kv:
             x.masked_fill_(~mask[:, :, None, None], 0)
-        k, v = (x.to(q.dtype).transpose(1, 2) for x in kv)  # [b, Hkv, L, D]
+        k, v = (x.transpose(1, 2) for x in kv)  # [b, Hkv, L, D]
         o = F.scaled_dot_product_attention(q[rows, :, None], k, v, attn_mask=mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)
         out[rows] = o[:, :, 0]
