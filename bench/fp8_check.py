@@ -3,6 +3,8 @@
    activations) against the model dtype's on the inputs that layer really sees in a prefill of the prompts;
 2. greedy decoding of the same prompts by both engines: first tokens equal, matched prefix length, sequences equal;
 3. teacher-forced: every prompt position's logits, cosine similarity and argmax agreement.
+2 and 3 for "fp8" (quantization fp8) and, with --kv, "fp8kv" (and kv_cache_dtype fp8: our Triton attention reads
+the prompt's e4m3 K/V in the teacher-forced step; the greedy runs' decodes read them).
 Dummy weights say nothing of accuracy: these say how far FP8 moves this model's numbers (what the GPU path of
 kernels/fp8_quant.py computes). On a GPU (Llama-3.1-8B shapes, the default):
     python -m bench.fp8_check --out fp8_check.json
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv", action="store_true", help="also quantization fp8 + kv_cache_dtype fp8 (variant fp8kv)")
     p.add_argument("--engine-json", default="{}", help="more engine fields for both engines (JSON object)")
     p.add_argument("--out", default=None, help="write the figures here (JSON)")
     a = p.parse_args(argv)
@@ -104,30 +107,45 @@ def main(argv: list[str] | None = None) -> int:
               "max_num_batched_tokens": max(a.prompts * a.prompt_len, length, 128), "enable_prefix_caching": False,
               "num_kvcache_blocks": a.prompts * (-(-length // 16)) + 8, "block_size": 16,
               **engine_fields_from_json(a.engine_json)}
-    base, fp8 = LLM(model, **fields), LLM(model, quantization="fp8", **fields)
+    variants = {"fp8": {"quantization": "fp8"}}
+    if a.kv:
+        variants["fp8kv"] = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    base = LLM(model, **fields)
     prompts = make_prompts(a.prompts, a.prompt_len, base.engine.model_runner.vocab_size, a.seed)
-    out_base, out_fp8 = greedy(base, prompts, a.max_tokens), greedy(fp8, prompts, a.max_tokens)
+    out_base = greedy(base, prompts, a.max_tokens)
     errs = layer_errors(base, prompts)
-    lb, lf = step_logits(base, prompts), step_logits(fp8, prompts)
-    cos = torch.nn.functional.cosine_similarity(lf, lb, dim=-1)
+    lb = step_logits(base, prompts)
+    compared = {}
+    for name, extra in variants.items():
+        llm = LLM(model, **{**fields, **extra})
+        out = greedy(llm, prompts, a.max_tokens)
+        lf = step_logits(llm, prompts)
+        cos = torch.nn.functional.cosine_similarity(lf, lb, dim=-1)
+        argmax = (lf.argmax(-1) == lb.argmax(-1)).float().mean().item()
+        compared[name] = {"fields": extra, "greedy": agreement(out, out_base),
+                          "teacher_forced": {"positions": len(cos), "logits_cosine_mean": cos.mean().item(),
+                                             "logits_cosine_min": cos.min().item(), "argmax_agreement": argmax}}
+        del llm, lf
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     res = {"model": os.path.basename(os.path.normpath(model)), "load_format": a.load_format,
            "device": str(base.engine.model_runner.device), "dtype": str(base.engine.model_runner.dtype),
            "prompts": a.prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "seed": a.seed,
            "layer_rel_error": {k: {"mean": sum(v) / len(v), "max": max(v), "per_layer": v} for k, v in errs.items()},
-           "greedy": agreement(out_fp8, out_base),
-           "teacher_forced": {"positions": len(cos), "logits_cosine_mean": cos.mean().item(),
-                              "logits_cosine_min": cos.min().item(),
-                              "argmax_agreement": (lf.argmax(-1) == lb.argmax(-1)).float().mean().item()}}
+           "variants": compared}
     print(f"{res['model']} ({res['device']}, {res['dtype']} vs fp8), {a.prompts} prompts x {a.prompt_len} tokens")
     print("| projection | rel. error mean | max (over layers) |")
     print("|---|---|---|")
     for k, v in res["layer_rel_error"].items():
         print(f"| {k} | {v['mean']:.4f} | {v['max']:.4f} |")
-    g, t = res["greedy"], res["teacher_forced"]
-    print(f"greedy ({a.max_tokens} tokens): first token equal {g['first_token_equal']:.3f}, matched prefix "
-          f"{g['matched_prefix_fraction_mean']:.3f}, sequences equal {g['sequences_equal']:.3f}")
-    print(f"teacher-forced ({t['positions']} positions): logits cosine mean {t['logits_cosine_mean']:.4f} "
-          f"(min {t['logits_cosine_min']:.4f}), argmax agreement {t['argmax_agreement']:.3f}")
+    print(f"| vs {res['dtype']} | greedy first token equal | matched prefix ({a.max_tokens} tokens) | sequences "
+          "equal | logits cosine mean (min) | argmax agreement |")
+    print("|---|---|---|---|---|---|")
+    for name, c in compared.items():
+        g, t = c["greedy"], c["teacher_forced"]
+        print(f"| {name} | {g['first_token_equal']:.3f} | {g['matched_prefix_fraction_mean']:.3f} | "
+              f"{g['sequences_equal']:.3f} | {t['logits_cosine_mean']:.4f} ({t['logits_cosine_min']:.4f}) | "
+              f"{t['argmax_agreement']:.3f} |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

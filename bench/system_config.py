@@ -26,8 +26,9 @@ once for all of them (shared_prefix_decode, off by default: the reuse trace's fo
 "flame-lt" and "engine-lt" run eager steps of 1,024+ tokens on the cuBLASLt algorithms timed fastest at warmup
 (gemm_lt_min_tokens 1024, off by default: the A/B of cuBLASLt's candidates beyond its first pick).
 "flame-fp8" and "engine-fp8" run W8A8 FP8 projections (quantization "fp8": e4m3 weights quantized at load,
-per-token activation scales; issue 40), "vllm-fp8" is `vllm serve --quantization fp8` (the same scheme: dynamic
-per-token activations).
+per-token activation scales; issue 40), "flame-fp8kv" and "engine-fp8kv" add e4m3 K/V (kv_cache_dtype "fp8": our
+Triton attention for every step, FA4 takes no FP8 K/V), "vllm-fp8" is `vllm serve --quantization fp8` (the same
+scheme: dynamic per-token activations; its KV cache stays bf16).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from dataclasses import dataclass, field
 KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-split", "flame-noearly",
          "flame-ropestore", "flame-shared", "flame-lt", "flame-raystream", "flame-noresume", "flame-noreroute",
          "engine", "engine-nomix", "engine-mix2k", "engine-noprune", "engine-split", "engine-noearly",
-         "engine-ropestore", "engine-shared", "engine-lt", "vllm", "vllm-seed", "flame-fp8", "engine-fp8", "vllm-fp8")
+         "engine-ropestore", "engine-shared", "engine-lt", "vllm", "vllm-seed", "flame-fp8", "engine-fp8", "vllm-fp8",
+         "flame-fp8kv", "engine-fp8kv")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
@@ -46,7 +48,9 @@ LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {
                 "flame-ropestore": {"fused_rope_store": True}, "engine-ropestore": {"fused_rope_store": True},
                 "flame-shared": {"shared_prefix_decode": True}, "engine-shared": {"shared_prefix_decode": True},
                 "flame-lt": {"gemm_lt_min_tokens": 1024}, "engine-lt": {"gemm_lt_min_tokens": 1024},
-                "flame-fp8": {"quantization": "fp8"}, "engine-fp8": {"quantization": "fp8"}}
+                "flame-fp8": {"quantization": "fp8"}, "engine-fp8": {"quantization": "fp8"},
+                "flame-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+                "engine-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's
 LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"},
                 "flame-noresume": {"stream_resume": False}, "flame-noreroute": {"reroute_on_loss": False}}

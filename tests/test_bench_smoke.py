@@ -49,6 +49,7 @@ def test_system_labels():
     # issue 40: FP8 on both sides, the same scheme (W8A8, dynamic per-token activation scales)
     assert parse_system("vllm-fp8").vllm_config == "fp8" and parse_system("vllm").vllm_config == "default"
     assert parse_system("flame-fp8").engine == parse_system("engine-fp8").engine == {"quantization": "fp8"}
+    assert parse_system("flame-fp8kv").engine == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
@@ -56,7 +57,7 @@ def test_system_labels():
                                          "flame-lt, flame-raystream, flame-noresume, flame-noreroute, engine, "
                                          "engine-nomix, engine-mix2k, engine-noprune, engine-split, engine-noearly, "
                                          "engine-ropestore, engine-shared, engine-lt, vllm, vllm-seed, flame-fp8, "
-                                         "engine-fp8, vllm-fp8"):
+                                         "engine-fp8, vllm-fp8, flame-fp8kv, engine-fp8kv"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")

@@ -183,9 +183,12 @@ def test_fp8_check_script_runs_on_the_tiny_model(tmp_path):
     from bench.fp8_check import main
     out = tmp_path / "fp8.json"
     assert main(["--model", "tiny", "--load-format", "auto", "--prompts", "2", "--prompt-len", "16", "--max-tokens",
-                 "4", "--out", str(out)]) == 0
+                 "4", "--kv", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert sorted(res["layer_rel_error"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     # two layers each; per-token/per-channel e4m3 on these inputs: a few percent, never zero
     assert all(len(v["per_layer"]) == 2 and 0.005 < v["max"] < 0.1 for v in res["layer_rel_error"].values())
-    assert res["teacher_forced"]["positions"] == 32 and 0 <= res["greedy"]["first_token_equal"] <= 1
+    assert sorted(res["variants"]) == ["fp8", "fp8kv"]
+    assert res["variants"]["fp8kv"]["fields"] == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    for v in res["variants"].values():
+        assert v["teacher_forced"]["positions"] == 32 and 0 <= v["greedy"]["first_token_equal"] <= 1

@@ -34,6 +34,8 @@ def resolve_backend(name: str, device: torch.device, block_size: int, dtype: tor
         if name in ("fa4", "flash_attn"):
             raise ValueError(f"engine field 'kv_cache_dtype' 'fp8' needs attention_backend 'auto', 'triton' or "
                              f"'torch' (e4m3 K/V are read by our Triton kernel and the torch path); got {name!r}")
+        if fresh_prefill_backend == "fa4":  # its warmup compiles on the cache's dtype
+            raise ValueError("engine field 'kv_cache_dtype' 'fp8' does not run with fresh_prefill_backend 'fa4'")
         if name == "auto":
             name = "triton" if device.type == "cuda" else "torch"
             logger.info("attention: kv_cache_dtype fp8: %s (FA4 takes no FP8 K/V)", name)
