@@ -22,7 +22,7 @@ import torch
 from flame_llm import LLM, SamplingParams
 from flame_llm.config import engine_fields_from_json
 from flame_llm.engine.sequence import Sequence
-from flame_llm.kernels.fp8_quant import fp8_linear, quantize_weight
+from flame_llm.kernels.fp8 import fp8_linear, quantize_weight
 from flame_llm.layers.layers import Linear
 from flame_llm.models.tiny import resolve_model
 

@@ -9,7 +9,7 @@ from helpers import make_prompts
 from flame_llm import LLM, SamplingParams
 from flame_llm.config import Config, EngineConfig
 from flame_llm.engine.sequence import Sequence
-from flame_llm.kernels.fp8_quant import (
+from flame_llm.kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     MIN_SCALE,

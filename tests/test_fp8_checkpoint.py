@@ -14,7 +14,7 @@ from helpers import make_prompts
 from safetensors.torch import load_file, save_file
 
 from flame_llm import LLM, SamplingParams
-from flame_llm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_weight
+from flame_llm.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_weight
 from flame_llm.layers.layers import Linear
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

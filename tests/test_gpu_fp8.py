@@ -11,13 +11,12 @@ import torch.nn.functional as F
 from helpers import CASES_ATTENTION, make_case
 
 from flame_llm import LLM, SamplingParams
-from flame_llm.kernels import triton_attention as ta
-from flame_llm.kernels.fp8_quant import (
+from flame_llm.kernels.fp8 import (
     FP8_DTYPE,
     fp8_linear,
     fp8_unavailable_reason,
+    per_token_quant,
     per_token_quant_ref,
-    per_token_quant_triton,
     quantize_weight,
 )
 from flame_llm.kernels.torch_attention import paged_attention, store_kvcache
@@ -33,7 +32,7 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("m,k", [(1, 4096), (7, 4096), (256, 14336), (8192, 4096)])
 def test_triton_quant_matches_the_reference(m, k):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.rand(m, 1, device="cuda") * 10
-    q, s = per_token_quant_triton(x)
+    q, s = per_token_quant(x)  # CUDA: the Triton kernel
     rq, rs = per_token_quant_ref(x)
     assert q.dtype == FP8_DTYPE and s.shape == (m, 1) and s.dtype == torch.float32
     assert torch.allclose(s, rs, rtol=1e-6, atol=0)
@@ -104,6 +103,7 @@ def test_engine_fp8_decode_graphs_equal_eager_steps():
 # ---- kv_cache_dtype fp8 ----------------------------------------------------------------------------------------
 def test_triton_store_to_e4m3_equals_torch_and_attention_reads_it():
     """On the GPU the Triton store's fp32 -> e4m3 cast (cvt.rn.satfinite) equals torch's bit for bit, any values."""
+    from flame_llm.kernels import triton_attention as ta  # here: a CPU run's later files set TRITON_INTERPRET first
     case = CASES_ATTENTION["prefix_chunks_gqa1_d128_bs32"]
     (q, k, v, k_cache, v_cache), meta = make_case(**case, dtype=torch.bfloat16)
     k, v = k * 40, v * 3  # some keys past 448: saturated

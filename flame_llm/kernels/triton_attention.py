@@ -19,7 +19,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flame_llm.config import FRESH_PREFILL_BACKENDS
-from flame_llm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
+from flame_llm.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix
 from flame_llm.kernels.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
 

@@ -1,13 +1,13 @@
 """W8A8 FP8 projections (ModelConfig.quantization = "fp8"): the decoder's Linear/MergedLinear get e4m3 weights
 with one float32 scale per output channel (`weight_scale`), quantized from loaded bf16/dummy weights or read as
-they are from an FP8 checkpoint; Linear.forward then runs kernels.fp8_quant.fp8_linear (activations quantized
+they are from an FP8 checkpoint; Linear.forward then runs kernels.fp8.fp8_linear (activations quantized
 per token at run time). lm_head and the embeddings stay in the model dtype (as vLLM's fp8 leaves them)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from flame_llm.kernels.fp8_quant import FP8_DTYPE, quantize_weight
+from flame_llm.kernels.fp8 import FP8_DTYPE, quantize_weight
 from flame_llm.layers.layers import Linear
 
 

@@ -29,7 +29,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
-            from flame_llm.kernels.fp8_quant import fp8_linear
+            from flame_llm.kernels.fp8 import fp8_linear
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.lt is not None:
             y = self.lt(x, self.weight)  # None: below its step sizes, or x not contiguous and aligned

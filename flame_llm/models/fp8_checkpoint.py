@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flame_llm.kernels.fp8_quant import fp8_unavailable_reason
+from flame_llm.kernels.fp8 import fp8_unavailable_reason
 from flame_llm.layers.fp8 import finish_fp8_checkpoint, prepare_fp8_checkpoint, quantize_model
 from flame_llm.models.loader import init_dummy, load_model
 
