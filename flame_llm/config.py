@@ -39,7 +39,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # default: the model's
     # "fp8": W8A8 decoder projections, e4m3 weights with per-output-channel scales (quantized at load, or read
     # from a compressed-tensors / HF "fp8" checkpoint) and per-token activation scales at run time (layers/fp8.py)
-    quantization: str | None = None  # None | "fp8"
+    quantization: str | None = None  # null (off) | fp8
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # read from config.json
 
     def __post_init__(self) -> None:
