@@ -68,6 +68,7 @@ def test_fp8_linear_reference_close_to_the_exact_product():
     xq, xs = per_token_quant_ref(x)  # the reference is exactly the dequantized operands' product
     assert torch.allclose(y - bias, (xq.float() * xs) @ (q.float() * scale[:, None]).t(), rtol=1e-5, atol=1e-5)
     assert fp8_linear(x.view(4, 4, 256), q, scale, None).shape == (4, 4, 64)
+    assert fp8_linear(x[:0], q, scale, bias).shape == (0, 64)
 
 
 def test_linear_switches_to_fp8_only_when_quantized():

@@ -59,6 +59,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     weight_scale: float32 [N]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] == 0:  # no rows: no GEMM (cuBLASLt may refuse M = 0)
+        return x.new_empty(*shape[:-1], weight.shape[0])
     xq, xs = per_token_quant(x2)
     if x.is_cuda:
         # row-wise scaling writes bf16 only (cuBLASLt); a float32/float16 model gets it cast
