@@ -193,3 +193,18 @@ def test_fp8_check_script_runs_on_the_tiny_model(tmp_path):
     assert res["variants"]["fp8kv"]["fields"] == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     for v in res["variants"].values():
         assert v["teacher_forced"]["positions"] == 32 and 0 <= v["greedy"]["first_token_equal"] <= 1
+
+
+def test_a_gpu_without_fp8_gemms_is_refused_naming_quantization(tiny_llama, monkeypatch):
+    """A fake only for what cannot run here: the GPU's compute capability (torch.cuda.get_device_capability)."""
+    from flame_llm.kernels.fp8 import fp8_unavailable_reason
+    from flame_llm.models.fp8_checkpoint import load_weights
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100: no FP8 MMA
+    assert "compute capability >= 8.9" in fp8_unavailable_reason(cuda) and "8.0" in fp8_unavailable_reason(cuda)
+    assert fp8_unavailable_reason(torch.device("cpu")) is None  # the reference path
+    cfg = Config.from_kwargs(tiny_llama, quantization="fp8")
+    with pytest.raises(ValueError, match="engine field 'quantization' 'fp8' cannot run here: FP8 GEMMs need"):
+        load_weights(torch.nn.Linear(2, 2), cfg.model_config, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # H100/H200
+    assert fp8_unavailable_reason(cuda) is None
