@@ -159,9 +159,16 @@ def test_bad_quantization_names_the_field(tiny_llama, bad):
 
 
 def test_quantization_from_engine_json_and_yaml_fields():
+    import yaml
+
     from flame_llm.config import engine_fields_from_json
+    from flame_llm.serving.service_config import config_from_dict
     assert engine_fields_from_json('{"quantization": "fp8"}') == {"quantization": "fp8"}
     assert EngineConfig.from_kwargs().model_config.quantization is None
+    cfg = config_from_dict(yaml.safe_load("engine: {quantization: fp8, kv_cache_dtype: fp8}"), "x.yaml").engine
+    assert (cfg.model_config.quantization, cfg.cache_config.kv_cache_dtype) == ("fp8", "fp8")
+    with pytest.raises(ValueError, match="x.yaml.*'quantization' must be one of None, 'fp8'; got 'int4'"):
+        config_from_dict(yaml.safe_load("engine: {quantization: int4}"), "x.yaml")
 
 
 def test_serve_http_quantization_flag():
