@@ -8,7 +8,9 @@ the prompt's e4m3 K/V in the teacher-forced step; the greedy runs' decodes read 
 Dummy weights say nothing of accuracy: these say how far FP8 moves this model's numbers (what the GPU path of
 kernels/fp8_quant.py computes). On a GPU (Llama-3.1-8B shapes, the default):
     python -m bench.fp8_check --out fp8_check.json
-On CPU (the tiny model): python -m bench.fp8_check --model tiny --prompts 4 --prompt-len 32 --max-tokens 8"""
+On CPU (the tiny model): python -m bench.fp8_check --model tiny --load-format auto --prompts 4 --prompt-len 32
+--max-tokens 8. Both engines keep the default attention backend (on the H200: FA4 for bf16 prefill, our Triton
+kernel with kv fp8); --engine-json '{"attention_backend": "triton"}' holds attention the same for all."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +22,7 @@ from collections import defaultdict
 import torch
 
 from flame_llm import LLM, SamplingParams
-from flame_llm.config import engine_fields_from_json
+from flame_llm.config import CacheConfig, engine_fields_from_json
 from flame_llm.engine.sequence import Sequence
 from flame_llm.kernels.fp8 import fp8_linear, quantize_weight
 from flame_llm.layers.layers import Linear
@@ -103,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     model = resolve_model(a.model)
     length = a.prompt_len + a.max_tokens
+    extra = engine_fields_from_json(a.engine_json)
+    bs = extra.get("block_size", CacheConfig().block_size)
+    # a pool for the prompts and their outputs (the teacher-forced step reuses blocks from 0), not a memory share
     fields = {"load_format": a.load_format, "max_model_len": max(length, 128), "max_num_seqs": a.prompts,
               "max_num_batched_tokens": max(a.prompts * a.prompt_len, length, 128), "enable_prefix_caching": False,
-              "num_kvcache_blocks": a.prompts * (-(-length // 16)) + 8, "block_size": 16,
-              **engine_fields_from_json(a.engine_json)}
+              "num_kvcache_blocks": a.prompts * (-(-length // bs)) + 8, **extra}
     variants = {"fp8": {"quantization": "fp8"}}
     if a.kv:
         variants["fp8kv"] = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
