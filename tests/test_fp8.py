@@ -208,7 +208,7 @@ def test_a_gpu_without_fp8_gemms_is_refused_naming_quantization(tiny_llama, monk
     from flame_llm.models.fp8_checkpoint import load_weights
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100: no FP8 MMA
-    assert "compute capability >= 8.9" in fp8_unavailable_reason(cuda) and "8.0" in fp8_unavailable_reason(cuda)
+    assert "compute capability >= 9.0" in fp8_unavailable_reason(cuda) and "8.0" in fp8_unavailable_reason(cuda)
     assert fp8_unavailable_reason(torch.device("cpu")) is None  # the reference path
     cfg = Config.from_kwargs(tiny_llama, quantization="fp8")
     with pytest.raises(ValueError, match="engine field 'quantization' 'fp8' cannot run here: FP8 GEMMs need"):

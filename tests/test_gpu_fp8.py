@@ -23,7 +23,7 @@ from flame_llm.kernels.torch_attention import paged_attention, store_kvcache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or fp8_unavailable_reason(torch.device("cuda")) is not None,
-    reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")]
+    reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 9.0)")]
 MODELS = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
 # Llama-3.1-8B's projections (N, K): qkv, o, gate_up, down
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]

@@ -21,8 +21,8 @@ def fp8_unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 9):
-        return f"FP8 GEMMs need compute capability >= 8.9 (Ada/Hopper); this GPU has {cap[0]}.{cap[1]}"
+    if cap < (9, 0):  # Ada (8.9) has FP8 tensor cores, but torch's row-wise-scaled _scaled_mm is built for 9.0+
+        return f"FP8 GEMMs with row-wise scales need compute capability >= 9.0 (Hopper); this GPU has {cap[0]}.{cap[1]}"
     return None
 
 
