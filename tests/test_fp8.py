@@ -211,7 +211,7 @@ def test_a_gpu_without_fp8_gemms_is_refused_naming_quantization(tiny_llama, monk
     assert "compute capability >= 9.0" in fp8_unavailable_reason(cuda) and "8.0" in fp8_unavailable_reason(cuda)
     assert fp8_unavailable_reason(torch.device("cpu")) is None  # the reference path
     cfg = Config.from_kwargs(tiny_llama, quantization="fp8")
-    with pytest.raises(ValueError, match="engine field 'quantization' 'fp8' cannot run here: FP8 GEMMs need"):
+    with pytest.raises(ValueError, match="engine field 'quantization' 'fp8' cannot run here: FP8 GEMMs with row-wise"):
         load_weights(torch.nn.Linear(2, 2), cfg.model_config, cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # H100/H200
     assert fp8_unavailable_reason(cuda) is None
