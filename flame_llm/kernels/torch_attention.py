@@ -20,16 +20,22 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     k, v = k[keep], v[keep]
     if k_cache.dtype == torch.float8_e4m3fn:  # kv_cache_dtype fp8, scale 1.0: saturate (e4m3 has no inf)
         fmax = torch.finfo(k_cache.dtype).max
-        k, v = k.clamp(-fmax, fmax), v.clamp(-fmax, fmax)
+        k, v = (_raw(x.clamp(-fmax, fmax).to(k_cache.dtype)) for x in (k, v))
+    k_cache, v_cache = _raw(k_cache), _raw(v_cache)
     k_cache.view(-1, nh, hd)[slots] = k.to(k_cache.dtype)
     v_cache.view(-1, nh, hd)[slots] = v.to(v_cache.dtype)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as its bytes (uint8; indexing kernels take every device's uint8), any other as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len cached rows of one sequence as [seq_len, num_kv_heads, head_dim]."""
     bs = cache.shape[1]
     nblocks = (seq_len + bs - 1) // bs
-    return cache[block_table[:nblocks].long()].flatten(0, 1)[:seq_len]
+    return _raw(cache)[block_table[:nblocks].long()].flatten(0, 1)[:seq_len].view(cache.dtype)
 
 
 # padded decode batches gather at most this many bytes of keys at once (B x longest context x heads x
@@ -71,9 +77,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         for name, cache in (("k", k_cache), ("v", v_cache)):
             # an inference-mode tensor cannot be written outside inference mode: one buffer per mode
             key = (name, cache.dtype, cache.device, torch.is_inference_mode_enabled())
-            buf = _gather_buffer(key, table.numel() * bs * num_kv_heads * head_dim, cache)
-            x = torch.index_select(cache, 0, table, out=buf.view(-1, bs, num_kv_heads, head_dim)).view(shape)
-            kv.append(x[:, :longest])
+            buf = _gather_buffer(key, table.numel() * bs * num_kv_heads * head_dim, _raw(cache))
+            x = torch.index_select(_raw(cache), 0, table, out=buf.view(-1, bs, num_kv_heads, head_dim)).view(shape)
+            kv.append(x[:, :longest].view(cache.dtype))
         mask = torch.arange(longest, device=q.device)[None, :] < seq_lens[rows, None]
         # rows past a sequence's length are whatever the pool holds (NaN included): a masked score
         # still multiplies its value row, so they must be finite
