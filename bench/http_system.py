@@ -15,7 +15,7 @@ import urllib.request
 
 from bench.gpus import gpu_index, verify_processes, wait_gpus_idle
 from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
-from bench.system_config import VLLM_SEED_FLAGS, Setup, SystemConfig
+from bench.system_config import VLLM_CONFIG_FLAGS, Setup, SystemConfig
 from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class HttpSystem:
                "--max-num-batched-tokens", str(e["max_num_batched_tokens"]), "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--gpu-memory-utilization", str(s.gpu_memory_utilization),
                "--seed", "0"]
-        cmd += list(VLLM_SEED_FLAGS) if self.system.vllm_config == "seed" else []
+        cmd += list(VLLM_CONFIG_FLAGS[self.system.vllm_config])
         cmd += list(s.vllm_args)
         if s.vllm_pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [s.vllm_pythonpath, env.get("PYTHONPATH", "")]))

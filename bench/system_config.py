@@ -25,6 +25,10 @@ default: issue 19's fusion); "flame-shared" and "engine-shared" read a cached pr
 once for all of them (shared_prefix_decode, off by default: the reuse trace's four questions per document);
 "flame-lt" and "engine-lt" run eager steps of 1,024+ tokens on the cuBLASLt algorithms timed fastest at warmup
 (gemm_lt_min_tokens 1024, off by default: the A/B of cuBLASLt's candidates beyond its first pick).
+"flame-fp8" and "engine-fp8" run W8A8 FP8 projections (quantization "fp8": e4m3 weights quantized at load,
+per-token activation scales; issue 40), "flame-fp8kv" and "engine-fp8kv" add e4m3 K/V (kv_cache_dtype "fp8": our
+Triton attention for every step, FA4 takes no FP8 K/V), "vllm-fp8" is `vllm serve --quantization fp8` (the same
+scheme: dynamic per-token activations; its KV cache stays bf16).
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from dataclasses import dataclass, field
 KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-split", "flame-noearly",
          "flame-ropestore", "flame-shared", "flame-lt", "flame-raystream", "flame-noresume", "flame-noreroute",
          "engine", "engine-nomix", "engine-mix2k", "engine-noprune", "engine-split", "engine-noearly",
-         "engine-ropestore", "engine-shared", "engine-lt", "vllm", "vllm-seed")
+         "engine-ropestore", "engine-shared", "engine-lt", "vllm", "vllm-seed", "flame-fp8", "engine-fp8", "vllm-fp8",
+         "flame-fp8kv", "engine-fp8kv")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
@@ -42,18 +47,23 @@ LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {
                 "flame-noearly": {"emit_before_long_launch": 0}, "engine-noearly": {"emit_before_long_launch": 0},
                 "flame-ropestore": {"fused_rope_store": True}, "engine-ropestore": {"fused_rope_store": True},
                 "flame-shared": {"shared_prefix_decode": True}, "engine-shared": {"shared_prefix_decode": True},
-                "flame-lt": {"gemm_lt_min_tokens": 1024}, "engine-lt": {"gemm_lt_min_tokens": 1024}}
+                "flame-lt": {"gemm_lt_min_tokens": 1024}, "engine-lt": {"gemm_lt_min_tokens": 1024},
+                "flame-fp8": {"quantization": "fp8"}, "engine-fp8": {"quantization": "fp8"},
+                "flame-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+                "engine-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's
 LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"},
                 "flame-noresume": {"stream_resume": False}, "flame-noreroute": {"reroute_on_loss": False}}
 VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
+# `vllm serve` flags of each vllm config (SystemConfig.vllm_config)
+VLLM_CONFIG_FLAGS = {"default": (), "seed": VLLM_SEED_FLAGS, "fp8": ("--quantization", "fp8")}
 
 
 @dataclass(slots=True)
 class SystemConfig:
     label: str  # e.g. "flame", "engine-rr", "vllm-seed"
     kind: str  # flame | engine | vllm
-    vllm_config: str | None  # "default" | "seed" for vllm
+    vllm_config: str | None  # "default" | "seed" | "fp8" for vllm (VLLM_CONFIG_FLAGS)
     policy: str  # the router policy placing requests
     engine: dict = field(default_factory=dict)  # engine fields over the run's (LABEL_ENGINE)
     client: dict = field(default_factory=dict)  # flame: ClientConfig fields over the defaults (LABEL_CLIENT)
@@ -65,7 +75,7 @@ def parse_system(label: str, sticky_policy: str = "cumulative") -> SystemConfig:
         raise ValueError(f"system must be one of {', '.join(KINDS)}, optionally with '-rr' (round-robin "
                          f"placement); got {label!r}")
     kind = "vllm" if base.startswith("vllm") else "flame" if base.startswith("flame") else "engine"
-    cfg = ("seed" if base == "vllm-seed" else "default") if kind == "vllm" else None
+    cfg = ({"vllm-seed": "seed", "vllm-fp8": "fp8"}.get(base, "default")) if kind == "vllm" else None
     return SystemConfig(label, kind, cfg, "round_robin" if rr else sticky_policy, dict(LABEL_ENGINE.get(base, {})),
                         dict(LABEL_CLIENT.get(base, {})))
 

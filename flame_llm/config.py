@@ -16,6 +16,8 @@ from flame_llm.validate import check, check_bool, check_choice, check_int, check
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "fp8")  # ModelConfig.quantization
+KV_CACHE_DTYPES = ("auto", "fp8")  # CacheConfig.kv_cache_dtype
 ATTENTION_BACKENDS = ("auto", "fa4", "triton", "flash_attn", "torch")
 MIXED_DECODE_ATTENTION = ("triton", "fa4")
 FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen", "fa4")
@@ -35,6 +37,9 @@ class ModelConfig:
     seed: int = 0  # of sampling without a request seed, and of dummy weights
     model_revision: str = ""  # salts prefix identity in the router; default: derived from the model dir
     eos_token_ids: tuple[int, ...] = ()  # default: the model's
+    # "fp8": W8A8 decoder projections, e4m3 weights with per-output-channel scales (quantized at load, or read
+    # from a compressed-tensors / HF "fp8" checkpoint) and per-token activation scales at run time (layers/fp8.py)
+    quantization: str | None = None  # null (off) | fp8
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # read from config.json
 
     def __post_init__(self) -> None:
@@ -45,6 +50,7 @@ class ModelConfig:
         check_int("max_model_len", self.max_model_len, 2, **_F)
         check_int("seed", self.seed, 0, **_F)
         check_str("model_revision", self.model_revision, empty=True, **_F)
+        check_choice("quantization", self.quantization, QUANTIZATIONS, **_F)
         eos = self.eos_token_ids
         check(isinstance(eos, (list, tuple)) and all(is_int(t) and t >= 0 for t in eos), "eos_token_ids",
               "a list of token ids (integers >= 0)", eos, **_F)
@@ -64,6 +70,10 @@ class CacheConfig:
     # blocks become prefix-cache hits when the step that computes them is scheduled, so a request admitted in
     # the same step shares them instead of computing them again (off: only after that step ran)
     enable_same_step_prefix_sharing: bool = True  # blocks are hits from the step that computes them
+    # "fp8": K/V stored as e4m3 (twice the tokens in the same memory), static scale 1.0 (values clamped to
+    # +-448), read by our Triton kernel and the torch path (FA4 takes no FP8 K/V: "auto" picks triton). "auto": the
+    # model dtype
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8
 
     def __post_init__(self) -> None:
         check(is_int(self.block_size) and self.block_size >= 16 and self.block_size % 16 == 0, "block_size",
@@ -75,6 +85,7 @@ class CacheConfig:
         check_number("cpu_kvcache_gib", self.cpu_kvcache_gib, 0, low_open=True, **_F)
         for name in ("enable_prefix_caching", "enable_lru", "enable_same_step_prefix_sharing"):
             check_bool(name, getattr(self, name), **_F)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, **_F)
 
 
 @dataclass(slots=True)

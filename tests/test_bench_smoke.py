@@ -46,13 +46,18 @@ def test_traces_are_seeded_shuffled_and_warmups_keep_prefix_relations_with_unsee
 
 def test_system_labels():
     assert parse_system("vllm-seed-rr").vllm_config == "seed"
+    # issue 40: FP8 on both sides, the same scheme (W8A8, dynamic per-token activation scales)
+    assert parse_system("vllm-fp8").vllm_config == "fp8" and parse_system("vllm").vllm_config == "default"
+    assert parse_system("flame-fp8").engine == parse_system("engine-fp8").engine == {"quantization": "fp8"}
+    assert parse_system("flame-fp8kv").engine == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
                                          "flame-noprune, flame-split, flame-noearly, flame-ropestore, flame-shared, "
                                          "flame-lt, flame-raystream, flame-noresume, flame-noreroute, engine, "
                                          "engine-nomix, engine-mix2k, engine-noprune, engine-split, engine-noearly, "
-                                         "engine-ropestore, engine-shared, engine-lt, vllm, vllm-seed"):
+                                         "engine-ropestore, engine-shared, engine-lt, vllm, vllm-seed, flame-fp8, "
+                                         "engine-fp8, vllm-fp8, flame-fp8kv, engine-fp8kv"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -299,7 +304,11 @@ def test_vllm_replicas_get_the_protocol_flags_and_a_pci_index_for_their_uuid(mon
         assert want in flags
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     cmd, _ = http_system.HttpSystem(parse_system("vllm"), _gpu_setup(), "t").command("GPU-a", 8124)
-    assert "--enforce-eager" not in cmd and "TRITON_ATTN" not in cmd
+    assert "--enforce-eager" not in cmd and "TRITON_ATTN" not in cmd and "--quantization" not in cmd
+    cmd, _ = http_system.HttpSystem(parse_system("vllm-fp8"), _gpu_setup(), "t").command("GPU-a", 8127)
+    assert " --quantization fp8" in " ".join(cmd) and "--enforce-eager" not in cmd
+    cmd, _ = http_system.HttpSystem(parse_system("engine-fp8"), _gpu_setup(), "t").command("GPU-a", 8128)
+    assert json.loads(cmd[cmd.index("--engine-json") + 1])["quantization"] == "fp8"
     cmd, env = http_system.HttpSystem(parse_system("engine"), _gpu_setup(), "t").command("GPU-a", 8125)
     assert cmd[cmd.index("--gpu-uuid") + 1] == "GPU-a" and env["CUDA_VISIBLE_DEVICES"] == "GPU-a"
     assert json.loads(cmd[cmd.index("--engine-json") + 1])["device"] == "cuda"

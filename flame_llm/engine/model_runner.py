@@ -27,8 +27,8 @@ from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
+from flame_llm.models.fp8_checkpoint import load_weights
 from flame_llm.models.llama import MODELS, set_gemm_lt, set_mlp_row_split
-from flame_llm.models.loader import init_dummy, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class ModelRunner:
         hf = mc.hf_config
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
+        # the KV pool's: the model dtype, or e4m3 with kv_cache_dtype fp8 (half the bytes a token)
+        self.kv_dtype = torch.float8_e4m3fn if config.cache_config.kv_cache_dtype == "fp8" else self.dtype
         self.block_size = config.cache_config.block_size
         self.vocab_size = hf.vocab_size
         prev_dtype = torch.get_default_dtype()
@@ -52,14 +54,12 @@ class ModelRunner:
                 self.model = MODELS[hf.architectures[0]](hf)
         finally:
             torch.set_default_dtype(prev_dtype)
-        if mc.load_format == "dummy":
-            init_dummy(self.model, mc.seed)
-        else:
-            load_model(self.model, mc.model)
+        load_weights(self.model, mc, self.device)  # dummy or safetensors; FP8 projections with quantization fp8
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = resolve_backend(rc.attention_backend, self.device, self.block_size, self.dtype,
-                                       self.attn_layers[0].head_dim, rc.fresh_prefill_backend)
+                                       self.attn_layers[0].head_dim, rc.fresh_prefill_backend,
+                                       config.cache_config.kv_cache_dtype)
         # FA4 kernels run in some steps (their JIT compiles are counted and logged)
         self.uses_fa4 = self.backend == "fa4" or (self.backend == "triton" and rc.fresh_prefill_backend == "fa4")
         for layer in self.attn_layers:
@@ -117,7 +117,7 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------------
     def block_bytes(self) -> int:
         layer = self.attn_layers[0]
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         return kv_block_bytes(len(self.attn_layers), self.block_size, layer.num_kv_heads, layer.head_dim, itemsize)
 
     def allocate_kv_cache(self, num_blocks: int | None = None) -> None:
@@ -143,7 +143,7 @@ class ModelRunner:
         # zeros, not empty: kernels that load whole pages (FA4's TMA path) read rows past a sequence's end,
         # and a masked score times a NaN value row would still be NaN
         self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads,
-                                    layer.head_dim, dtype=self.dtype, device=self.device)
+                                    layer.head_dim, dtype=self.kv_dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.num_blocks = num_blocks

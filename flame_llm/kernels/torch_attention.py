@@ -17,15 +17,25 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     nh, hd = k_cache.shape[-2:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, nh, hd)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, nh, hd)[slots] = v[keep].to(v_cache.dtype)
+    k, v = k[keep], v[keep]
+    if k_cache.dtype == torch.float8_e4m3fn:  # kv_cache_dtype fp8, scale 1.0: saturate (e4m3 has no inf)
+        fmax = torch.finfo(k_cache.dtype).max
+        k, v = (_raw(x.clamp(-fmax, fmax).to(k_cache.dtype)) for x in (k, v))
+    k_cache, v_cache = _raw(k_cache), _raw(v_cache)
+    k_cache.view(-1, nh, hd)[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, nh, hd)[slots] = v.to(v_cache.dtype)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as its bytes (uint8; indexing kernels take every device's uint8), any other as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len cached rows of one sequence as [seq_len, num_kv_heads, head_dim]."""
     bs = cache.shape[1]
     nblocks = (seq_len + bs - 1) // bs
-    return cache[block_table[:nblocks].long()].flatten(0, 1)[:seq_len]
+    return _raw(cache)[block_table[:nblocks].long()].flatten(0, 1)[:seq_len].view(cache.dtype)
 
 
 # padded decode batches gather at most this many bytes of keys at once (B x longest context x heads x
@@ -67,15 +77,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         for name, cache in (("k", k_cache), ("v", v_cache)):
             # an inference-mode tensor cannot be written outside inference mode: one buffer per mode
             key = (name, cache.dtype, cache.device, torch.is_inference_mode_enabled())
-            buf = _gather_buffer(key, table.numel() * bs * num_kv_heads * head_dim, cache)
-            x = torch.index_select(cache, 0, table, out=buf.view(-1, bs, num_kv_heads, head_dim)).view(shape)
-            kv.append(x[:, :longest])
+            buf = _gather_buffer(key, table.numel() * bs * num_kv_heads * head_dim, _raw(cache))
+            x = torch.index_select(_raw(cache), 0, table, out=buf.view(-1, bs, num_kv_heads, head_dim)).view(shape)
+            kv.append(x[:, :longest].view(cache.dtype))
         mask = torch.arange(longest, device=q.device)[None, :] < seq_lens[rows, None]
         # rows past a sequence's length are whatever the pool holds (NaN included): a masked score
         # still multiplies its value row, so they must be finite
+        kv = [x.to(q.dtype) for x in kv]  # the same tensors, unless the cache is e4m3 (kv_cache_dtype fp8)
         for x in kv:
             x.masked_fill_(~mask[:, :, None, None], 0)
-        k, v = (x.to(q.dtype).transpose(1, 2) for x in kv)  # [b, Hkv, L, D]
+        k, v = (x.transpose(1, 2) for x in kv)  # [b, Hkv, L, D]
         o = F.scaled_dot_product_attention(q[rows, :, None], k, v, attn_mask=mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)
         out[rows] = o[:, :, 0]

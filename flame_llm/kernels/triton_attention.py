@@ -19,6 +19,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flame_llm.config import FRESH_PREFILL_BACKENDS
+from flame_llm.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix
 from flame_llm.kernels.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
 
@@ -63,7 +64,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        FP8_MAX=FP8_MAX if k_cache.dtype == FP8_DTYPE else 0.0)
 
 
 def store_step_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,12 +117,14 @@ def warmup_all_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads:
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     dev = k_cache.device
     group = num_heads // num_kv_heads
+    # queries are in the model dtype: an e4m3 cache (kv_cache_dtype fp8) serves bf16 models
+    q_dtype = torch.bfloat16 if k_cache.dtype == FP8_DTYPE else k_cache.dtype
     n = 0
     for cfg in reachable_configs(group, decode_only):
         q_len = max(1, cfg.block_m // triton.next_power_of_2(group))  # tokens of one query tile
-        if k_cache.dtype == torch.float32:  # as paged_attention_triton adjusts a picked config
+        if q_dtype == torch.float32:  # as paged_attention_triton adjusts a picked config
             cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
-        q = torch.zeros(q_len, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
+        q = torch.zeros(q_len, num_heads, head_dim, dtype=q_dtype, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
         # one block-table column per block the q_len keys span (every one block 0): the kernel reads the
         # table for each key below seq_len, so a one-column table would be read past its end

@@ -35,7 +35,7 @@ def _jit(fn):
 def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr = 0.0):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padded row
@@ -46,6 +46,9 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     dst = slot * stride_cslot + offs_h * stride_ch + offs_d
+    if FP8_MAX > 0:  # kv_cache_dtype fp8 (scale 1.0): saturate, e4m3 has no inf
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -84,6 +87,7 @@ def _attend(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, head_off, lo, hi
         else:
             k = tl.load(k_cache_ptr + offs)
             v = tl.load(v_cache_ptr + offs)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an e4m3 cache (kv_cache_dtype fp8) is read in q's dtype; else no-ops
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(keys[None, :] <= qpos[:, None], s, float("-inf"))

@@ -23,10 +23,14 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
+        self.register_parameter("weight_scale", None)  # quantization "fp8": float32 [N] (layers/fp8.py)
         self.row_split = 0  # Config.mlp_row_split_tokens, set on gate_up_proj after graph capture (eager steps)
         self.lt = None  # Config.gemm_lt_min_tokens: kernels.cublaslt.LtLinear, set after graph capture (eager steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            from flame_llm.kernels.fp8 import fp8_linear
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.lt is not None:
             y = self.lt(x, self.weight)  # None: below its step sizes, or x not contiguous and aligned
             if y is not None:

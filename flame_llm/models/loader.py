@@ -33,7 +33,10 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_model(model: nn.Module, model_dir: str) -> None:
+def load_model(model: nn.Module, model_dir: str, suffix_map: dict[str, str | None] | None = None) -> None:
+    """Copy a checkpoint's tensors into `model`'s parameters (each through its weight_loader). suffix_map: a
+    checkpoint name ending in a key ends in its value instead, or is skipped when the value is None (an FP8
+    checkpoint's scale names: models/fp8_checkpoint.py). Tensors keep their dtype for float8 parameters."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     expected = set()
@@ -47,10 +50,12 @@ def load_model(model: nn.Module, model_dir: str) -> None:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(_IGNORED):
                     continue
-                target, shard = ckpt_name, None
+                target, shard = _renamed(ckpt_name, suffix_map or {}), None
+                if target is None:
+                    continue
                 for hf_name, (ours, shard_id) in packed.items():
-                    if f".{hf_name}." in ckpt_name:
-                        target, shard = ckpt_name.replace(f".{hf_name}.", f".{ours}."), shard_id
+                    if f".{hf_name}." in target:
+                        target, shard = target.replace(f".{hf_name}.", f".{ours}."), shard_id
                         break
                 if target == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                     continue  # tied: the embedding is the head
@@ -59,8 +64,10 @@ def load_model(model: nn.Module, model_dir: str) -> None:
                     logger.warning("%s: tensor %r has no matching parameter; ignored", path, ckpt_name)
                     continue
                 tensor = f.get_tensor(ckpt_name)
+                if param.dtype != torch.float8_e4m3fn:  # an fp8 parameter's loader checks what it gets
+                    tensor = tensor.to(param.dtype)
                 try:
-                    param.weight_loader(param, tensor.to(param.dtype), shard)
+                    param.weight_loader(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"{os.path.basename(path)}: tensor {ckpt_name!r}: {e}") from None
                 seen.add((target, shard))
@@ -68,6 +75,13 @@ def load_model(model: nn.Module, model_dir: str) -> None:
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {model_dir!r} is missing tensors: {shown}")
+
+
+def _renamed(name: str, suffix_map: dict[str, str | None]) -> str | None:
+    for old, new in suffix_map.items():
+        if name.endswith(old):
+            return None if new is None else name[: len(name) - len(old)] + new
+    return name
 
 
 def init_dummy(model: nn.Module, seed: int = 0) -> None:

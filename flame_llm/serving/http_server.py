@@ -112,6 +112,8 @@ ARGUMENTS = [
     (("--device-name",), {"default": "cpu", "help": "what responses report as device without a GPU"}),
     (("--served-model-name",), {"default": None, "help": "the model name clients send (default: the directory's)"}),
     (("--load-format",), {"default": "auto", "choices": ("auto", "dummy")}),
+    (("--quantization",), {"default": None, "choices": ("fp8",),
+                           "help": "fp8: W8A8 FP8 projections (the engine field quantization)"}),
     (("--engine-json",), {"default": "{}", "help": "extra flame_llm.config.Config fields as a JSON object"}),
     (("--torch-threads",), {"type": int, "default": 0, "help": "CPU intra-op threads (0: torch's default)"}),
     (("--api-key",), {"default": None, "help": "require 'Authorization: Bearer <key>' on /v1/* and /metrics (shows "
@@ -125,6 +127,16 @@ ARGUMENTS = [
 ]
 
 
+def engine_fields(args: argparse.Namespace) -> dict:
+    """The engine's fields from the flags: --load-format and --quantization, then --engine-json's over them."""
+    from flame_llm.config import engine_fields_from_json
+
+    named = {"load_format": args.load_format}
+    if args.quantization is not None:
+        named["quantization"] = args.quantization
+    return {**named, **engine_fields_from_json(args.engine_json)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     for flags, kwargs in ARGUMENTS:
         p.add_argument(*flags, **kwargs)
@@ -136,14 +148,12 @@ def serve(args: argparse.Namespace, announce=None) -> int:
     from aiohttp import web
 
     from actors.host import EngineHost
-    from flame_llm.config import engine_fields_from_json
 
-    kwargs = engine_fields_from_json(args.engine_json)
     cfg = HttpConfig(host=args.host, port=args.port, api_key=key_from_env(args.api_key, args.api_key_file),
                      api_key_file=args.api_key_file, served_model_name=args.served_model_name,
                      max_prompts_per_request=args.max_prompts_per_request,
                      max_tokens_per_request=args.max_tokens_per_request)
-    host = EngineHost.start(args.model, {"load_format": args.load_format, **kwargs}, args.gpu_uuid,
+    host = EngineHost.start(args.model, engine_fields(args), args.gpu_uuid,
                             args.device_name, args.torch_threads)
     app = build_app(EngineBackend(host.engine, args.gpu_uuid or args.device_name, args.served_model_name), cfg)
 

@@ -38,7 +38,8 @@ def kv_cache_bytes(hf_config, engine: dict, dtype_bytes: int) -> int:
     cc, c = cfg.cache_config, hf_config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    block_bytes = kv_block_bytes(c.num_hidden_layers, cc.block_size, kv_heads, head_dim, dtype_bytes)
+    kv_bytes = 1 if cc.kv_cache_dtype == "fp8" else dtype_bytes  # e4m3 K/V
+    block_bytes = kv_block_bytes(c.num_hidden_layers, cc.block_size, kv_heads, head_dim, kv_bytes)
     blocks = cc.num_kvcache_blocks
     if blocks < 1:
         # max_model_len as the engine caps it (Config: at the model's positions)
