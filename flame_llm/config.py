@@ -22,6 +22,7 @@ FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varl
 # RunnerConfig.cuda_graph_mixed_tokens's default with CUDA graphs: vLLM's largest captured size; on the H200 a step
 # of a 64-token question among 4 decodes took 21.7 ms eager, 6.7 ms replayed (bench/RESULTS.md, mixed-step graphs)
 MIXED_GRAPH_TOKENS = 512
+DEFAULT_BLOCK_SIZE = 128  # CacheConfig.block_size's default; the routing key hashes prompts in blocks of it
 HANDOFF_WAIT_MAX_MS = 10.0  # SchedulerConfig.handoff_wait_ms's upper bound: two GIL switch intervals
 
 
@@ -55,7 +56,7 @@ class ModelConfig:
 class CacheConfig:
     # 128: FA4 loads whole 128-key pages with TMA (other page sizes gather rows); on the H200 the reuse trace's
     # attention took 3.28 s at 128 vs 3.56 s at 256 (bench/RESULTS.md, issue 11)
-    block_size: int = 128  # tokens per KV cache block (a multiple of 16)
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV cache block (a multiple of 16)
     num_kvcache_blocks: int = -1  # -1: size from gpu_memory_utilization (GPU) or cpu_kvcache_gib (CPU)
     gpu_memory_utilization: float = 0.9  # of the GPU's memory, weights and activations included
     cpu_kvcache_gib: float = 1.0  # the KV cache of a CPU engine
@@ -64,6 +65,9 @@ class CacheConfig:
     # blocks become prefix-cache hits when the step that computes them is scheduled, so a request admitted in
     # the same step shares them instead of computing them again (off: only after that step ran)
     enable_same_step_prefix_sharing: bool = True  # blocks are hits from the step that computes them
+    # the block manager records the block hashes it publishes and evicts (chained from the model revision's seed,
+    # the routing key's chain), for the router's per-shard holdings (flame_llm/protocol/kv_events.py)
+    enable_kv_events: bool = False  # record published/evicted block hashes for the router
 
     def __post_init__(self) -> None:
         check(is_int(self.block_size) and self.block_size >= 16 and self.block_size % 16 == 0, "block_size",
@@ -73,7 +77,7 @@ class CacheConfig:
               **_F)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True, **_F)
         check_number("cpu_kvcache_gib", self.cpu_kvcache_gib, 0, low_open=True, **_F)
-        for name in ("enable_prefix_caching", "enable_lru", "enable_same_step_prefix_sharing"):
+        for name in ("enable_prefix_caching", "enable_lru", "enable_same_step_prefix_sharing", "enable_kv_events"):
             check_bool(name, getattr(self, name), **_F)
 
 
