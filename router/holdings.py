@@ -1,9 +1,10 @@
 """The router's view of what each shard's prefix cache holds, kept from the shards' KvEventBatches
 (flame_llm/protocol/kv_events.py): block hash -> the shards holding it.
 
-A batch applies only in order: its epoch must be the shard's known one and its seq the next. Otherwise
-apply() returns False and the caller asks that shard for a snapshot (a reset batch, always applied). A
-shard's holdings are dropped when it restarts (its engine is cold)."""
+A batch applies only in order: its epoch must be the shard's known one and its seq the next (one at or
+before the cursor is already applied, say by a snapshot taken after it, and is skipped). Otherwise apply()
+returns False and the caller asks that shard for a snapshot (a reset batch, always applied). A shard's
+holdings are dropped when it restarts (its engine is cold)."""
 from __future__ import annotations
 
 from flame_llm.protocol.kv_events import KvEventBatch
@@ -18,7 +19,7 @@ class Holdings:
         self.by_hash: dict[int, set[int]] = {}
         self.held: list[set[int]] = [set() for _ in range(num_shards)]
         self.cursor: list[tuple[int, int] | None] = [None] * num_shards  # (epoch, seq) applied last
-        self.counters = {"batches": 0, "gaps": 0, "resets": 0, "stored": 0, "removed": 0}
+        self.counters = {"batches": 0, "gaps": 0, "stale": 0, "resets": 0, "stored": 0, "removed": 0}
 
     def holders(self, h: int) -> set[int] | frozenset[int]:
         return self.by_hash.get(h, _NONE)
@@ -28,8 +29,12 @@ class Holdings:
         s = batch.shard
         if not 0 <= s < self.num_shards:
             raise ValueError(f"batch.shard must be in [0, {self.num_shards}); got {s!r}")
+        cur = self.cursor[s]
+        if cur is not None and cur[0] == batch.epoch and batch.seq <= cur[1]:
+            self.counters["stale"] += 1  # already in what is applied (a snapshot taken after it)
+            return True
         if not batch.reset:
-            if self.cursor[s] != (batch.epoch, batch.seq - 1):
+            if cur != (batch.epoch, batch.seq - 1):
                 self.counters["gaps"] += 1
                 return False
         else:

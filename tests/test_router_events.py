@@ -17,6 +17,7 @@ def test_holdings_apply_in_order_and_a_gap_asks_for_a_snapshot():
     assert not h.apply(batch(0, 1, [10, 11]))  # no cursor yet: a snapshot first
     assert h.apply(batch(0, 4, [10, 11], reset=True))
     assert h.apply(batch(0, 5, [12], [10]))
+    assert h.apply(batch(0, 5, [10])) and h.counters["stale"] == 1 and not h.holders(10)  # already applied
     assert h.holders(11) == {0} and h.holders(12) == {0} and not h.holders(10)
     assert not h.apply(batch(0, 7, [13]))  # seq 6 is missing
     assert not h.apply(batch(0, 6, [13], epoch=2))  # a restarted engine

@@ -71,8 +71,8 @@ class KvEventLog:
         return batch
 
     def snapshot(self) -> KvEventBatch:
-        """Every hash the shard holds, as of this log's seq (changes after it are in later batches too)."""
-        self.cut()
+        """Every hash the shard holds now, at this log's seq: changes recorded but not yet cut are in it and in the
+        next batch too, which re-applies them harmlessly. Cuts nothing, so other readers' batches stay whole."""
         return KvEventBatch(self.shard, self.epoch, self.seq, list(self.bm.hash_to_block_id), [], True)
 
     def read(self, epoch: int, after_seq: int) -> list[KvEventBatch]:
@@ -82,5 +82,5 @@ class KvEventLog:
             return []
         first = self.batches[0].seq if self.batches else self.seq + 1
         if epoch != self.epoch or not first - 1 <= after_seq <= self.seq:
-            return [self.snapshot()]
+            return [self.snapshot()]  # after the cut above: nothing is pending
         return [b for b in self.batches if b.seq > after_seq]
