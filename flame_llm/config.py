@@ -12,6 +12,7 @@ from flame_llm.config_parse import ENGINE_FIELD as _F
 from flame_llm.config_parse import GEMM_EPILOGUE_IMPLS as GEMM_EPILOGUE_IMPLS
 from flame_llm.config_parse import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from flame_llm.config_parse import default_model_revision, json_object, load_hf_config, parse_gemm_epilogues
+from flame_llm.prefix import DEFAULT_BLOCK_SIZE
 from flame_llm.validate import check, check_bool, check_choice, check_int, check_number, check_str, is_int
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -22,7 +23,6 @@ FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varl
 # RunnerConfig.cuda_graph_mixed_tokens's default with CUDA graphs: vLLM's largest captured size; on the H200 a step
 # of a 64-token question among 4 decodes took 21.7 ms eager, 6.7 ms replayed (bench/RESULTS.md, mixed-step graphs)
 MIXED_GRAPH_TOKENS = 512
-DEFAULT_BLOCK_SIZE = 128  # CacheConfig.block_size's default; the routing key hashes prompts in blocks of it
 HANDOFF_WAIT_MAX_MS = 10.0  # SchedulerConfig.handoff_wait_ms's upper bound: two GIL switch intervals
 
 

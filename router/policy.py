@@ -41,6 +41,7 @@ from flame_llm.protocol.kv_events import KvEventBatch
 from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
 from flame_llm.validate import check_choice, check_int, check_number
 from router.holdings import Holdings
+from router.least import LeastLoaded
 
 POLICIES = ("cumulative", "load_guarded", "round_robin", "events")
 
@@ -53,6 +54,7 @@ class RouterConfig:
     max_entries: int = 100_000  # prefix chain hashes remembered (LRU)
     decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
     placement_ttl_s: float = 1.0  # events: how long the router's own placement of a prefix counts
+    event_poll_ms: float = 20.0  # events: the router actor pulls the shards' cache events this often
 
     def __post_init__(self) -> None:
         check_choice("policy", self.policy, POLICIES, where="router field")
@@ -60,6 +62,7 @@ class RouterConfig:
         check_int("max_entries", self.max_entries, 1, where="router field")
         check_number("decode_cost", self.decode_cost, 0, where="router field")
         check_number("placement_ttl_s", self.placement_ttl_s, 0, where="router field")
+        check_number("event_poll_ms", self.event_poll_ms, 1, where="router field")
 
 
 class RouterPolicy:
@@ -85,6 +88,8 @@ class RouterPolicy:
         self._cached_tokens = [0] * num_shards
         self._actual_work = [0.0] * num_shards  # prefill work from the cached counts results report
         self._next_rr = 0
+        self._by_load = LeastLoaded(self._outstanding, self._cumulative)  # the scans of _least in O(log n)
+        self._by_cum = LeastLoaded(self._cumulative, self._cumulative)
         # events: the shards' cache holdings, and this router's placements (chain hash -> (shard, when)), LRU order
         self.holdings = Holdings(num_shards) if config.policy == "events" else None
         self._recent: OrderedDict[int, tuple[int, float]] = OrderedDict()
@@ -183,6 +188,8 @@ class RouterPolicy:
         self._outstanding[s] += load
         self._total_outstanding += load
         self._cumulative[s] += work
+        self._by_load.changed(s)
+        self._by_cum.changed(s)
         self._routed[s] += 1
 
     def _should_spill(self, owner: int, work: float) -> bool:
@@ -195,7 +202,7 @@ class RouterPolicy:
         out = self._outstanding
         if out[owner] <= self.spill_factor * self._total_outstanding / self.num_shards:
             return False
-        return out[owner] - min(out) > self.spill_factor * work
+        return out[owner] - out[self._by_load.least()] > self.spill_factor * work
 
     def _longest_match(self, chain: Sequence[int]) -> int | None:
         owner = self._owner
@@ -230,6 +237,8 @@ class RouterPolicy:
 
     def _least(self, load: list[float], allowed: Sequence[int]) -> int:
         # ties go to the shard with less cumulative work, then the lower index
+        if len(allowed) == self.num_shards:
+            return (self._by_load if load is self._outstanding else self._by_cum).least()
         cum = self._cumulative
         return min(allowed, key=lambda i: (load[i], cum[i]))
 
@@ -245,6 +254,7 @@ class RouterPolicy:
         # a completion may arrive after drop_shard reset the shard; never go below zero
         done = min(self._outstanding[shard], est_work + self.decode_cost * est_decode_tokens)
         self._outstanding[shard] -= done
+        self._by_load.changed(shard)
         self._total_outstanding = max(0.0, self._total_outstanding - done)
         self._completed[shard] += 1
         self._prompt_tokens[shard] += prompt_tokens
@@ -269,6 +279,7 @@ class RouterPolicy:
         self.counters["dropped"] += before - len(self._owner)
         self._total_outstanding = max(0.0, self._total_outstanding - self._outstanding[shard])
         self._outstanding[shard] = 0.0
+        self._by_load.changed(shard)
 
     def _check_shard(self, shard: int) -> None:
         if not isinstance(shard, int) or not 0 <= shard < self.num_shards:

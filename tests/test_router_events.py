@@ -85,3 +85,23 @@ def test_apply_events_needs_the_events_policy():
         RouterPolicy(2).apply_events([batch(0, 1, reset=True)])
     with pytest.raises(ValueError, match="placement_ttl_s"):
         RouterConfig(placement_ttl_s=-1.0)
+
+
+def test_least_loaded_heap_answers_as_the_scan_does():
+    import random
+
+    from router.least import LeastLoaded
+    rnd = random.Random(0)
+    load, cum = [0.0] * 7, [0.0] * 7
+    ll = LeastLoaded(load, cum)
+    for _ in range(2000):
+        s = rnd.randrange(7)
+        if rnd.random() < 0.6:
+            w = float(rnd.choice([1, 2, 5]))
+            load[s] += w
+            cum[s] += w
+        else:
+            load[s] = max(0.0, load[s] - float(rnd.choice([1, 2, 5])))
+        ll.changed(s)
+        assert ll.least() == min(range(7), key=lambda i: (load[i], cum[i]))
+    assert len(ll.heap) <= 4 * 7 + 1

@@ -16,8 +16,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from flame_llm.engine.block_manager import BlockManager
+if TYPE_CHECKING:  # the router imports this module: no engine at run time
+    from flame_llm.engine.block_manager import BlockManager
 
 
 @dataclass(slots=True, frozen=True)

@@ -24,9 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flame_llm.config import DEFAULT_BLOCK_SIZE
+from flame_llm.prefix import DEFAULT_BLOCK_SIZE, revision_seed
 from flame_llm.prefix import hash_block as _hash
-from flame_llm.prefix import revision_seed
 
 ROUTING_BLOCK = 256
 ROUTING_MAX_TOKENS = 1024
