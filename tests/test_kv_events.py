@@ -138,3 +138,17 @@ def test_engine_with_events_hashes_like_the_router_and_generates_alike(tiny_llam
     chain = prefix_chain(doc, rev, block=32, max_tokens=64, hash_block=16)
     assert all(h in bm.hash_to_block_id for h in chain) and bm.kv_events
     assert isinstance(KvEventLog(0, bm).snapshot(), KvEventBatch)
+
+
+def test_an_undrained_record_is_bounded_and_becomes_a_snapshot(monkeypatch):
+    import flame_llm.engine.block_manager as bm_mod
+    monkeypatch.setattr(bm_mod, "KV_EVENTS_MAX", 5)
+    bm = BlockManager(16, BS, enable_kv_events=True)
+    log = KvEventLog(0, bm)
+    for base in range(0, 400, 100):
+        s = seq_of(range(base, base + 48))
+        prefill(bm, s)
+        bm.deallocate(s)
+    assert len(bm.kv_events) <= 6
+    b = log.cut()
+    assert b.reset and set(b.stored) == set(bm.hash_to_block_id) and len(b.stored) == 12

@@ -105,3 +105,10 @@ def test_least_loaded_heap_answers_as_the_scan_does():
         ll.changed(s)
         assert ll.least() == min(range(7), key=lambda i: (load[i], cum[i]))
     assert len(ll.heap) <= 4 * 7 + 1
+
+
+def test_service_config_refuses_events_routing_without_engine_events():
+    from flame_llm.serving.service_config import ServiceConfig
+    with pytest.raises(ValueError, match="set the engine field 'enable_kv_events' to true"):
+        ServiceConfig.from_kwargs(policy="events")
+    assert ServiceConfig.from_kwargs(policy="events", enable_kv_events=True).router.policy == "events"

@@ -40,7 +40,7 @@ def _holdings(router) -> dict:
     return ray.get(router.stats.remote())["holdings"]
 
 
-def _wait_for(cond, timeout_s=20.0):
+def _wait_for(cond, timeout_s=90.0):
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "timed out"

@@ -24,7 +24,10 @@ def summarize(c: Cluster, wall_s: float) -> dict:
         "requests": len(c.reqs), "completed": len(done), "lost": len(c.reqs) - len(done),
         "docs_over_kv": round(cfg.num_docs * cfg.doc_tokens / kv_tokens, 2),
         "hit_rate": cached / prompt if prompt else 0.0,
+        # completions over the whole run (the last shard's tail decides it), and inside the arrival window only
         "throughput_rps": len(done) / end if end else 0.0, "makespan_s": end,
+        "window_rps": sum(1 for r in done if r.end <= cfg.duration_s) / cfg.duration_s,
+        "p90_done_s": pct([r.end for r in done], 90),
         "prefill_tokens": sum(s.prefill_tokens for s in c.shards),
         "preemptions": sum(s.scheduler.counts.num_preemptions for s in c.shards),
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),

@@ -39,13 +39,13 @@ class StepResult:
 
 
 class SimShard:
-    def __init__(self, shard: int, config: Config, num_blocks: int, model: StepModel) -> None:
+    def __init__(self, shard: int, config: Config, num_blocks: int, model: StepModel, kv_events: bool = True) -> None:
         cc = config.cache_config
         self.shard, self.model = shard, model
-        self.bm = BlockManager(num_blocks, cc.block_size, True, cc.enable_lru, True,
-                               revision_seed(config.model_config.model_revision))
+        self.bm = BlockManager(num_blocks, cc.block_size, True, cc.enable_lru, kv_events,
+                               revision_seed(config.model_config.model_revision) if kv_events else -1)
         self.scheduler = Scheduler(config, self.bm)
-        self.log = KvEventLog(shard, self.bm)
+        self.log = KvEventLog(shard, self.bm) if kv_events else None
         self.busy = False
         self.prefill_tokens = 0
 
@@ -63,8 +63,5 @@ class SimShard:
         sampled = [TOKEN if s.num_pending_tokens > 0 else None for s in out.seqs]
         first = [s for s, t in zip(out.seqs, sampled) if t is not None and s.num_completion_tokens == 0]
         finished = self.scheduler.update_from_output(ModelRunnerOutput(out, sampled))
-        return StepResult(self.model.step_s(prefill, decode_rows), first, finished, self.log.cut())
-
-    def peek_events(self) -> KvEventBatch | None:
-        """The events recorded since the last cut (the oracle reads them at once: schedule() publishes blocks)."""
-        return self.log.cut()
+        events = self.log.cut() if self.log is not None else None
+        return StepResult(self.model.step_s(prefill, decode_rows), first, finished, events)

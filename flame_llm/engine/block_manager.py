@@ -16,13 +16,16 @@ The chain starts from hash_seed (-1 by default; the engine passes the model revi
 enable_kv_events, so a block's hash is the routing key's: flame_llm/protocol/routing_key.py). With
 enable_kv_events every hash entering or leaving the cache (hash_to_block_id) is recorded in order in
 kv_events, (hash, True) stored and (hash, False) evicted, None for a cleared cache; the serving layer
-drains it (flame_llm/protocol/kv_events.py). Off, nothing is recorded."""
+drains it (flame_llm/protocol/kv_events.py). A record nobody drains (an offline engine) is bounded: past
+KV_EVENTS_MAX entries it is replaced by None, and the reader takes a snapshot. Off, nothing is recorded."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
 from flame_llm.engine.sequence import Sequence
 from flame_llm.prefix import hash_block
+
+KV_EVENTS_MAX = 1 << 16  # recorded cache events kept undrained before the record collapses to "take a snapshot"
 
 
 class Block:
@@ -201,6 +204,9 @@ class BlockManager:
             self.hash_to_block_id[h] = block.block_id
         seq.last_block_hash = h
         seq.num_published_blocks = full
+        if events is not None and len(events) > KV_EVENTS_MAX:  # nobody drains it: a snapshot will do
+            events.clear()
+            events.append(None)
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):

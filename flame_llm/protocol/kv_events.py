@@ -7,8 +7,9 @@ within one batch appears in neither list or in the one it ended in), numbered 1,
 epoch (a restarted engine has a new one). Applying a batch is idempotent set arithmetic, so a snapshot taken
 while the engine runs, followed by the batches after it, gives the shard's holdings.
 
-The log keeps the last `keep` batches, so several readers (router replicas) can each follow it with their own
-cursor (`read(epoch, after_seq)`); a reader whose cursor is older than that, or of another epoch, gets one
+A None in the record (a cleared cache, or a record that overflowed undrained) makes the batch a reset: every
+hash held when it is cut. The log keeps the last `keep` batches, so several readers (router replicas) can
+each follow it with their own cursor (`read(epoch, after_seq)`); a reader whose cursor is older than that, or of another epoch, gets one
 snapshot batch (reset=True: every hash held) and continues from its seq. The hashes are the routing key's
 (flame_llm/protocol/routing_key.py): the block hash chain seeded with the model revision."""
 from __future__ import annotations
@@ -68,6 +69,8 @@ class KvEventLog:
                 stored.pop(ev[0], None)
                 removed[ev[0]] = None
         self.seq += 1
+        if reset:  # a cleared cache, or a record that overflowed: what it holds now
+            stored = self.bm.hash_to_block_id
         batch = KvEventBatch(self.shard, self.epoch, self.seq, list(stored), [] if reset else list(removed), reset)
         self.batches.append(batch)
         return batch
