@@ -97,8 +97,8 @@ def _chain(*blocks):
 @pytest.mark.parametrize("kw, match", [
     ({"num_shards": 0}, "num_shards must be an integer >= 1; got 0"),
     ({"num_shards": 2.0}, "num_shards"),
-    ({"policy": "random"}, "router field 'policy' must be one of 'cumulative', 'load_guarded', 'round_robin', 'events'; "
-                           "got 'random'"),
+    ({"policy": "random"}, "router field 'policy' must be one of 'cumulative', 'load_guarded', 'round_robin', "
+                           "'events'; got 'random'"),
     ({"spill_factor": 0.9}, "router field 'spill_factor' must be a number >= 1.0; got 0.9"),
     ({"max_entries": 0}, "router field 'max_entries' must be an integer >= 1; got 0"),
     ({"decode_cost": -1}, "router field 'decode_cost' must be a number >= 0"),

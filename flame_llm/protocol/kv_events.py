@@ -9,9 +9,10 @@ while the engine runs, followed by the batches after it, gives the shard's holdi
 
 A None in the record (a cleared cache, or a record that overflowed undrained) makes the batch a reset: every
 hash held when it is cut. The log keeps the last `keep` batches, so several readers (router replicas) can
-each follow it with their own cursor (`read(epoch, after_seq)`); a reader whose cursor is older than that, or of another epoch, gets one
-snapshot batch (reset=True: every hash held) and continues from its seq. The hashes are the routing key's
-(flame_llm/protocol/routing_key.py): the block hash chain seeded with the model revision."""
+each follow it with their own cursor (`read(epoch, after_seq)`); a reader whose cursor is older than that,
+or of another epoch, gets one snapshot batch (reset=True: every hash held) and continues from its seq. The
+hashes are the routing key's (flame_llm/protocol/routing_key.py): the block hash chain seeded with the model
+revision."""
 from __future__ import annotations
 
 import time
