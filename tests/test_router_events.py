@@ -112,3 +112,8 @@ def test_service_config_refuses_events_routing_without_engine_events():
     with pytest.raises(ValueError, match="set the engine field 'enable_kv_events' to true"):
         ServiceConfig.from_kwargs(policy="events")
     assert ServiceConfig.from_kwargs(policy="events", enable_kv_events=True).router.policy == "events"
+
+
+def test_event_poll_interval_is_checked():
+    with pytest.raises(ValueError, match="router field 'event_poll_ms' must be a number >= 1"):
+        RouterConfig(event_poll_ms=0.5)
