@@ -32,6 +32,7 @@ from actors.shard_options import ShardOptions
 from actors.stream_server import StreamServer, stream_host
 from flame_llm.engine.coalesce import coalesced
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo, RequestError, WireError
+from flame_llm.protocol.kv_events import KvEventBatch, KvEventLog
 from flame_llm.protocol.stream_frames import StreamEndpoint
 from flame_llm.protocol.types import EngineLimits, Request, Result, ShardHealth
 from flame_llm.protocol.wire import decode_requests, decoded_size, encode_results
@@ -305,6 +306,14 @@ class EngineActor:
         return {**self.health().to_dict(), **self.metrics.to_dict(), **self.inflight.counters, **self.admission.stats(),
                 **sock, "load_s": self.host.load_s, "frozen_objects": self.host.frozen_objects,
                 "engine": self.engine.stats()}
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def kv_events(self, epoch: int, after_seq: int) -> list[KvEventBatch]:
+        """The prefix-cache event batches after a reader's cursor, or one snapshot (flame_llm/protocol/kv_events.py).
+        ValueError unless the engine runs with enable_kv_events."""
+        if getattr(self, "kv_log", None) is None:
+            self.kv_log = KvEventLog(self.shard, self.engine.engine.block_manager)
+        return self.kv_log.read(epoch, after_seq)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def drain(self, timeout_s: float = 60.0) -> bool:

@@ -12,6 +12,7 @@ from flame_llm.config_parse import ENGINE_FIELD as _F
 from flame_llm.config_parse import GEMM_EPILOGUE_IMPLS as GEMM_EPILOGUE_IMPLS
 from flame_llm.config_parse import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from flame_llm.config_parse import default_model_revision, json_object, load_hf_config, parse_gemm_epilogues
+from flame_llm.prefix import DEFAULT_BLOCK_SIZE
 from flame_llm.validate import check, check_bool, check_choice, check_int, check_number, check_str, is_int
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -61,7 +62,7 @@ class ModelConfig:
 class CacheConfig:
     # 128: FA4 loads whole 128-key pages with TMA (other page sizes gather rows); on the H200 the reuse trace's
     # attention took 3.28 s at 128 vs 3.56 s at 256 (bench/RESULTS.md, issue 11)
-    block_size: int = 128  # tokens per KV cache block (a multiple of 16)
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV cache block (a multiple of 16)
     num_kvcache_blocks: int = -1  # -1: size from gpu_memory_utilization (GPU) or cpu_kvcache_gib (CPU)
     gpu_memory_utilization: float = 0.9  # of the GPU's memory, weights and activations included
     cpu_kvcache_gib: float = 1.0  # the KV cache of a CPU engine
@@ -75,6 +76,10 @@ class CacheConfig:
     # model dtype
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8
 
+    # the block manager records the block hashes it publishes and evicts (chained from the model revision's seed,
+    # the routing key's chain), for the router's per-shard holdings (flame_llm/protocol/kv_events.py)
+    enable_kv_events: bool = False  # record published/evicted block hashes for the router
+
     def __post_init__(self) -> None:
         check(is_int(self.block_size) and self.block_size >= 16 and self.block_size % 16 == 0, "block_size",
               "a positive multiple of 16", self.block_size, **_F)
@@ -83,7 +88,7 @@ class CacheConfig:
               **_F)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True, **_F)
         check_number("cpu_kvcache_gib", self.cpu_kvcache_gib, 0, low_open=True, **_F)
-        for name in ("enable_prefix_caching", "enable_lru", "enable_same_step_prefix_sharing"):
+        for name in ("enable_prefix_caching", "enable_lru", "enable_same_step_prefix_sharing", "enable_kv_events"):
             check_bool(name, getattr(self, name), **_F)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, **_F)
 

@@ -9,6 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+# CacheConfig.block_size's default: the engines' KV block, the unit the routing key's chain hashes (routing_key.py)
+DEFAULT_BLOCK_SIZE = 128
+
 
 def hash_block(token_ids: Sequence[int] | np.ndarray, prev: int = -1) -> int:
     """Hash of one block of token ids chained onto the previous block's hash (-1: first block)."""

@@ -6,14 +6,19 @@ scheduler (num_cpus=0): routing a batch is sub-millisecond work and must never w
 Restarted by Ray if it dies; a restarted router starts with an empty map (every prefix is unseen). It lives
 on the cluster's head node (Ray's `node:__internal_head__` resource): losing a worker node never costs the
 map, and losing the head node ends the cluster anyway.
+
+With policy 'events' and the shards' actor names given, a thread pulls the shards' cache events (router/event_feed.py)
+every event_poll_ms; calls and the feed take one lock. A restarted router resyncs from every shard's snapshot.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import ray
 
 from flame_llm.protocol.routing_key import Completion, RouteItem
+from router.event_feed import EventFeed
 from router.policy import RouterConfig, RouterPolicy
 
 ROUTER_NAME = "flame-router"
@@ -23,36 +28,58 @@ HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 @ray.remote(num_cpus=0, max_restarts=-1)
 class Router:
 
-    def __init__(self, num_shards: int, config: RouterConfig) -> None:
+    def __init__(self, num_shards: int, config: RouterConfig, shard_names: Sequence[str] = (),
+                 namespace: str = "") -> None:
         self._policy = RouterPolicy(num_shards, config)
+        self._lock = threading.Lock()
+        self._feed = None
+        if config.policy == "events" and shard_names:
+            self._feed = EventFeed(self._policy, self._lock, list(shard_names), namespace,
+                                   config.event_poll_ms / 1000.0)
+            self._feed.start()
 
     def route(self, items: list[RouteItem], avoid: Sequence[int] = ()) -> list[int]:
         """Shard per RouteItem (prefix chain, est_prefill_work, est_decode_tokens), in order, none in avoid."""
-        return self._policy.route_batch(items, avoid)
+        with self._lock:
+            return self._policy.route_batch(items, avoid)
 
     def place(self, items: list[RouteItem], shards: list[int]) -> None:
         """Requests the client placed itself, items[i] on shards[i] (RouterPolicy.place_batch)."""
-        self._policy.place_batch(items, shards)
+        with self._lock:
+            self._policy.place_batch(items, shards)
 
     def complete(self, completions: list[Completion]) -> None:
         """One Completion per finished request."""
-        self._policy.complete_many(completions)
+        with self._lock:
+            self._policy.complete_many(completions)
 
     def drop_shard(self, shard: int) -> None:
-        self._policy.drop_shard(shard)
+        with self._lock:
+            self._policy.drop_shard(shard)
+
+    def poll_events(self) -> dict:
+        """One event-feed round now (tests; the feed's thread polls on its own): its counters."""
+        if self._feed is None:
+            raise ValueError("this router has no event feed (policy 'events' with the shards' names)")
+        self._feed.poll()
+        return dict(self._feed.counters)
 
     def config(self) -> tuple[int, RouterConfig]:
         return self._policy.num_shards, self._policy.config
 
     def stats(self) -> dict:
-        return {**self._policy.stats(), "node": ray.get_runtime_context().get_node_id()}
+        with self._lock:
+            st = self._policy.stats()
+        feed = {"event_feed": dict(self._feed.counters)} if self._feed is not None else {}
+        return {**st, **feed, "node": ray.get_runtime_context().get_node_id()}
 
 
 def start_router(num_shards: int, config: RouterConfig | None = None, *, name: str = ROUTER_NAME, namespace: str,
-                 lifetime: str | None = None) -> ray.actor.ActorHandle:
+                 lifetime: str | None = None, shard_names: Sequence[str] = ()) -> ray.actor.ActorHandle:
     """The named router, created or, when one of that name already lives in the namespace, joined.
     Joining a router configured differently raises ValueError naming the differing fields.
-    lifetime="detached" keeps it alive after the creating driver exits."""
+    lifetime="detached" keeps it alive after the creating driver exits. shard_names: the engine actors' names in the
+    namespace, shard by shard (policy 'events' pulls their cache events)."""
     config = RouterConfig() if config is None else config
     if not isinstance(config, RouterConfig):
         raise ValueError(f"config must be a RouterConfig; got {config!r:.80}")
@@ -60,7 +87,7 @@ def start_router(num_shards: int, config: RouterConfig | None = None, *, name: s
     if lifetime not in (None, "detached", "non_detached"):
         raise ValueError(f"lifetime must be None, 'detached' or 'non_detached'; got {lifetime!r}")
     handle = Router.options(name=name, namespace=namespace, get_if_exists=True, lifetime=lifetime,
-                            resources={HEAD_RESOURCE: 0.001}).remote(num_shards, config)
+                            resources={HEAD_RESOURCE: 0.001}).remote(num_shards, config, list(shard_names), namespace)
     running_shards, running = ray.get(handle.config.remote())
     diff = {"num_shards": (running_shards, num_shards)} if running_shards != num_shards else {}
     diff.update({f: (getattr(running, f), getattr(config, f)) for f in RouterConfig.__dataclass_fields__

@@ -13,6 +13,11 @@ Policies:
   would recompute);
   then it spills to the least-loaded shard. An unseen prefix goes to the least-loaded shard.
 - round_robin: plain alternation, ignoring prefixes (the baseline of the affinity A/B).
+- events: from what the engines hold (issue 42): the deepest chain key some shard's prefix cache holds
+  (`apply_events`: the shards' KvEventBatches, router/holdings.py) goes to its least-loaded holder; failing
+  that, the deepest key this router placed within placement_ttl_s (its prefill may not be published yet);
+  failing that, the least-loaded shard. A placement deeper than the holdings wins over them. The load guard
+  of load_guarded applies to the choice.
 
 A client may place a request itself (place_batch: a stream whose prefix it learned from earlier answers, or any
 request of a one-shard service) and tell the router after the fact, without waiting: the placement is
@@ -27,34 +32,43 @@ shard gets only blocks nobody had. The chain -> shard map is an LRU bounded by m
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from flame_llm.protocol.kv_events import KvEventBatch
 from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
 from flame_llm.validate import check_choice, check_int, check_number
+from router.holdings import Holdings
+from router.least import LeastLoaded
 
-POLICIES = ("cumulative", "load_guarded", "round_robin")
+POLICIES = ("cumulative", "load_guarded", "round_robin", "events")
 
 
 @dataclass(slots=True, frozen=True)
 class RouterConfig:
     """The router's settings (the service YAML's `router` section); each checked, naming the field."""
-    policy: str = "cumulative"  # cumulative | load_guarded | round_robin (module doc)
+    policy: str = "cumulative"  # cumulative | load_guarded | round_robin | events (module doc)
     spill_factor: float = 1.25  # load_guarded: spill when the owner's outstanding work exceeds this x the mean
     max_entries: int = 100_000  # prefix chain hashes remembered (LRU)
     decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
+    placement_ttl_s: float = 1.0  # events: how long the router's own placement of a prefix counts
+    event_poll_ms: float = 20.0  # events: the router actor pulls the shards' cache events this often
 
     def __post_init__(self) -> None:
         check_choice("policy", self.policy, POLICIES, where="router field")
         check_number("spill_factor", self.spill_factor, 1.0, where="router field")
         check_int("max_entries", self.max_entries, 1, where="router field")
         check_number("decode_cost", self.decode_cost, 0, where="router field")
+        check_number("placement_ttl_s", self.placement_ttl_s, 0, where="router field")
+        check_number("event_poll_ms", self.event_poll_ms, 1, where="router field")
 
 
 class RouterPolicy:
 
-    def __init__(self, num_shards: int, config: RouterConfig | None = None) -> None:
+    def __init__(self, num_shards: int, config: RouterConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an integer >= 1; got {num_shards!r}")
         config = config or RouterConfig()
@@ -74,8 +88,14 @@ class RouterPolicy:
         self._cached_tokens = [0] * num_shards
         self._actual_work = [0.0] * num_shards  # prefill work from the cached counts results report
         self._next_rr = 0
+        self._by_load = LeastLoaded(self._outstanding, self._cumulative)  # the scans of _least in O(log n)
+        self._by_cum = LeastLoaded(self._cumulative, self._cumulative)
+        # events: the shards' cache holdings, and this router's placements (chain hash -> (shard, when)), LRU order
+        self.holdings = Holdings(num_shards) if config.policy == "events" else None
+        self._recent: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        self.clock, self.placement_ttl_s = clock, float(config.placement_ttl_s)
         self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0,
-                         "placed": 0}
+                         "placed": 0, "held": 0, "recent": 0}
 
     def route_batch(self, items: Sequence[RouteItem], avoid: Collection[int] = ()) -> list[int]:
         """Shard per request of one formed batch, in order, never one in `avoid`. Validates the whole batch
@@ -98,12 +118,12 @@ class RouterPolicy:
                 self._next_rr = (s + 1) % n
                 counters["round_robin"] += 1
             else:
-                known = self._longest_match(chain)
+                known = self._longest_match(chain) if self.holdings is None else self._events_match(chain, avoid)
                 moved = known in avoid
                 if known is None or moved:
                     s = self._least(cum if self.policy == "cumulative" else out, allowed)
                     counters["moved" if moved else "new"] += 1
-                elif self.policy == "load_guarded" and self._should_spill(known, work):
+                elif self.policy in ("load_guarded", "events") and self._should_spill(known, work):
                     s = self._least(out, allowed)
                     counters["spill"] += 1
                 else:
@@ -142,7 +162,15 @@ class RouterPolicy:
 
     def _register(self, chain: Sequence[int], s: int, moved_from: Collection[int]) -> None:
         """Refresh what is known, register the rest to s (and the blocks of the shards in moved_from; a healthy
-        shard keeps what it has cached)."""
+        shard keeps what it has cached). events: record the placement of the whole chain on s, with its time."""
+        if self.holdings is not None:
+            recent, now = self._recent, self.clock()
+            for h in chain:
+                recent[h] = (s, now)
+                recent.move_to_end(h)
+            while len(recent) > self.max_entries:
+                recent.popitem(last=False)
+            return
         owner = self._owner
         for h in chain:
             if h not in owner:
@@ -160,6 +188,8 @@ class RouterPolicy:
         self._outstanding[s] += load
         self._total_outstanding += load
         self._cumulative[s] += work
+        self._by_load.changed(s)
+        self._by_cum.changed(s)
         self._routed[s] += 1
 
     def _should_spill(self, owner: int, work: float) -> bool:
@@ -172,7 +202,7 @@ class RouterPolicy:
         out = self._outstanding
         if out[owner] <= self.spill_factor * self._total_outstanding / self.num_shards:
             return False
-        return out[owner] - min(out) > self.spill_factor * work
+        return out[owner] - out[self._by_load.least()] > self.spill_factor * work
 
     def _longest_match(self, chain: Sequence[int]) -> int | None:
         owner = self._owner
@@ -182,8 +212,33 @@ class RouterPolicy:
                 return s
         return None
 
+    def _events_match(self, chain: Sequence[int], avoid: Collection[int]) -> int | None:
+        """events: the least-loaded shard holding the chain's deepest held key, unless this router placed a
+        deeper key within placement_ttl_s (then that placement's shard); None when neither knows the chain."""
+        out, recent, holders = self._outstanding, self._recent, self.holdings.holders
+        horizon = self.clock() - self.placement_ttl_s
+        for h in reversed(chain):
+            held = [s for s in holders(h) if s not in avoid] if avoid else holders(h)
+            if held:
+                self.counters["held"] += 1
+                return min(held, key=out.__getitem__)
+            placed = recent.get(h)
+            if placed is not None and placed[1] >= horizon and placed[0] not in avoid:
+                self.counters["recent"] += 1
+                return placed[0]
+        return None
+
+    def apply_events(self, batches: Sequence[KvEventBatch]) -> list[int]:
+        """events: apply the shards' cache event batches in order; the shards whose batch did not follow the one
+        applied before (a gap, or a restarted engine): ask each for a snapshot and apply that."""
+        if self.holdings is None:
+            raise ValueError(f"apply_events needs policy 'events'; this router's is {self.policy!r}")
+        return sorted({b.shard for b in batches if not self.holdings.apply(b)})
+
     def _least(self, load: list[float], allowed: Sequence[int]) -> int:
         # ties go to the shard with less cumulative work, then the lower index
+        if len(allowed) == self.num_shards:
+            return (self._by_load if load is self._outstanding else self._by_cum).least()
         cum = self._cumulative
         return min(allowed, key=lambda i: (load[i], cum[i]))
 
@@ -199,6 +254,7 @@ class RouterPolicy:
         # a completion may arrive after drop_shard reset the shard; never go below zero
         done = min(self._outstanding[shard], est_work + self.decode_cost * est_decode_tokens)
         self._outstanding[shard] -= done
+        self._by_load.changed(shard)
         self._total_outstanding = max(0.0, self._total_outstanding - done)
         self._completed[shard] += 1
         self._prompt_tokens[shard] += prompt_tokens
@@ -215,11 +271,15 @@ class RouterPolicy:
         """Forget a restarted shard's prefixes (its engine is cold) and its outstanding work (its
         in-flight requests are gone; the client resubmits them)."""
         self._check_shard(shard)
+        if self.holdings is not None:
+            self.holdings.drop_shard(shard)
+            self._recent = OrderedDict((h, v) for h, v in self._recent.items() if v[0] != shard)
         before = len(self._owner)
         self._owner = OrderedDict((h, s) for h, s in self._owner.items() if s != shard)
         self.counters["dropped"] += before - len(self._owner)
         self._total_outstanding = max(0.0, self._total_outstanding - self._outstanding[shard])
         self._outstanding[shard] = 0.0
+        self._by_load.changed(shard)
 
     def _check_shard(self, shard: int) -> None:
         if not isinstance(shard, int) or not 0 <= shard < self.num_shards:
@@ -236,5 +296,6 @@ class RouterPolicy:
                 "cached_fraction": self._cached_tokens[s] / prompt if prompt else 0.0,
             })
         return {"policy": self.policy, "num_shards": self.num_shards, "spill_factor": self.spill_factor,
-                "entries": len(self._owner), "max_entries": self.max_entries, "counters": dict(self.counters),
-                "shards": shards}
+                "entries": len(self._owner) + len(self._recent), "max_entries": self.max_entries,
+                "counters": dict(self.counters),
+                "shards": shards, **({"holdings": self.holdings.stats()} if self.holdings is not None else {})}

@@ -49,6 +49,8 @@ def test_route_complete_drop_and_stats(router):
     assert ray.get(r.stats.remote())["entries"] == 4  # document 1's four blocks remain
     assert ray.get(r.route.remote(_items([1]))) == [shards[0]]  # the router is named: found again
     assert ray.get(ray.get_actor(name, namespace=NS).route.remote(_items([1]))) == [shards[0]]
+    with pytest.raises(ValueError, match="no event feed"):  # a cumulative router pulls no cache events
+        ray.get(r.poll_events.remote())
 
 
 def test_joining_reuses_state_and_refuses_a_different_config(router):

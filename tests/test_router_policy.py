@@ -21,11 +21,17 @@ def _tokens(n: int) -> list[int]:
 
 # ---- prefix identity ----
 
-def test_chain_is_block_hashes_seeded_with_the_revision():
+def test_chain_is_the_engine_block_chain_seeded_with_the_revision():
     toks = _tokens(600)
     chain = prefix_chain(toks, "rev")
-    h1 = hash_block(toks[:256], revision_seed("rev"))
-    assert chain == [h1, hash_block(toks[256:512], h1)]  # the partial third block is not identity
+    e = [hash_block(toks[:128], revision_seed("rev"))]  # the engine's 128-token blocks, chained from the seed
+    for i in range(1, 4):
+        e.append(hash_block(toks[128 * i:128 * (i + 1)], e[-1]))
+    assert chain == [e[1], e[3]]  # a 256-token routing block's key: its last engine block's; no partial block
+    assert prefix_chain(toks, "rev", block=128) == e
+    assert prefix_chain(toks, "rev", block=256, hash_block=256) == [hash_block(toks[:256], revision_seed("rev")),
+                                                                    hash_block(toks[256:512], hash_block(
+                                                                        toks[:256], revision_seed("rev")))]
 
 
 def test_shared_prefix_shares_the_chain_prefix():
@@ -59,6 +65,8 @@ def test_short_prompt_gets_one_key_over_all_its_tokens():
     ({"token_ids": []}, "at least 1 token"),
     ({"block": 0}, "block must be >= 1"),
     ({"block": 512, "max_tokens": 256}, "max_tokens >= block"),
+    ({"block": 200}, "multiple of hash_block"),
+    ({"block": 256, "hash_block": 0}, "multiple of hash_block"),
 ])
 def test_chain_rejects_bad_arguments(kw, match):
     args = {"token_ids": [1, 2], "model_revision": "r", **kw}
@@ -89,8 +97,8 @@ def _chain(*blocks):
 @pytest.mark.parametrize("kw, match", [
     ({"num_shards": 0}, "num_shards must be an integer >= 1; got 0"),
     ({"num_shards": 2.0}, "num_shards"),
-    ({"policy": "random"}, "router field 'policy' must be one of 'cumulative', 'load_guarded', 'round_robin'; "
-                           "got 'random'"),
+    ({"policy": "random"}, "router field 'policy' must be one of 'cumulative', 'load_guarded', 'round_robin', "
+                           "'events'; got 'random'"),
     ({"spill_factor": 0.9}, "router field 'spill_factor' must be a number >= 1.0; got 0.9"),
     ({"max_entries": 0}, "router field 'max_entries' must be an integer >= 1; got 0"),
     ({"decode_cost": -1}, "router field 'decode_cost' must be a number >= 0"),
@@ -284,7 +292,7 @@ def test_stats_shape():
     st = RouterPolicy(2, RouterConfig("load_guarded", spill_factor=1.5)).stats()
     assert st["policy"] == "load_guarded" and st["spill_factor"] == 1.5 and len(st["shards"]) == 2
     assert set(st["counters"]) == {"hit", "new", "spill", "moved", "round_robin", "evicted", "dropped",
-                                   "placed"}
+                                   "placed", "held", "recent"}
 
 
 def test_a_placement_told_after_the_fact_counts_as_a_routed_request():

@@ -10,13 +10,22 @@ map is an LRU over cached blocks bounded by the pool: a freed block that holds a
 the back (most recent), one that holds none goes to the front, so an allocation evicts a cached block
 only when no uncached free block is left, and then the least recently released one. A request's
 blocks are released last-first, so its shared head blocks outlive its tail. A hit revives a free
-block in O(1) wherever it sits."""
+block in O(1) wherever it sits.
+
+The chain starts from hash_seed (-1 by default; the engine passes the model revision's seed with
+enable_kv_events, so a block's hash is the routing key's: flame_llm/protocol/routing_key.py). With
+enable_kv_events every hash entering or leaving the cache (hash_to_block_id) is recorded in order in
+kv_events, (hash, True) stored and (hash, False) evicted, None for a cleared cache; the serving layer
+drains it (flame_llm/protocol/kv_events.py). A record nobody drains (an offline engine) is bounded: past
+KV_EVENTS_MAX entries it is replaced by None, and the reader takes a snapshot. Off, nothing is recorded."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from flame_llm.engine.sequence import Sequence
 from flame_llm.prefix import hash_block
+
+KV_EVENTS_MAX = 1 << 16  # recorded cache events kept undrained before the record collapses to "take a snapshot"
 
 
 class Block:
@@ -31,7 +40,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_lru: bool = False) -> None:
+                 enable_lru: bool = False, enable_kv_events: bool = False, hash_seed: int = -1) -> None:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -43,6 +52,9 @@ class BlockManager:
         self.num_hit_tokens = 0
         self.num_query_tokens = 0
         self.num_evictions = 0
+        self.hash_seed = hash_seed
+        # enable_kv_events: (hash, stored) as hashes enter or leave hash_to_block_id, None for a clear; else None
+        self.kv_events: deque[tuple[int, bool] | None] | None = deque() if enable_kv_events else None
 
     @property
     def num_blocks(self) -> int:
@@ -72,7 +84,7 @@ class BlockManager:
         memo = seq.prompt_block_hashes
         if i < len(memo):
             return memo[i]
-        h = hash_block(seq.block(i), prev)
+        h = hash_block(seq.block(i), prev if i else self.hash_seed)
         if i == len(memo) and (i + 1) * self.block_size <= seq.num_prompt_tokens:
             memo.append(h)
         return h
@@ -149,6 +161,8 @@ class BlockManager:
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
                 self.num_evictions += 1
+                if self.kv_events is not None:
+                    self.kv_events.append((block.hash, False))
             block.hash = -1
             block.token_ids = []
         block.ref_count = 1
@@ -179,15 +193,20 @@ class BlockManager:
         full = min(upto, seq.num_tokens) // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_published_blocks:
             return
-        h = seq.last_block_hash
+        h, events = seq.last_block_hash, self.kv_events
         for i in range(seq.num_published_blocks, full):
             tokens = seq.block(i)
             h = self.block_hash(seq, i, h)
+            if events is not None and h not in self.hash_to_block_id:
+                events.append((h, True))
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tokens
             self.hash_to_block_id[h] = block.block_id
         seq.last_block_hash = h
         seq.num_published_blocks = full
+        if events is not None and len(events) > KV_EVENTS_MAX:  # nobody drains it: a snapshot will do
+            events.clear()
+            events.append(None)
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -212,6 +231,8 @@ class BlockManager:
         for block in self.blocks:
             block.hash, block.token_ids = -1, []
         self.hash_to_block_id.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(None)
         self.free_block_ids = OrderedDict.fromkeys(range(self.num_blocks))
 
     def reset_stats(self) -> None:

@@ -19,6 +19,7 @@ from flame_llm.engine.speculative.draft_runner import DraftRunner
 from flame_llm.engine.stalls import process_gc_pauses, triton_kernel_variants
 from flame_llm.limits import max_output_tokens, max_prompt_tokens
 from flame_llm.outputs import RequestMetrics, RequestOutput
+from flame_llm.prefix import revision_seed
 from flame_llm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ class LLMEngine:
         draft = DraftRunner(config) if config.speculative else None
         self.model_runner = ModelRunner(config, extra_block_bytes=draft.block_bytes() if draft else 0)
         cc = config.cache_config
+        # with cache events the chain starts from the model revision's seed, as the router's routing key does
+        seed = revision_seed(config.model_config.model_revision) if cc.enable_kv_events else -1
         self.block_manager = BlockManager(self.model_runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                          cc.enable_lru)
+                                          cc.enable_lru, cc.enable_kv_events, seed)
         self.scheduler = Scheduler(config, self.block_manager)
         self.spec = SpecDecoder(config, self.model_runner, draft, self.scheduler) if draft is not None else None
         self._tokenizer = None

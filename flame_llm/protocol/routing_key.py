@@ -5,6 +5,12 @@ A prompt's routing identity is the chain of `flame_llm.prefix.hash_block` hashes
 `max_tokens` tokens in blocks of `block` tokens, the chain seeded with the model revision. Two
 prompts sharing their first k full blocks share the first k entries of their chains.
 
+The chain is the engine's own: hash_block chained over blocks of `hash_block` tokens (the engines' KV block
+size, CacheConfig.block_size) from the revision's seed, as the BlockManager hashes its KV blocks with
+enable_kv_events; a routing block of `block` tokens is `block // hash_block` engine blocks, and its key is
+the chain's hash at its last engine block. So the router looks a prompt's keys up directly in the block
+hashes the engines publish (flame_llm/protocol/kv_events.py), with no second index.
+
 Prompts shorter than one block get a single key over all their tokens (there is no full block to
 hash). So a short prompt and a longer prompt that starts with it do not share a key; short prompts
 are cheap to prefill, so their placement matters little. A trailing partial block of a longer
@@ -18,7 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flame_llm.prefix import hash_block, revision_seed
+from flame_llm.prefix import DEFAULT_BLOCK_SIZE, revision_seed
+from flame_llm.prefix import hash_block as _hash
 
 ROUTING_BLOCK = 256
 ROUTING_MAX_TOKENS = 1024
@@ -36,22 +43,26 @@ def _seed(model_revision: str) -> int:
 
 
 def prefix_chain(token_ids: Sequence[int] | np.ndarray, model_revision: str, block: int = ROUTING_BLOCK,
-                 max_tokens: int = ROUTING_MAX_TOKENS) -> list[int]:
+                 max_tokens: int = ROUTING_MAX_TOKENS, hash_block: int = DEFAULT_BLOCK_SIZE) -> list[int]:
     """Chained block hashes of the prompt's first max_tokens tokens (see the module docstring)."""
     if block < 1 or max_tokens < block:
         raise ValueError(f"block must be >= 1 and max_tokens >= block; got block={block}, "
                          f"max_tokens={max_tokens}")
+    if hash_block < 1 or block % hash_block:
+        raise ValueError(f"block must be a multiple of hash_block (the engines' KV block size); got block={block}, "
+                         f"hash_block={hash_block}")
     n = min(len(token_ids), max_tokens)
     if n == 0:
         raise ValueError("token_ids must hold at least 1 token to have a routing key; got 0")
     head = np.asarray(token_ids[:n], dtype="<u4")
     h = _seed(model_revision)
     if n < block:
-        return [hash_block(head, h)]
-    chain = []
-    for i in range(n // block):
-        h = hash_block(head[i * block:(i + 1) * block], h)
-        chain.append(h)
+        return [_hash(head, h)]
+    chain, k = [], block // hash_block
+    for i in range(n // block * k):
+        h = _hash(head[i * hash_block:(i + 1) * hash_block], h)
+        if i % k == k - 1:
+            chain.append(h)
     return chain
 
 

@@ -49,12 +49,12 @@ class Dispatcher:
         self.shards = ShardWatch(actors, router, health, config.restart_timeout_s, self.counters,
                                  lookup=shard_by_name(namespace), on_drop=lambda s: self.routing.drop_shard(s),
                                  on_conn_lost=lambda s, e: self.loss.watch_loss(s, e))  # its shard's end closed
-        policy, max_entries = "cumulative", 100_000
-        if config.local_routing and len(actors) > 1:  # a known prefix is placed by the client only under cumulative
+        policy, max_entries, ttl_s = "cumulative", 100_000, 0.0
+        if config.local_routing and len(actors) > 1:  # the client places a known prefix under cumulative and events
             _, rc = ray.get(router.config.remote())
-            policy, max_entries = rc.policy, rc.max_entries
+            policy, max_entries, ttl_s = rc.policy, rc.max_entries, rc.placement_ttl_s
         self.routing = ClientRouting(router, list(actors), self.shards, self.counters, config.restart_timeout_s,
-                                     self.forget, config.local_routing, policy, max_entries)
+                                     self.forget, config.local_routing, policy, max_entries, ttl_s)
         self.batchers = {s: ShardBatcher(s, self.send, config.max_batch_prompts, config.batch_window_ms / 1000.0,
                                          max_payload_bytes) for s in actors}
         capacity = {s: h.admission_capacity if config.flow_control else None

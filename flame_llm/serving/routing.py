@@ -7,7 +7,10 @@ shard, and otherwise, when its prefix is one the router placed before (the clien
 prefix block hash -> shard, an LRU), to that shard at once. The router is told without waiting (its `place`), so
 its outstanding-work counts and prefix map stay as if it had routed the stream. Only the `cumulative` policy
 places a known prefix on its owner whatever the load, so only there (and on one shard) does a client place
-anything itself; the router alone places unseen prefixes, and every request of a batch (one call per batch)."""
+anything itself; the router alone places unseen prefixes, and every request of a batch (one call per batch).
+Under the `events` policy the client's answers last the router's placement_ttl_s (router/replicas.py RouteCache):
+a stream on a document routed that recently goes without a router call, and after it the router decides again
+from what the engines hold (an eviction is seen within a TTL)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +23,7 @@ from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import RouteItem
 from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
 from flame_llm.serving.shard_watch import ShardWatch
+from router.replicas import RouteCache
 
 ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router is made again
 
@@ -27,12 +31,13 @@ ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router 
 class ClientRouting:
     def __init__(self, router, shards: list[int], watch: ShardWatch, counters: ClientCounters,
                  restart_timeout_s: float, forget, local: bool = False, policy: str = "cumulative",
-                 max_entries: int = 100_000) -> None:
+                 max_entries: int = 100_000, ttl_s: float = 0.0) -> None:
         """forget(shard, pendings): routed requests that will not be sent there (their work leaves the router's
-        count). local: ClientConfig.local_routing; policy and max_entries: the router's."""
+        count). local: ClientConfig.local_routing; policy, max_entries and ttl_s (placement_ttl_s): the router's."""
         self.router, self.shards, self.watch, self.counters = router, list(shards), watch, counters
         self.restart_timeout_s, self.forget = restart_timeout_s, forget
-        self.local = local and (len(self.shards) == 1 or policy == "cumulative")
+        self.local = local and (len(self.shards) == 1 or policy in ("cumulative", "events"))
+        self.cache = RouteCache(ttl_s, max_entries) if policy == "events" else None
         self.single = self.shards[0] if len(self.shards) == 1 else None
         self.max_entries = max_entries
         self.placed: OrderedDict[int, int] = OrderedDict()  # prefix block hash -> shard, as the router answered
@@ -52,6 +57,8 @@ class ClientRouting:
         """The shard restarted or was lost: its prefixes are no longer placed there."""
         if self.placed:
             self.placed = OrderedDict((h, s) for h, s in self.placed.items() if s != shard)
+        if self.cache is not None:
+            self.cache.drop_shard(shard)
 
     def place_stream(self, p: Pending) -> int | None:
         """The shard a stream goes to without asking the router (the caller then tells it: `tell`), or None: ask
@@ -60,7 +67,9 @@ class ClientRouting:
             return None
         avoid = self.avoid_now()
         s = self.single
-        if s is None:
+        if s is None and self.cache is not None:
+            s = self.cache.lookup(p.chain, time.monotonic(), avoid)
+        elif s is None:
             s = next((self.placed[h] for h in reversed(p.chain) if h in self.placed), None)
         if s is None or s in avoid or s in self.watch.avoid:
             return None
@@ -108,7 +117,9 @@ class ClientRouting:
                 out.append(why)
             else:
                 out.append(s)
-                if self.local:
+                if self.cache is not None:
+                    self.cache.learn(p.chain, s, time.monotonic())
+                elif self.local:
                     self._learn(p.chain, s)
                 continue
             self.forget(s, [p])
@@ -135,6 +146,8 @@ class ClientRouting:
 
     def _learn(self, chain: list[int], shard: int) -> None:
         if self.single is not None:
+            return
+        if self.cache is not None:
             return
         placed = self.placed
         for h in chain:

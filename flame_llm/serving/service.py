@@ -179,7 +179,8 @@ def start_service(cfg: ServiceConfig, detached: bool = False, source: str = "the
             raise RuntimeError(f"namespace {ns!r} already runs a service ({name['name']}); stop it first "
                                "or choose another namespace")
     from router.actor import start_router
-    router = start_router(len(placements), cfg.router, namespace=ns, lifetime=lifetime)
+    router = start_router(len(placements), cfg.router, namespace=ns, lifetime=lifetime,
+                          shard_names=[f"{SHARD_PREFIX}{p.shard}" for p in placements])
     actors = {}
     for k, p in enumerate(placements):
         assert p.shard == k

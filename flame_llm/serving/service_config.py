@@ -113,6 +113,9 @@ class ServiceConfig:
         for name, cls in (("engine", EngineConfig), *SECTIONS.items()):
             check(isinstance(getattr(self, name), cls), name, f"{_article(cls.__name__)} (config_from_dict parses a "
                   "mapping)", getattr(self, name), where="service config field")
+        if self.router.policy == "events" and not self.engine.cache_config.enable_kv_events:
+            raise ValueError("router field 'policy' is 'events', which routes on the engines' cache events: set the "
+                             "engine field 'enable_kv_events' to true")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> ServiceConfig:

@@ -1,0 +1,92 @@
+"""A shard's prefix-cache events for the router: what its BlockManager stored and evicted, as sequence-numbered
+batches (issue 42).
+
+The BlockManager (enable_kv_events) records each hash entering or leaving its cache in order; a KvEventLog
+drains that record into a KvEventBatch: the net change since the batch before (a hash stored and evicted
+within one batch appears in neither list or in the one it ended in), numbered 1, 2, ... under the log's
+epoch (a restarted engine has a new one). Applying a batch is idempotent set arithmetic, so a snapshot taken
+while the engine runs, followed by the batches after it, gives the shard's holdings.
+
+A None in the record (a cleared cache, or a record that overflowed undrained) makes the batch a reset: every
+hash held when it is cut. The log keeps the last `keep` batches, so several readers (router replicas) can
+each follow it with their own cursor (`read(epoch, after_seq)`); a reader whose cursor is older than that,
+or of another epoch, gets one snapshot batch (reset=True: every hash held) and continues from its seq. The
+hashes are the routing key's (flame_llm/protocol/routing_key.py): the block hash chain seeded with the model
+revision."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the router imports this module: no engine at run time
+    from flame_llm.engine.block_manager import BlockManager
+
+
+@dataclass(slots=True, frozen=True)
+class KvEventBatch:
+    """One shard's cache changes since its batch seq - 1 (reset=False), or its whole holdings (reset=True: the
+    reader replaces what it knows of the shard by `stored`)."""
+    shard: int
+    epoch: int  # the log's incarnation: a batch of another epoch than the reader's cursor forces a resync
+    seq: int  # 1, 2, ... per epoch; a reader at seq k needs k + 1 next, else a snapshot
+    stored: list[int]  # block hashes the shard holds now that it did not at seq - 1
+    removed: list[int]  # block hashes it held at seq - 1 and no longer holds
+    reset: bool = False  # stored is everything it holds (a snapshot, or a cache cleared in this batch)
+
+
+class KvEventLog:
+    """The event feed of one shard's BlockManager (built with enable_kv_events)."""
+
+    def __init__(self, shard: int, block_manager: BlockManager, keep: int = 64) -> None:
+        if block_manager.kv_events is None:
+            raise ValueError("the block manager records no cache events; set enable_kv_events")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1; got {keep}")
+        self.shard, self.bm = shard, block_manager
+        self.epoch = time.time_ns()
+        self.seq = 0
+        self.batches: deque[KvEventBatch] = deque(maxlen=keep)
+
+    def cut(self) -> KvEventBatch | None:
+        """The net change recorded since the last cut as the next batch (kept), or None when nothing changed."""
+        events = self.bm.kv_events
+        if not events:
+            return None
+        stored: dict[int, None] = {}
+        removed: dict[int, None] = {}
+        reset = False
+        while events:  # the engine thread may append meanwhile: popleft and append are thread-safe
+            ev = events.popleft()
+            if ev is None:
+                stored.clear()
+                removed.clear()
+                reset = True
+            elif ev[1]:
+                removed.pop(ev[0], None)
+                stored[ev[0]] = None
+            else:
+                stored.pop(ev[0], None)
+                removed[ev[0]] = None
+        self.seq += 1
+        if reset:  # a cleared cache, or a record that overflowed: what it holds now
+            stored = self.bm.hash_to_block_id
+        batch = KvEventBatch(self.shard, self.epoch, self.seq, list(stored), [] if reset else list(removed), reset)
+        self.batches.append(batch)
+        return batch
+
+    def snapshot(self) -> KvEventBatch:
+        """Every hash the shard holds now, at this log's seq: changes recorded but not yet cut are in it and in the
+        next batch too, which re-applies them harmlessly. Cuts nothing, so other readers' batches stay whole."""
+        return KvEventBatch(self.shard, self.epoch, self.seq, list(self.bm.hash_to_block_id), [], True)
+
+    def read(self, epoch: int, after_seq: int) -> list[KvEventBatch]:
+        """The batches after a reader's cursor (epoch, after_seq), or [snapshot] when they are not all kept."""
+        self.cut()
+        if epoch == self.epoch and after_seq == self.seq:
+            return []
+        first = self.batches[0].seq if self.batches else self.seq + 1
+        if epoch != self.epoch or not first - 1 <= after_seq <= self.seq:
+            return [self.snapshot()]  # after the cut above: nothing is pending
+        return [b for b in self.batches if b.seq > after_seq]
