@@ -84,7 +84,7 @@ def test_dummy_weights_from_config_alone(tiny_llama, tmp_path):
 @pytest.mark.parametrize("field,value,match", [
     ("block_size", 24, "block_size"), ("dtype", "int8", "dtype"), ("load_format", "gguf", "load_format"),
     ("attention_backend", "xformers", "attention_backend"),
-    ("fresh_prefill_backend", "fa3", "fresh_prefill_backend"), ("max_num_seqs", 0, "max_num_seqs"),
+    ("max_num_seqs", 0, "max_num_seqs"),
     ("max_num_batched_tokens", 100, "max_num_batched_tokens"), ("gpu_memory_utilization", 1.5,
                                                                 "gpu_memory_utilization"),
     ("max_num_seqs", True, "max_num_seqs"), ("num_kvcache_blocks", 0, "num_kvcache_blocks"),

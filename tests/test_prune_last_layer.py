@@ -150,14 +150,6 @@ def test_speculative_decoding_with_the_flag(tiny_llama, reference):
     assert calls.kept > 0 and calls.plain > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_with_fused_residual_epilogues(arch, reference, tiny_llama, tiny_qwen3):
-    """gemm_epilogues' residual stream through o/down (its torch composition on CPU) prunes the same way."""
-    path = tiny_llama if arch == "llama" else tiny_qwen3
-    on, again, calls = _generate(path, True, gemm_epilogues="residual=cublas,swiglu=triton")
-    assert on == again[1:] == reference[arch] and calls.kept > 0 and calls.empty > 0
-
-
 def test_triton_backend_kept_rows(tiny_llama):
     """The triton backend's kept rows (our decode kernel; the interpreter on CPU): tokens equal the torch
     backend's, pruned or not."""

@@ -16,15 +16,14 @@ from flame_llm.kernels.torch_attention import paged_attention, store_kvcache  # 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 GPU variant needs CUDA")
 
 
-def run_and_check(case_kwargs, *, config=None, num_splits=None, fresh_prefill_backend="triton", tol=2e-4):
+def run_and_check(case_kwargs, *, config=None, num_splits=None, tol=2e-4):
     (q, k, v, k_cache, v_cache), meta = make_case(**case_kwargs)
     num_real = len(case_kwargs["seq_lens"])
     scale = case_kwargs["head_dim"] ** -0.5
     k_ref, v_ref, ref = reference(q, k, v, k_cache, v_cache, meta, num_real, scale)
     n = ref.shape[0]
     if config is None and num_splits is None:
-        out = ta.triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale,
-                                          fresh_prefill_backend=fresh_prefill_backend)
+        out = ta.triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale)
     else:
         ta.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.full_like(q, POISON)
@@ -34,7 +33,7 @@ def run_and_check(case_kwargs, *, config=None, num_splits=None, fresh_prefill_ba
     torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
     err = ((out[:n].float() - ref).norm() / ref.norm()).item()
     assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
-    if n < q.shape[0] and fresh_prefill_backend == "triton":
+    if n < q.shape[0]:
         assert torch.isfinite(out[n:]).all(), "padded decode rows (seq_len 0) must not produce NaN"
     return out
 
@@ -77,23 +76,10 @@ def test_half_precision(name):
     run_and_check(CASES[name] | dict(dtype=torch.float16), tol=1e-2)
 
 
-def test_dense_fresh_path_on_torch():
-    run_and_check(CASES["fresh_ragged_gqa4_d64_bs16"], fresh_prefill_backend="sdpa", tol=1e-4)
-
-
-def test_dense_path_not_used_with_cached_prefix(monkeypatch):
-    def boom(*args, **kwargs):
-        raise AssertionError("dense path must only serve fresh-only steps")
-    monkeypatch.setattr(ta, "dense_prefill", boom)
-    run_and_check(CASES["prefix_gqa8_d64_bs64"], fresh_prefill_backend="sdpa")
-
-
 def test_user_errors_name_the_field():
     (q, k, v, k_cache, v_cache), meta = make_case(**CASES["tiny_d16_bs128"])
     with pytest.raises(ValueError, match="num_heads"):
         ta.paged_attention_triton(q[:, :3], k_cache, v_cache, meta, 0.25)
-    with pytest.raises(ValueError, match="fresh_prefill_backend"):
-        ta.triton_attention_forward(q, k, v, k_cache, v_cache, meta, 0.25, fresh_prefill_backend="fa9")
 
 
 @pytest.mark.gpu
@@ -158,23 +144,6 @@ def test_flash_backend_imports_without_flash_attn():
         assert not flash_backend.FLASH_ATTN_AVAILABLE
         with pytest.raises(RuntimeError, match="flash_attn"):
             flash_backend.flash_attention_forward(*[None] * 5, None, 1.0)
-
-
-def test_engine_fresh_prefill_backend_flag_keeps_outputs(tiny_llama):
-    """Config.fresh_prefill_backend reaches the kernel: the torch dense path for fresh-only steps and
-    our kernel give the same greedy tokens (float32)."""
-    from flame_llm import LLM, SamplingParams
-
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = {}
-    for fresh in ("triton", "sdpa"):
-        llm = LLM(tiny_llama, attention_backend="triton", fresh_prefill_backend=fresh, block_size=16,
-                  num_kvcache_blocks=64, max_model_len=256, max_num_batched_tokens=256)
-        outs[fresh] = [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    ref = LLM(tiny_llama, block_size=16, max_model_len=256, max_num_batched_tokens=256).generate(
-        prompts, sp, use_tqdm=False)
-    assert outs["triton"] == outs["sdpa"] == [o.output_token_ids for o in ref]
 
 
 @pytest.mark.parametrize("gather_bytes", [64 << 20, 100 * 2 * 32 * 4])  # small: the batch splits into groups

@@ -24,20 +24,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name if name != "auto" else ("bfloat16" if device.type == "cuda" else "float32")]
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int,
-                    fresh_prefill_backend: str = "triton") -> str:
-    """The attention backend to use: `name`, or for "auto" the fastest one this machine has. ValueError when
-    the triton backend's fresh_prefill_backend "fa4" cannot run here (checked now, not at the first prefill)."""
-    backend = _choose_backend(name, device, block_size, dtype, head_dim)
-    if backend == "triton" and fresh_prefill_backend == "fa4":
-        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
-        reason = fa4_unavailable_reason(device, dtype, head_dim)
-        if reason is not None:
-            raise ValueError(f"fresh_prefill_backend 'fa4' (attention_backend {name!r}) cannot run here: {reason}")
-    return backend
-
-
-def _choose_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
+def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
+    """The attention backend to use: `name`, or for "auto" the fastest one this machine has; ValueError when
+    `name` cannot run here (checked now, not at the first step)."""
     if name == "flash_attn" and block_size % 256:
         raise ValueError(f"attention_backend 'flash_attn' needs block_size % 256 == 0; got {block_size}")
     if name == "fa4":
