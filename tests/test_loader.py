@@ -92,8 +92,14 @@ def test_dummy_weights_from_config_alone(tiny_llama, tmp_path):
     ("nonsense", 1, r"unknown config field\(s\) \['nonsense'\]; known: .*max_num_seqs"),
 ])
 def test_bad_config_fields(tiny_llama, field, value, match):
+    # chunked prefill off: a step budget below max_model_len is then refused (it is accepted with the default, on)
     with pytest.raises(ValueError, match=match):
-        Config.from_kwargs(tiny_llama, max_model_len=512, **{field: value})
+        Config.from_kwargs(tiny_llama, max_model_len=512, enable_chunked_prefill=False, **{field: value})
+
+
+def test_a_step_budget_below_max_model_len_needs_chunked_prefill_which_is_the_default(tiny_llama):
+    cfg = Config.from_kwargs(tiny_llama, max_model_len=512, max_num_batched_tokens=100)
+    assert cfg.scheduler_config.enable_chunked_prefill and cfg.scheduler_config.max_num_batched_tokens == 100
 
 
 def test_config_groups_and_flat_names_round_trip(tiny_llama):
