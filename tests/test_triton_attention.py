@@ -243,17 +243,33 @@ def test_step_varying_arguments_are_not_specialised():
         "['stride_psplit']", "['pos_ptr']"]
 
 
-def test_warmup_all_variants_runs_every_config_and_split():
+def test_warmup_all_variants_runs_every_config_and_split(monkeypatch):
+    """decode_only, GQA group 4: one launch per (decode tile config, split count), each pair once. On a GPU they
+    run; on CPU they are recorded and not run (the interpreter ran 254 programs here, ~27 s): the test below runs
+    every config under the interpreter, the decode tiles among them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cache = torch.randn(4, 16, 2, 16, device=dev)
+    real, launched = ta.paged_attention_triton, []
+
+    def record(q, k_cache, v_cache, meta, scale, config=None, num_splits=None, out=None):
+        launched.append((config, num_splits))
+        assert q.shape[1:] == (8, 16) and meta.seq_lens.tolist() == [q.shape[0]]
+        return real(q, k_cache, v_cache, meta, scale, config=config, num_splits=num_splits) if dev == "cuda" else q
+    monkeypatch.setattr(ta, "paged_attention_triton", record)
     n = ta.warmup_all_variants(cache, cache, 8, 0.25, decode_only=True)
-    assert n == len(ta.reachable_configs(4, decode_only=True)) * len(ta.split_choices())
+    fp32 = dict(block_n=32, num_stages=1)  # as paged_attention_triton adjusts a picked config for fp32
+    want = [(c._replace(**fp32), s) for c in ta.reachable_configs(4, decode_only=True) for s in ta.split_choices()]
+    assert sorted(launched) == sorted(want) and n == len(want)
 
 
-def test_warmup_all_variants_covers_prefill_tiles_wider_than_a_block():
+def test_warmup_all_variants_covers_prefill_tiles_wider_than_a_block(monkeypatch):
     """Prefill tiles hold up to 128 keys: with 16-token blocks the warmup's block table must span them (a
-    one-column table was read past its end: a segfault under the interpreter, a bad read on a GPU)."""
+    one-column table was read past its end: a segfault under the interpreter, a bad read on a GPU). Every tile
+    config runs; on CPU with split counts 1 and 4 only (the table's width does not depend on the split, and all
+    seven counts cost the interpreter ~127 programs per config: the test above checks each is launched)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        monkeypatch.setattr(ta, "split_choices", lambda: [1, 4])
     cache = torch.randn(8, 16, 1, 16, device=dev)  # one head: the interpreter runs a grid 8x smaller
     n = ta.warmup_all_variants(cache, cache, 1, 0.25)
     assert n == len(ta.reachable_configs(1)) * len(ta.split_choices())
