@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 from helpers import make_prompts  # noqa: E402
 
 from flame_llm import LLM, SamplingParams  # noqa: E402
-from flame_llm.config import Config  # noqa: E402
+from flame_llm.config import SCHEDULER_FEATURES_OFF, Config  # noqa: E402
 from flame_llm.engine.mixed_graphs import token_buckets  # noqa: E402
 from flame_llm.kernels.triton_attention import mixed_launch, reachable_configs, split_choices  # noqa: E402
 
@@ -22,9 +22,11 @@ SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def _engine(model: str, mixed: int, **kw) -> LLM:
     # fp32 + our Triton kernel on both sides, so only the step path differs; a small token budget makes the
-    # prompts' chunks share steps with decodes (mixed steps), some above the graphs' bucket, some below
-    base = dict(block_size=16, num_kvcache_blocks=128, dtype="float32", attention_backend="triton",
-                enable_chunked_prefill=True, max_num_batched_tokens=96, max_num_seqs=8, max_model_len=256)
+    # prompts' chunks share steps with decodes (mixed steps), some above the graphs' bucket, some below. FIFO
+    # admission (the other scheduler features off): the steps _prompts() was laid out for
+    base = dict(SCHEDULER_FEATURES_OFF, block_size=16, num_kvcache_blocks=128, dtype="float32",
+                attention_backend="triton", enable_chunked_prefill=True, max_num_batched_tokens=96, max_num_seqs=8,
+                max_model_len=256)
     return LLM(model, cuda_graph_mixed_tokens=mixed, **{**base, **kw})
 
 
