@@ -134,13 +134,6 @@ case $stage in
     timeout $((limit + 60)) python3 -m bench.jobpairs --out "$rdir" --timeout-s "$limit" \
       -- --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -40
     tar czf "$OUT/pairs-$(basename "$rdir")-$trace.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")" ;;
-  fusion)  # issue 19 items 2-3: fused GEMM epilogues and fresh-prefill attention against today's path, then the
-    # new paths' tests on the GPU (the Triton epilogue GEMM, FA4's dense fresh path, warmup of every variant)
-    timeout 330 python3 bench/fusion_probe.py --out "$OUT/fusion.json" "$@" > "$OUT/fusion.log" 2>&1
-    grep -e '^|' -e Error "$OUT/fusion.log" | tail -45
-    timeout 150 python3 -m pytest tests/test_gemm_epilogues.py tests/test_gpu_fa4.py tests/test_gpu_variants.py -q \
-      -p no:warnings > "$OUT/fusion-tests.log" 2>&1
-    grep -E "passed|failed|^E " "$OUT/fusion-tests.log" | tail -12 ;;
   load)  # sustained load through each system's OpenAI endpoint, e.g. `load --systems flame,vllm --rates 2,4,8
     # --duration-s 30` (one system after another; bench.load_report DIR merges calls into one report)
     timeout ${LOAD_TIMEOUT:-560} python3 -m bench.pairs --mode load "${VLLM[@]}" --out /tmp/load "$@" 2>&1 \

@@ -1,27 +1,19 @@
 """One runner flag offline (issue 19): `prune_last_layer` (the last decoder layer past its KV store on the sampled
-rows only), `mlp_row_split_tokens` (eager steps' gate/up GEMM as row blocks), `fa4_call_reuse` (a step's later
-layers call FA4's recorded kernel call) or `gemm_lt_min_tokens` (eager steps' projections on the cuBLASLt
-algorithms timed fastest at warmup; toggled between the built plans and F.linear), on a no-reuse-like burst,
-A-B-B-A in one process.
+rows only), on a no-reuse-like burst, A-B-B-A in one process. (Its other flags, mlp_row_split_tokens,
+fa4_call_reuse and gemm_lt_min_tokens, measured flat and were retired: bench/KERNELS.md, "Tried and retired".)
 
 One engine, built with the flag at its `--on` value, and the flag toggled on the live engine between rounds. That is
-all any of these flags changes once the engine runs: prune_last_layer is read by ModelRunner.launch's eager branch each
-step (runner.prune; at startup it also warms the decode kernel the kept rows take, hence building with it on),
-fa4_call_reuse likewise (runner.fa4_reuse), and mlp_row_split_tokens is set on every gate/up projection after the
-CUDA graphs are captured (set_mlp_row_split; graphs never split). A fresh 8B engine per round would spend a minute
-of device time on dummy weights, warmups and graph captures. Prefix caching is off by default so every round
-computes the same steps and the tokens of every round can be compared with the flag-off warmup round's. The end-to-
-end one-flag A/Bs are `bash bench/device_run.sh burst no-reuse engine,engine-noprune` and `... engine,engine-split`.
+all the flag changes once the engine runs: prune_last_layer is read by ModelRunner.launch's eager branch each step
+(runner.prune; at startup it also warms the decode kernel the kept rows take, hence building with it on). A fresh 8B
+engine per round would spend a minute of device time on dummy weights, warmups and graph captures. Prefix caching is
+off by default so every round computes the same steps and the tokens of every round can be compared with the
+flag-off warmup round's. The end-to-end one-flag A/B is `bash bench/device_run.sh burst no-reuse engine,engine-noprune`.
 
 Printed per mode: median req/s of its rounds, median ms of a step with prefill tokens (steps with more tokens than
 the burst has requests), and whether every round's tokens equal the flag off's.
 
-    python -m bench.flag_ab --flag mlp_row_split_tokens --on 4096 --out split.json   # Llama-3.1-8B shapes (GPU)
     python -m bench.flag_ab --flag prune_last_layer --out prune.json                 # = python -m bench.prune_ab
-    python -m bench.flag_ab --flag fa4_call_reuse --prompt-tokens 1024 --prompts 64 --out fa4reuse.json  # GPU, FA4
-    python -m bench.flag_ab --flag gemm_lt_min_tokens --out lt.json                  # GPU (cuBLASLt)
-    python -m bench.flag_ab --model tiny --flag mlp_row_split_tokens --on 16 --prompts 4 --prompt-tokens 300 \\
-        --max-num-batched-tokens 256                                                 # CPU
+    python -m bench.flag_ab --model tiny --prompts 4 --prompt-tokens 300 --max-num-batched-tokens 256  # CPU
 """
 from __future__ import annotations
 
@@ -40,8 +32,6 @@ import numpy as np
 from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 from flame_llm.engine.model_runner import ModelRunner
-from flame_llm.kernels.fa4_reuse import OUTCOMES
-from flame_llm.models.llama import set_gemm_lt, set_mlp_row_split
 from flame_llm.models.tiny import resolve_model
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "llama-3.1-8b")
@@ -57,22 +47,6 @@ def _set_prune(runner: ModelRunner, value: bool) -> None:
     runner.prune = value
 
 
-def _set_row_split(runner: ModelRunner, value: int) -> None:
-    set_mlp_row_split(runner.model, value)
-
-
-def _set_gemm_lt(runner: ModelRunner, value: int) -> None:
-    if value and not runner.lt_plans:
-        raise SystemExit("gemm_lt_min_tokens: this engine was built without cuBLASLt plans (build it with --on > 0)")
-    set_gemm_lt(runner.model, runner.lt_plans if value else {})
-
-
-def _set_fa4_reuse(runner: ModelRunner, value: bool) -> None:
-    if value and runner.backend != "fa4":
-        raise SystemExit(f"fa4_call_reuse needs the fa4 attention backend; this engine runs {runner.backend}")
-    runner.fa4_reuse = value
-
-
 @dataclass(slots=True, frozen=True)
 class Flag:
     mode: str  # the flag-on mode's name in the table and the JSON
@@ -82,26 +56,13 @@ class Flag:
     off: str
 
 
-FLAGS = {"prune_last_layer": Flag("prune", _bool, _set_prune, "true", "false"),
-         "mlp_row_split_tokens": Flag("split", int, _set_row_split, "4096", "0"),
-         "fa4_call_reuse": Flag("fa4reuse", _bool, _set_fa4_reuse, "true", "false"),
-         "gemm_lt_min_tokens": Flag("lt", int, _set_gemm_lt, "1024", "0")}
+FLAGS = {"prune_last_layer": Flag("prune", _bool, _set_prune, "true", "false")}
 
 
 def _sync() -> None:
     import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def lt_summary(runner: ModelRunner) -> dict:
-    """gemm_lt_min_tokens: what the warmup measured per (shape, step size), and what became of the projection
-    calls of every round (kernels.cublaslt.OUTCOMES, summed over the plans); {} without plans."""
-    plans = runner.lt_plans.values()
-    if not plans:
-        return {}
-    return {"records": [r for p in plans for r in p.records],
-            "outcomes": {k: sum(p.outcomes[k] for p in plans) for k in next(iter(plans)).outcomes}}
 
 
 def one_round(llm: LLM, prompts: list[list[int]], out_tokens: int) -> dict:
@@ -130,7 +91,7 @@ def one_round(llm: LLM, prompts: list[list[int]], out_tokens: int) -> dict:
 def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--flag", choices=sorted(FLAGS), default="prune_last_layer")
-    p.add_argument("--on", default=None, help="the flag's value in the 'on' mode (default: prune true, split 4096)")
+    p.add_argument("--on", default=None, help="the flag's value in the 'on' mode (default: true)")
     p.add_argument("--off", default=None, help="its value in the 'off' mode, the tokens' reference (false / 0)")
     p.add_argument("--model", default=MODEL, help="a model dir (dummy weights from its config.json), or 'tiny'")
     p.add_argument("--out", default=None)
@@ -168,7 +129,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     ref = warm["off"]
     order = (["off", flag.mode, flag.mode, "off"] * a.rounds)[: max(2, a.rounds)]
     rows: dict[str, list[dict]] = {m: [] for m in modes}
-    OUTCOMES.clear()  # fa4_call_reuse: what became of the calls at its sites (the measured rounds')
     for mode in order:
         flag.apply(runner, modes[mode])
         r = one_round(llm, prompts, a.output_tokens)
@@ -184,8 +144,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     speedup = summary[flag.mode]["req_per_s"] / summary["off"]["req_per_s"]
     out = {"config": {**kw, "model": model, **{k: v for k, v in vars(a).items() if k not in ("out", "engine_json")}},
            "flag": a.flag, "on": on, "off": off, "backend": runner.backend, "cuda_graphs": runner.use_graphs,
-           "order": order, "rounds": rows, "summary": summary, f"{flag.mode}_over_off_req_per_s": round(speedup, 4),
-           "fa4_reuse_outcomes": dict(OUTCOMES), "gemm_lt": lt_summary(runner)}
+           "order": order, "rounds": rows, "summary": summary, f"{flag.mode}_over_off_req_per_s": round(speedup, 4)}
     write_json(a.out, out)
     print(f"{a.flag}: {flag.mode} = {on}, off = {off}")
     print("| mode | req/s (median) | prefill step ms p50 | tokens equal every round |")
@@ -193,10 +152,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.flag_ab") -
     for m, s in summary.items():
         print(f"| {m} | {s['req_per_s']:.3f} | {s['prefill_step_ms_p50']:.2f} | {s['tokens_equal']} |")
     print(f"{flag.mode} / off req/s: {speedup:.4f}")
-    if OUTCOMES:
-        print("fa4_call_reuse, the calls at its sites:", ", ".join(f"{k}: {v}" for k, v in OUTCOMES.items()))
-    if out["gemm_lt"]:
-        print("gemm_lt_min_tokens, the projection calls:", out["gemm_lt"]["outcomes"])
     return 0
 
 

@@ -103,14 +103,13 @@ def main() -> None:
     ap.add_argument("--parts", default="ceilings,prefill,decode,graphs,traces")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--max-batched", type=int, default=8192)
-    ap.add_argument("--fresh-prefill-backend", default="sdpa", help="Config.fresh_prefill_backend (figures: sdpa)")
     ap.add_argument("--chunked", type=int, default=1, help="enable_chunked_prefill (needed when max-batched < 32768)")
     ap.add_argument("--engine-json", default="{}", help="more engine fields (JSON object), e.g. a flag's A/B: "
-                    "'{\"fused_rope_store\": true}'")
+                    "'{\"prune_last_layer\": false}'")
     ap.add_argument("--traces", default="no-reuse,reuse", help="the seed traces the traces part runs")
     args = ap.parse_args()
     SEED_LIMITS.update(max_num_batched_tokens=args.max_batched, enable_chunked_prefill=bool(args.chunked),
-                       fresh_prefill_backend=args.fresh_prefill_backend, **json.loads(args.engine_json))
+                       **json.loads(args.engine_json))
     logging.basicConfig(level=logging.INFO)
     parts = set(args.parts.split(","))
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,

@@ -10,8 +10,7 @@ that directly, in one engine (asynchronous scheduling, as serving runs it):
 - host pass: before every launch the GPU is kept busy (`torch.cuda._sleep`, --busy-ms), so the time `launch`
   takes on the host is enqueueing alone; a launch that takes the whole busy time waited for the GPU (a sync
   inside it). Eager steps also get their host time split by layer part (norms, projections, RoPE, attention
-  with its K/V store, SiLU-mul; input upload, sampling; the rest). With the fa4 backend the pass runs again
-  with fa4_call_reuse on (a step's later layers skip FA4's Python forward).
+  with its K/V store, SiLU-mul; input upload, sampling; the rest).
 - stream passes: no busy time; each step's host launch time and the gaps of one decoding stream around the miss,
   with emit_before_long_launch off and at --early (asynchronous scheduling only: a GPU): the gap before the miss's
   long step should shrink to a decode step's with it on.
@@ -40,7 +39,6 @@ import torch
 from bench.provenance import write_json
 from flame_llm import LLM, SamplingParams
 from flame_llm.engine import model_runner as model_runner_mod
-from flame_llm.kernels.fa4_reuse import OUTCOMES
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.models.tiny import resolve_model
@@ -277,32 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(docs, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # cached from here on
     busy = busy_cycles_for(a.busy_ms)
     runner = llm.engine.model_runner
-    built = runner.fa4_reuse
-    runner.fa4_reuse = False
     host = run_pass(llm, a, docs, rng, busy)
-    reuse, reuse_outcomes = None, {}
-    if runner.backend == "fa4":  # the host pass again with fa4_call_reuse: what FA4's per-call Python costs
-        runner.fa4_reuse = True
-        OUTCOMES.clear()
-        reuse = run_pass(llm, a, docs, rng, busy)
-        reuse_outcomes = dict(OUTCOMES)
-    runner.fa4_reuse = built
     streams = [run_pass(llm, a, docs, rng, 0, early) for early in (0, a.early)]
     busy_ms = a.busy_ms if busy else 0.0
     s = summarize(host, streams, busy_ms)
-    if reuse is not None:
-        s["fa4_call_reuse"] = summarize(reuse, streams, busy_ms)["eager_parts_ms_p50"]
     write_json(a.out, {"config": {**kw, "model": model, **{k: v for k, v in vars(a).items() if k != "out"}},
                        "backend": runner.backend, "cuda_graphs": runner.use_graphs,
                        "async_scheduling": llm.engine.async_scheduling, "summary": s,
-                       "host_pass": host, "host_pass_fa4_call_reuse": reuse, "fa4_reuse_outcomes": reuse_outcomes,
-                       "stream_passes": streams})
+                       "host_pass": host, "stream_passes": streams})
     print(table(s, busy_ms))
-    for kind, parts in (s.get("fa4_call_reuse") or {}).items():
-        print(f"{kind}, fa4_call_reuse on: attention (+ K/V store) {parts['attention (+ K/V store)']:.2f} ms, "
-              f"whole launch {sum(parts.values()):.2f} ms (p50 of each part)")
-    if reuse_outcomes:
-        print("fa4_call_reuse, the calls at its sites:", ", ".join(f"{k}: {v}" for k, v in reuse_outcomes.items()))
     return 0
 
 

@@ -2,7 +2,8 @@
 or small scale (the tiny test model on CPU).
 
 Each scenario names its engine limits (capacity set by an explicit KV block count) and its variants:
-one engine flag flipped against the original scheduler, except `prefix`, which flips the workload
+one engine flag flipped against the original scheduler (every scenario's engine starts from
+config.SCHEDULER_FEATURES_OFF: the engine's defaults have those features on), except `prefix`, which flips the workload
 (unique vs shared system prefix) on one engine, then the prefix-dedup flag and same-step sharing on the
 shared workload.
 Token ids are drawn uniformly from [TOKEN_LOW, vocab).
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+
+from flame_llm.config import SCHEDULER_FEATURES_OFF
 
 SCENARIOS = ("starvation", "prefix", "lru_pressure", "cache_aware")
 SCALES = ("full", "small")
@@ -94,7 +97,7 @@ def scenario(name: str, scale: str) -> Scenario:
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}; got {scale!r}")
     engine, params = SIZES[name][scale]
-    return Scenario(name, dict(engine), list(VARIANTS[name]), dict(params))
+    return Scenario(name, {**SCHEDULER_FEATURES_OFF, **engine}, list(VARIANTS[name]), dict(params))
 
 
 def find_variant(sc: Scenario, name: str) -> Variant:

@@ -9,9 +9,8 @@ from transformers import PretrainedConfig
 
 # parsing that needs no config class lives in config_parse; these names stay importable from here
 from flame_llm.config_parse import ENGINE_FIELD as _F
-from flame_llm.config_parse import GEMM_EPILOGUE_IMPLS as GEMM_EPILOGUE_IMPLS
 from flame_llm.config_parse import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
-from flame_llm.config_parse import default_model_revision, json_object, load_hf_config, parse_gemm_epilogues
+from flame_llm.config_parse import default_model_revision, json_object, load_hf_config
 from flame_llm.prefix import DEFAULT_BLOCK_SIZE
 from flame_llm.validate import check, check_bool, check_choice, check_int, check_number, check_str, is_int
 
@@ -21,7 +20,6 @@ QUANTIZATIONS = (None, "fp8")  # ModelConfig.quantization
 KV_CACHE_DTYPES = ("auto", "fp8")  # CacheConfig.kv_cache_dtype
 ATTENTION_BACKENDS = ("auto", "fa4", "triton", "flash_attn", "torch")
 MIXED_DECODE_ATTENTION = ("triton", "fa4")
-FRESH_PREFILL_BACKENDS = ("triton", "sdpa", "cudnn", "flash", "efficient", "varlen", "fa4")
 # RunnerConfig.cuda_graph_mixed_tokens's default with CUDA graphs: vLLM's largest captured size; on the H200 a step
 # of a 64-token question among 4 decodes took 21.7 ms eager, 6.7 ms replayed (bench/RESULTS.md, mixed-step graphs)
 MIXED_GRAPH_TOKENS = 512
@@ -67,7 +65,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # of the GPU's memory, weights and activations included
     cpu_kvcache_gib: float = 1.0  # the KV cache of a CPU engine
     enable_prefix_caching: bool = True  # full blocks are shared by prompts with the same prefix
-    enable_lru: bool = False  # free cached blocks form an LRU; uncached ones are reused first
+    # on since issue 38: the lru_pressure scenario (H200, 2026-11-30) evicted 24% fewer cached blocks, hit rate +3.0 pp
+    # (CPU: -21%, +5.4 pp); counts that depend on the schedule alone (bench/RESULTS.md, "Scheduler features")
+    enable_lru: bool = True  # free cached blocks form an LRU; uncached ones are reused first
     # blocks become prefix-cache hits when the step that computes them is scheduled, so a request admitted in
     # the same step shares them instead of computing them again (off: only after that step ran)
     enable_same_step_prefix_sharing: bool = True  # blocks are hits from the step that computes them
@@ -97,12 +97,18 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens of one step
     max_num_seqs: int = 64  # sequences running at once
-    # each feature off reproduces the original two-phase scheduler exactly
-    enable_chunked_prefill: bool = False  # a long prompt's prefill spreads over steps
-    enable_cache_aware_schedule: bool = False  # waiting requests with longer cached prefixes go first
+    # each feature off reproduces the original two-phase scheduler exactly (SCHEDULER_FEATURES_OFF)
+    # on since issue 38: every published burst and load figure ran with it (8,192-token steps under a 32K
+    # max_model_len); the starvation scenario (H200): victims' TPOT p99 6,277 -> 35 ms, wall 8.2 -> 2.7 s
+    enable_chunked_prefill: bool = True  # a long prompt's prefill spreads over steps
+    # on since issue 38: the cache_aware scenario (H200): hit rate 0 -> 35.7%, evictions -40%, wall -34%, TTFT p99
+    # -34%, TPOT p99 70.5 -> 50.6 ms; a request is passed over at most cache_aware_max_skips times
+    enable_cache_aware_schedule: bool = True  # waiting requests with longer cached prefixes go first
     cache_aware_window: int = 64  # waiting requests reordered by cached-prefix length
     cache_aware_max_skips: int = 16  # aging: a request passed over this many times goes first
-    # a waiting request whose next uncached block a running sequence is computing waits for it
+    # a waiting request whose next uncached block a running sequence is computing waits for it. Off: its one
+    # measurement (CPU counts, prefix scenario: 40% fewer prefill tokens) ran with same-step sharing off, which is
+    # on by default and removes most of those duplicates; no GPU figure for the under-filled step it costs
     enable_prefix_dedup: bool = False  # wait for a running sequence computing our next block
     # launch step N+1 before reading step N's tokens, so the host prepares a step while the GPU runs the last
     # one. None: on with CUDA (off on CPU, where nothing overlaps, and with speculative decoding)
@@ -141,10 +147,6 @@ class RunnerConfig:
     # fa4 backend: a mixed step's single-token (decode) rows go to our Triton decode kernel ("triton") or stay
     # in FA4's varlen call with the prefill rows ("fa4")
     mixed_decode_attention: str = "triton"  # fa4 backend: a mixed step's decode rows on triton | fa4
-    # fresh-only prefill steps on the triton backend: our kernel, or torch SDPA ("sdpa": cuDNN on the H200,
-    # 513 vs 407 TFLOP/s for dense 8K causal) on the fresh K/V; SDPA may build a plan per new length
-    fresh_prefill_backend: str = "triton"  # triton backend, fresh-only prefill steps: triton | sdpa | ... | fa4
-    gemm_epilogues: str = ""  # ops fused into GEMM epilogues, e.g. "swiglu=triton,residual=cublas"
     # steps that carry prefill tokens and hold at most this many tokens replay CUDA graphs too (padded to a
     # token bucket; attention on our Triton kernel with a grid fixed at capture); 0: such steps run eagerly,
     # ~16 ms of launches for a 32-layer model on the H200 (engine/mixed_graphs.py). None: MIXED_GRAPH_TOKENS
@@ -154,34 +156,14 @@ class RunnerConfig:
     # the rows whose logits are sampled only: same outputs, ~1/num_layers fewer prefill FLOPs (issue 19; on the
     # H200 +2.7% req/s on 8K-token prompts, tokens identical: bench/RESULTS.md, bench.prune_ab)
     prune_last_layer: bool = True  # last layer after its KV store on sampled rows only (eager steps)
-    # eager steps whose MLP input has more rows run the gate/up GEMM as equal row blocks of at most this many rows
-    # (same outputs, bitwise): cuBLAS's kernel for Llama-3.1-8B's gate/up at 8,192 rows ran 644 TFLOP/s on the
-    # H200, as two 4,096-row GEMMs 676 (issue 19, bench.gemm_probe). 0: off. CUDA-graph steps never split
-    mlp_row_split_tokens: int = 0  # eager steps: gate/up GEMM in row blocks of at most this many rows (0: off)
-    # eager steps of at least this many tokens run the bias-free projections on the cuBLASLt algorithm timed fastest
-    # at warmup among those bitwise equal to F.linear at the tuned step sizes (kernels/cublaslt.py; CUDA, bf16). 0: off
-    gemm_lt_min_tokens: int = 0  # eager steps >= this many tokens: projections on warmup-timed cuBLASLt algorithms
-    # fa4 backend, eager steps: FA4's compiled kernel call is recorded at a step's first layer and the later layers
-    # call it directly, skipping FA4's Python per call (kernels/fa4_reuse.py; the same kernel, the same arguments)
-    fa4_call_reuse: bool = False  # eager steps: later layers call FA4's recorded kernel call directly
-    # backends on our Triton kernels: RoPE and the K/V cache store in one launch per layer (issue 19's fusion)
-    fused_rope_store: bool = False  # one Triton launch rotates q/k and stores k/v (graphs and eager steps)
-    shared_prefix_decode: bool = False  # decode rows on our Triton kernel read a prefix several rows share once
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)
         check_bool("fused_ops", self.fused_ops, **_F)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS, **_F)
         check_choice("mixed_decode_attention", self.mixed_decode_attention, MIXED_DECODE_ATTENTION, **_F)
-        check_choice("fresh_prefill_backend", self.fresh_prefill_backend, FRESH_PREFILL_BACKENDS, **_F)
-        parse_gemm_epilogues(self.gemm_epilogues)  # ValueError names the field and the allowed values
         check_int("cuda_graph_mixed_tokens", self.cuda_graph_mixed_tokens, 0, optional=True, **_F)
         check_bool("prune_last_layer", self.prune_last_layer, **_F)
-        check_bool("fa4_call_reuse", self.fa4_call_reuse, **_F)
-        check_bool("fused_rope_store", self.fused_rope_store, **_F)
-        check_bool("shared_prefix_decode", self.shared_prefix_decode, **_F)
-        check_int("mlp_row_split_tokens", self.mlp_row_split_tokens, 0, limit="an integer >= 0 (0: off)", **_F)
-        check_int("gemm_lt_min_tokens", self.gemm_lt_min_tokens, 0, limit="an integer >= 0 (0: off)", **_F)
 
 
 @dataclass(slots=True)
@@ -200,6 +182,11 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.speculative_model is not None or self.num_speculative_tokens != 0
 
+
+# the scheduler/cache features whose defaults are on, all off: the original two-phase scheduler (the one-flag A/Bs'
+# baseline; the recorded schedules in tests/test_scheduler_features.py)
+SCHEDULER_FEATURES_OFF = {"enable_chunked_prefill": False, "enable_lru": False, "enable_cache_aware_schedule": False,
+                          "enable_prefix_dedup": False}
 
 GROUPS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
           "runner_config": RunnerConfig, "speculative_config": SpeculativeConfig}
@@ -283,9 +270,6 @@ def _check_across_groups(cfg: EngineConfig) -> None:
     """The rules between groups that need no model (each group checks its own fields)."""
     check(not (cfg.scheduler_config.async_scheduling and cfg.speculative), "async_scheduling",
           "off (None or False) with speculative decoding", cfg.scheduler_config.async_scheduling, **_F)
-    lt, budget = cfg.runner_config.gemm_lt_min_tokens, cfg.scheduler_config.max_num_batched_tokens
-    check(lt <= budget, "gemm_lt_min_tokens", f"0 (off) or <= max_num_batched_tokens ({budget}): no step is larger", lt,
-          **_F)
 
 
 def _build(cls: type[EngineConfig], model: str, kwargs: dict) -> EngineConfig:

@@ -1,5 +1,5 @@
 """Config parsing that needs no config class (flame_llm/config.py imports it; its names stay importable from
-there): the gemm_epilogues spec, a model directory's config.json, its revision name, --engine-json's object."""
+there): a model directory's config.json, its revision name, --engine-json's object."""
 from __future__ import annotations
 
 import json
@@ -7,27 +7,8 @@ import os
 
 from transformers import AutoConfig, PretrainedConfig
 
-from flame_llm.validate import check_str
-
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 ENGINE_FIELD = {"where": "engine field"}  # "engine field 'max_num_seqs' must be ...": LLM(...), --engine-json, YAML
-# RunnerConfig.gemm_epilogues: op -> the GEMMs that can carry it in their epilogue (kernels/gemm_epilogue.py)
-GEMM_EPILOGUE_IMPLS = {"swiglu": ("triton", "quack"), "residual": ("cublas", "triton", "quack")}
-
-
-def parse_gemm_epilogues(spec: str) -> dict[str, str]:
-    """{op: impl} of a comma-separated OP=IMPL spec; ValueError names the field, the part and what is allowed."""
-    check_str("gemm_epilogues", spec, empty=True, **ENGINE_FIELD)
-    out: dict[str, str] = {}
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        op, _, impl = part.partition("=")
-        if impl not in GEMM_EPILOGUE_IMPLS.get(op, ()) or op in out:
-            known = "; ".join(f"{o}=" + "|".join(i) for o, i in GEMM_EPILOGUE_IMPLS.items())
-            raise ValueError(f"engine field 'gemm_epilogues': {part!r} is not one of {known} (each op once)")
-        out[op] = impl
-    return out
 
 
 def load_hf_config(model: str) -> PretrainedConfig:

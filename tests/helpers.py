@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from flame_llm.config import Config
+from flame_llm.config import SCHEDULER_FEATURES_OFF, Config
 from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.scheduler import Scheduler
@@ -153,9 +153,11 @@ def expected_outputs(workload, max_model_len: int) -> list[list[int]]:
 
 
 def make_scheduler(model: str, num_blocks: int = 24, cls: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
-    # the recorded schedules predate same-step prefix sharing: tests that want it say so
+    # the recorded schedules predate the scheduler features and same-step prefix sharing (the engine's defaults
+    # turn them on): tests that want one say so
     kwargs = dict(block_size=BS, max_num_seqs=6, max_num_batched_tokens=128, max_model_len=128,
-                  num_kvcache_blocks=num_blocks, eos_token_ids=(EOS,), enable_same_step_prefix_sharing=False) | kwargs
+                  num_kvcache_blocks=num_blocks, eos_token_ids=(EOS,), enable_same_step_prefix_sharing=False,
+                  **SCHEDULER_FEATURES_OFF) | kwargs
     cfg = Config.from_kwargs(model, **kwargs)
     cc = cfg.cache_config
     return cls(cfg, BlockManager(num_blocks, BS, cc.enable_prefix_caching, cc.enable_lru))

@@ -53,11 +53,10 @@ def test_system_labels():
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
-                                         "flame-noprune, flame-split, flame-noearly, flame-ropestore, flame-shared, "
-                                         "flame-lt, flame-raystream, flame-noresume, flame-noreroute, engine, "
-                                         "engine-nomix, engine-mix2k, engine-noprune, engine-split, engine-noearly, "
-                                         "engine-ropestore, engine-shared, engine-lt, vllm, vllm-seed, flame-fp8, "
-                                         "engine-fp8, vllm-fp8, flame-fp8kv, engine-fp8kv"):
+                                         "flame-noprune, flame-noearly, flame-raystream, flame-noresume, "
+                                         "flame-noreroute, engine, engine-nomix, engine-mix2k, engine-noprune, "
+                                         "engine-noearly, vllm, vllm-seed, flame-fp8, engine-fp8, vllm-fp8, "
+                                         "flame-fp8kv, engine-fp8kv"):
         parse_system("sglang")
     batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
     assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
@@ -76,20 +75,13 @@ def test_system_labels():
     prune = parse_system("engine-noprune")
     assert (prune.kind, prune.engine) == ("engine", {"prune_last_layer": False})
     assert parse_system("flame-noprune").engine == {"prune_last_layer": False}
-    # issue 19's gate/up row split (off by default): the label turns it on at the 8,192-token step's half
-    split = parse_system("engine-split")
-    assert (split.kind, split.engine) == ("engine", {"mlp_row_split_tokens": 4096})
-    assert parse_system("flame-split-rr").engine == {"mlp_row_split_tokens": 4096}
     # the early hand-out before a long eager step's launch (on by default): the label turns it off
     late = parse_system("flame-noearly")
     assert (late.kind, late.engine, late.client) == ("flame", {"emit_before_long_launch": 0}, {})
     assert parse_system("engine-noearly").engine == {"emit_before_long_launch": 0}
     from flame_llm.config import EngineConfig
-    assert parse_system("flame-ropestore").engine == {"fused_rope_store": True}
     # a label's fields are real, valid engine fields
-    assert parse_system("flame-shared").engine == {"shared_prefix_decode": True}
-    assert parse_system("engine-lt").engine == parse_system("flame-lt").engine == {"gemm_lt_min_tokens": 1024}
-    for label in ("engine-split", "engine-noearly", "engine-mix2k", "engine-ropestore", "engine-shared", "engine-lt"):
+    for label in ("engine-nomix", "engine-mix2k", "engine-noprune", "engine-noearly"):
         EngineConfig.from_kwargs(**parse_system(label).engine)
 
 
@@ -356,47 +348,3 @@ def test_host_step_times_only_full_decode_steps(tiny_llama, tmp_path):
         assert set(r["median_us"]) == {"schedule", "prepare", "postprocess"}
         assert all(v > 0 for v in r["median_us"].values()) and r["total_us"] == sum(r["median_us"].values())
     assert json.load(open(tmp_path / "h.json"))["rows"] == rows
-
-
-def test_gemm_probe_times_every_variant_of_the_same_product_on_cpu(tmp_path):
-    """bench.gemm_probe's code path on CPU (no figure): every variant of every shape is timed in each round and
-    computes the product F.linear computes (split chunks written into one output)."""
-    import json
-
-    import torch
-
-    from bench import gemm_probe
-
-    out = tmp_path / "gemm.json"
-    assert gemm_probe.main(["--device", "cpu", "--tokens", "8,16", "--shapes", "o,down", "--calls", "1",
-                            "--rounds", "2", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["shape"], r["m"]) for r in rows] == [("o", 8), ("o", 16), ("down", 8), ("down", 16)]
-    for r in rows:
-        assert set(r["tflops"]) == set(gemm_probe.VARIANTS) and r["vs_cublas"]["cublas"] == 1.0
-        assert all(len(s) == 2 * 2 for s in r["seconds"].values())  # 2 rounds, each variant twice (A-B-B-A)
-        assert max(r["rel_err_vs_cublas"].values()) < 1e-5
-    x, w = torch.randn(12, 8), torch.randn(6, 8)
-    assert torch.allclose(gemm_probe.linear_split(x, w, 4, torch.empty(12, 6)), x @ w.T, atol=1e-6)
-    with pytest.raises(SystemExit):
-        gemm_probe.main(["--device", "cpu", "--shapes", "lm_head"])
-    with pytest.raises(SystemExit):  # cuBLASLt's candidates need a CUDA device
-        gemm_probe.main(["--device", "cpu", "--lt-algos", "4"])
-
-
-def test_gemm_probe_table_shows_cublaslts_first_pick_and_its_fastest_valid_candidate():
-    """--lt-algos rows (made here: the candidates need a GPU): the fastest candidate whose output is within 1e-2 of
-    cuBLAS's is shown with its config; a wrong one is neither the fastest nor in the max difference."""
-    from bench import gemm_probe
-    from flame_llm.kernels import cublaslt
-
-    assert cublaslt.ctypes.sizeof(cublaslt.Algo) == 64 and cublaslt.ctypes.sizeof(cublaslt.Heuristic) == 96
-    tflops = {"cublas": 700.0, "cublaslt": 700.0, "split2": 690.0, "split4": 680.0, "lt0": 700.0, "lt1": 721.0}
-    err = {v: 1e-3 for v in tflops} | {"lt2": 0.5}
-    row = {"shape": "gate_up", "m": 8192, "tflops": tflops | {"lt2": 800.0},
-           "vs_cublas": {v: t / 700.0 for v, t in (tflops | {"lt2": 800.0}).items()}, "rel_err_vs_cublas": err,
-           "lt": {"offered": 3, "failed": {}, "best": "lt1",
-                  "configs": {"lt1": {"tile": 24, "stages": 19, "splitk": 1}}}}
-    text = gemm_probe.table([row])
-    assert "| lt0 | fastest candidate |" in text and "lt1 721.0 (1.030)" in text and "24/19/1" in text
-    assert text.rstrip().endswith("| 1.0e-03 |")

@@ -23,7 +23,7 @@ def test_one_default_namespace():
 def test_shipped_configs_load():
     svc = load_service_config(os.path.join(REPO, "configs", "service.yaml"))
     assert svc.engine.model_config.load_format == "dummy" and svc.engine.model_config.max_model_len == 32768
-    assert svc.engine_kwargs() == {"load_format": "dummy", "max_model_len": 32768, "enable_chunked_prefill": True}
+    assert svc.engine_kwargs() == {"load_format": "dummy", "max_model_len": 32768}  # chunked prefill: the default
     assert svc.placement.num_shards == "auto"
     demo = load_service_config(os.path.join(REPO, "configs", "demo.yaml"))
     assert demo.model == "tiny" and demo.placement.num_shards == 2

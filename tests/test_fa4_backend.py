@@ -16,7 +16,7 @@ from helpers import CASES_ATTENTION, make_case, reference  # noqa: E402
 
 from flame_llm.engine.selector import resolve_backend  # noqa: E402
 from flame_llm.kernels import fa4_backend  # noqa: E402
-from flame_llm.kernels.torch_attention import dense_causal_attention, paged_attention  # noqa: E402
+from flame_llm.kernels.torch_attention import paged_attention  # noqa: E402
 
 
 class FakeFa4VarlenFunc:
@@ -27,12 +27,7 @@ class FakeFa4VarlenFunc:
         self.compile_cache: dict = {}
 
     def __call__(self, q, k, v, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
-                 page_table=None, softmax_scale=None, causal=False, cu_seqlens_k=None, **kw):
-        if page_table is None:  # the dense varlen kernel on fresh k/v
-            assert causal and seqused_k is None and cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q
-            self.calls.append(dict(dense=True, max_seqlen_q=max_seqlen_q, batch=len(cu_seqlens_q) - 1))
-            self.compile_cache[("dense", max_seqlen_q > 32)] = True
-            return dense_causal_attention(q, k, v, cu_seqlens_q, softmax_scale), None
+                 page_table=None, softmax_scale=None, causal=False, **kw):
         assert causal and page_table.dtype == torch.int32 and seqused_k.dtype == torch.int32
         assert (page_table >= 0).all(), "page tables are padded with a real block, never -1"
         self.calls.append(dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, batch=len(seqused_k)))
@@ -66,71 +61,6 @@ def test_fa4_forward_plumbing(fake_fa4, name):
     else:
         assert fake_fa4.calls == [dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                                        batch=len(case["seq_lens"]))]
-
-
-def test_fresh_steps_take_the_dense_kernel_with_fresh_prefill_backend_fa4(fake_fa4):
-    case = CASES_ATTENTION["fresh_ragged_gqa4_d64_bs16"] | dict(device="cpu", pad_rows=0)
-    (q, k, v, k_cache, v_cache), meta = make_case(**case)
-    assert meta.fresh_only
-    meta.block_tables = meta.block_tables.clamp(min=0)
-    scale = case["head_dim"] ** -0.5
-    k_ref, v_ref, ref = reference(q, k, v, k_cache, v_cache, meta, len(case["seq_lens"]), scale)
-    out = fa4_backend.fa4_attention_forward(q, k, v, k_cache, v_cache, meta, scale, fresh_prefill_backend="fa4")
-    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)  # still stored for later steps
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert fake_fa4.calls == [dict(dense=True, max_seqlen_q=meta.max_seqlen_q, batch=len(case["seq_lens"]))]
-    # a step with cached keys stays on the paged kernel
-    case = CASES_ATTENTION["prefix_chunks_gqa1_d128_bs32"] | dict(device="cpu", pad_rows=0)
-    (q, k, v, k_cache, v_cache), meta = make_case(**case)
-    meta.block_tables = meta.block_tables.clamp(min=0)
-    fa4_backend.fa4_attention_forward(q, k, v, k_cache, v_cache, meta, 0.1, fresh_prefill_backend="fa4")
-    assert "dense" not in fake_fa4.calls[-1]
-
-
-@pytest.mark.parametrize("fresh", ["sdpa", "cudnn", "flash", "efficient", "varlen", "triton"])
-def test_fa4_backend_keeps_fresh_steps_on_the_paged_kernel_unless_fresh_prefill_backend_is_fa4(fake_fa4, fresh):
-    """Only "fa4" is this backend's choice: the triton backend's fresh_prefill_backend values (sdpa, ...) leave a
-    fa4 engine's fresh-only steps on FA4's paged kernel, as before the field existed."""
-    from flame_llm.layers.attention import Attention
-
-    case = CASES_ATTENTION["fresh_ragged_gqa4_d64_bs16"] | dict(device="cpu", pad_rows=0)
-    (q, k, v, k_cache, v_cache), meta = make_case(**case)
-    assert meta.fresh_only
-    meta.block_tables = meta.block_tables.clamp(min=0)
-    scale = case["head_dim"] ** -0.5
-    _, _, ref = reference(q, k, v, k_cache, v_cache, meta, len(case["seq_lens"]), scale)
-    layer = Attention(case["num_heads"], case["num_kv_heads"], case["head_dim"], scale)
-    layer.set_backend("fa4", fresh)
-    out = layer._fn(q, k, v, k_cache, v_cache, meta, scale)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert fake_fa4.calls == [dict(max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                                   batch=len(case["seq_lens"]))], "the paged kernel, not torch's dense attention"
-
-
-def test_warmup_compiles_the_dense_variants_when_they_are_used(fake_fa4):
-    cache = torch.zeros(64, 16, 2, 16)
-    fa4_backend.warmup(cache, cache, 4, 0.25, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
-                       dense_fresh=True)
-    assert {("dense", False), ("dense", True)} <= set(fake_fa4.compile_cache)
-
-
-@pytest.mark.parametrize("fresh", ["fa4", "sdpa"])
-def test_runner_warmup_compiles_dense_variants_from_its_own_config(fake_fa4, fresh):
-    """The runner passes its fresh_prefill_backend to the warmup (no process-global flag that another engine in
-    the process, or an earlier one, set)."""
-    from types import SimpleNamespace
-
-    from flame_llm.config import RunnerConfig, SchedulerConfig
-    from flame_llm.engine.warmup import warmup_fa4
-
-    cache = torch.zeros(64, 16, 2, 16)
-    layer = SimpleNamespace(k_cache=cache, v_cache=cache, num_heads=4, scale=0.25)
-    config = SimpleNamespace(scheduler_config=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=4),
-                             runner_config=RunnerConfig(fresh_prefill_backend=fresh),
-                             model_config=SimpleNamespace(max_model_len=512))
-    warmup_fa4(config, layer)
-    dense = {key for key in fake_fa4.compile_cache if key[0] == "dense"}
-    assert dense == ({("dense", False), ("dense", True)} if fresh == "fa4" else set())
 
 
 def test_mixed_step_sends_leading_decode_rows_to_triton_and_the_rest_to_fa4(fake_fa4):
@@ -205,29 +135,6 @@ def test_backend_choice_and_errors():
         resolve_backend("flash_attn", cpu, 16, torch.bfloat16, 128)
     assert "dtype" in fa4_backend.fa4_unavailable_reason(torch.device("cuda"), torch.float32, 128) \
         if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) else True
-
-
-def test_triton_backend_with_fresh_prefill_fa4_is_refused_where_fa4_cannot_run(tiny_llama):
-    """Checked when the engine starts, naming the field: it used to start and then fail the first fresh prefill
-    inside engine.step() ('ModuleNotFoundError' object is not callable)."""
-    from flame_llm import LLM
-
-    cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="fresh_prefill_backend 'fa4' .*cannot run here: device is cpu"):
-        resolve_backend("triton", cpu, 16, torch.float32, 64, fresh_prefill_backend="fa4")
-    assert resolve_backend("triton", cpu, 16, torch.float32, 64, fresh_prefill_backend="sdpa") == "triton"
-    assert resolve_backend("torch", cpu, 16, torch.float32, 64, fresh_prefill_backend="fa4") == "torch"
-    with pytest.raises(ValueError, match="fresh_prefill_backend 'fa4'"):
-        LLM(tiny_llama, block_size=16, num_kvcache_blocks=16, device="cpu", attention_backend="triton",
-            fresh_prefill_backend="fa4")
-
-
-def test_warmup_dense_compiles_only_the_dense_variants(fake_fa4):
-    cache = torch.zeros(64, 16, 2, 16)
-    n = fa4_backend.warmup_dense(cache, 4, 0.25, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
-    assert set(fake_fa4.compile_cache) == {("dense", False), ("dense", True)} and n == 2
-    assert all(c.get("dense") for c in fake_fa4.calls)
-    assert fa4_backend.jit_compiles() == 0
 
 
 def test_engine_reports_backend_and_jit_compiles(tiny_llama):

@@ -97,19 +97,3 @@ def test_async_scheduling_is_token_identical_to_sync_on_gpu(tiny_llama, backend,
         assert llm.engine.async_scheduling is mode and llm.engine.model_runner.use_graphs
         runs.append([o.output_token_ids for o in llm.generate(prompts() * 3, sp, use_tqdm=False)])
     assert runs[0] == runs[1]
-
-
-@pytest.mark.parametrize("backend", ["triton", "fa4"])
-def test_fused_rope_store_is_token_identical(tiny_llama, backend):
-    """fused_rope_store (RoPE and the K/V store in one launch): bf16, CUDA graphs for decode and mixed steps, eager
-    long steps, prefix hits on the second pass: the same tokens as the separate RoPE and store kernels."""
-    if backend == "fa4":
-        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
-        why = fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, 16)
-        if why:
-            pytest.skip(f"flash-attn-4: {why}")
-    runs = {}
-    for fused in (False, True):
-        runs[fused] = _generate(tiny_llama, "bfloat16", attention_backend=backend, enable_chunked_prefill=True,
-                                max_num_batched_tokens=512, fused_rope_store=fused)
-    assert runs[True] == runs[False]

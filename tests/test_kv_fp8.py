@@ -99,7 +99,5 @@ def test_fa4_and_flash_attn_refuse_fp8_kv_and_auto_picks_ours():
     for name in ("fa4", "flash_attn"):
         with pytest.raises(ValueError, match="kv_cache_dtype.*fp8.*got '" + name):
             resolve_backend(name, cpu, 128, torch.bfloat16, 128, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype.*fresh_prefill_backend 'fa4'"):
-        resolve_backend("triton", cpu, 16, torch.float32, 64, fresh_prefill_backend="fa4", kv_cache_dtype="fp8")
     assert resolve_backend("auto", cpu, 16, torch.float32, 64, kv_cache_dtype="fp8") == "torch"
     assert resolve_backend("triton", cpu, 16, torch.float32, 64, kv_cache_dtype="fp8") == "triton"

@@ -84,7 +84,7 @@ def test_dummy_weights_from_config_alone(tiny_llama, tmp_path):
 @pytest.mark.parametrize("field,value,match", [
     ("block_size", 24, "block_size"), ("dtype", "int8", "dtype"), ("load_format", "gguf", "load_format"),
     ("attention_backend", "xformers", "attention_backend"),
-    ("fresh_prefill_backend", "fa3", "fresh_prefill_backend"), ("max_num_seqs", 0, "max_num_seqs"),
+    ("max_num_seqs", 0, "max_num_seqs"),
     ("max_num_batched_tokens", 100, "max_num_batched_tokens"), ("gpu_memory_utilization", 1.5,
                                                                 "gpu_memory_utilization"),
     ("max_num_seqs", True, "max_num_seqs"), ("num_kvcache_blocks", 0, "num_kvcache_blocks"),
@@ -92,8 +92,14 @@ def test_dummy_weights_from_config_alone(tiny_llama, tmp_path):
     ("nonsense", 1, r"unknown config field\(s\) \['nonsense'\]; known: .*max_num_seqs"),
 ])
 def test_bad_config_fields(tiny_llama, field, value, match):
+    # chunked prefill off: a step budget below max_model_len is then refused (it is accepted with the default, on)
     with pytest.raises(ValueError, match=match):
-        Config.from_kwargs(tiny_llama, max_model_len=512, **{field: value})
+        Config.from_kwargs(tiny_llama, max_model_len=512, enable_chunked_prefill=False, **{field: value})
+
+
+def test_a_step_budget_below_max_model_len_needs_chunked_prefill_which_is_the_default(tiny_llama):
+    cfg = Config.from_kwargs(tiny_llama, max_model_len=512, max_num_batched_tokens=100)
+    assert cfg.scheduler_config.enable_chunked_prefill and cfg.scheduler_config.max_num_batched_tokens == 100
 
 
 def test_config_groups_and_flat_names_round_trip(tiny_llama):

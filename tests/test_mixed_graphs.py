@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 from helpers import make_prompts  # noqa: E402
 
 from flame_llm import LLM, SamplingParams  # noqa: E402
-from flame_llm.config import Config  # noqa: E402
+from flame_llm.config import SCHEDULER_FEATURES_OFF, Config  # noqa: E402
 from flame_llm.engine.mixed_graphs import token_buckets  # noqa: E402
 from flame_llm.kernels.triton_attention import mixed_launch, reachable_configs, split_choices  # noqa: E402
 
@@ -22,9 +22,11 @@ SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def _engine(model: str, mixed: int, **kw) -> LLM:
     # fp32 + our Triton kernel on both sides, so only the step path differs; a small token budget makes the
-    # prompts' chunks share steps with decodes (mixed steps), some above the graphs' bucket, some below
-    base = dict(block_size=16, num_kvcache_blocks=128, dtype="float32", attention_backend="triton",
-                enable_chunked_prefill=True, max_num_batched_tokens=96, max_num_seqs=8, max_model_len=256)
+    # prompts' chunks share steps with decodes (mixed steps), some above the graphs' bucket, some below. FIFO
+    # admission (the other scheduler features off): the steps _prompts() was laid out for
+    base = dict(SCHEDULER_FEATURES_OFF, block_size=16, num_kvcache_blocks=128, dtype="float32",
+                attention_backend="triton", enable_chunked_prefill=True, max_num_batched_tokens=96, max_num_seqs=8,
+                max_model_len=256)
     return LLM(model, cuda_graph_mixed_tokens=mixed, **{**base, **kw})
 
 
@@ -35,23 +37,24 @@ def _prompts() -> list[list[int]]:
     return [list(range(100, 200))] + make_prompts()[:3] + [shared + [7, 8, 9], shared + [11, 12]]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_padded_mixed_steps_give_the_same_tokens(tiny_llama, async_scheduling):
+def test_padded_mixed_steps_give_the_same_tokens(tiny_llama):
     """Greedy tokens with mixed steps padded into 16..64-token buckets equal the unpadded engine's, prefix hits and
-    asynchronous scheduling's pending rows included; the padded path ran."""
+    asynchronous scheduling's pending rows included; the padded path ran. One unpadded reference (synchronous:
+    asynchronous scheduling does not change greedy tokens) for both schedules of the padded engine."""
     prompts = _prompts()
-    kw = dict(async_scheduling=async_scheduling)
-    ref = _engine(tiny_llama, 0, **kw)
+    ref = _engine(tiny_llama, 0, async_scheduling=False)
     assert ref.engine.model_runner.mixed is None  # off: the runner's step path is the one it had before
     want = [o.output_token_ids for o in ref.generate(prompts, SP, use_tqdm=False)]
     again = [o.output_token_ids for o in ref.generate(prompts, SP, use_tqdm=False)]  # now with cached prefixes
-    llm = _engine(tiny_llama, 64, **kw)
-    mixed = llm.engine.model_runner.mixed
-    assert mixed is not None and mixed.buckets == [16, 32, 64]
-    got = [o.output_token_ids for o in llm.generate(prompts, SP, use_tqdm=False)]
-    got_again = [o.output_token_ids for o in llm.generate(prompts, SP, use_tqdm=False)]
-    assert got == want and got_again == again
-    assert mixed.replays > 0
+    for async_scheduling in (False, True):
+        llm = _engine(tiny_llama, 64, async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling is async_scheduling
+        mixed = llm.engine.model_runner.mixed
+        assert mixed is not None and mixed.buckets == [16, 32, 64]
+        got = [o.output_token_ids for o in llm.generate(prompts, SP, use_tqdm=False)]
+        got_again = [o.output_token_ids for o in llm.generate(prompts, SP, use_tqdm=False)]
+        assert got == want and got_again == again, f"async_scheduling={async_scheduling}"
+        assert mixed.replays > 0
 
 
 def test_qwen3_padded_mixed_steps(tiny_qwen3):

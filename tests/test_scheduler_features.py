@@ -16,6 +16,7 @@ from helpers import (
 )
 
 from flame_llm import LLM
+from flame_llm.config import SCHEDULER_FEATURES_OFF
 from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.outputs import SchedulerOutput, SpeculativeOutput
 from flame_llm.engine.scheduler import Scheduler
@@ -313,7 +314,10 @@ def test_cache_aware_aging_bounds_how_often_a_request_is_passed_over(tiny_llama,
     assert worst[1000] > 2  # without aging the same workload passes some request more often
 
 
+# each case names every feature it turns on; the others are off (SCHEDULER_FEATURES_OFF: the engine's defaults
+# turn chunked prefill, LRU and cache-aware admission on, and tests/test_engine.py checks those defaults)
 FEATURE_CASES = {
+    "off": ("llama", dict(max_num_batched_tokens=256)),
     "chunked": ("llama", dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8)),
     "chunked-qwen3": ("qwen3", dict(enable_chunked_prefill=True, max_num_batched_tokens=40, max_num_seqs=8)),
     "chunked-preempt": ("llama", dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8,
@@ -331,7 +335,8 @@ FEATURE_CASES = {
 @pytest.mark.parametrize("name", list(FEATURE_CASES))
 def test_greedy_matches_transformers_with_features_on(name, reference, tiny_llama, tiny_qwen3):  # noqa: F811
     arch, case = FEATURE_CASES[name]
-    llm = LLM(tiny_llama if arch == "llama" else tiny_qwen3, block_size=16, max_model_len=256, **case)
+    llm = LLM(tiny_llama if arch == "llama" else tiny_qwen3, block_size=16, max_model_len=256,
+              **{**SCHEDULER_FEATURES_OFF, **case})
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = make_prompts()
     for _ in range(2):  # the second pass starts from prefix-cache hits
@@ -343,6 +348,8 @@ def test_greedy_matches_transformers_with_features_on(name, reference, tiny_llam
         assert stats["num_preemptions"] > 0
     if case.get("enable_chunked_prefill"):
         assert stats["num_mixed_steps"] > 0
+    else:
+        assert stats["num_mixed_steps"] == 0
     if case.get("enable_lru"):
         assert stats["evictions"] > 0
 

@@ -16,15 +16,14 @@ from flame_llm.kernels.torch_attention import paged_attention, store_kvcache  # 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 GPU variant needs CUDA")
 
 
-def run_and_check(case_kwargs, *, config=None, num_splits=None, fresh_prefill_backend="triton", tol=2e-4):
+def run_and_check(case_kwargs, *, config=None, num_splits=None, tol=2e-4):
     (q, k, v, k_cache, v_cache), meta = make_case(**case_kwargs)
     num_real = len(case_kwargs["seq_lens"])
     scale = case_kwargs["head_dim"] ** -0.5
     k_ref, v_ref, ref = reference(q, k, v, k_cache, v_cache, meta, num_real, scale)
     n = ref.shape[0]
     if config is None and num_splits is None:
-        out = ta.triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale,
-                                          fresh_prefill_backend=fresh_prefill_backend)
+        out = ta.triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale)
     else:
         ta.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.full_like(q, POISON)
@@ -34,7 +33,7 @@ def run_and_check(case_kwargs, *, config=None, num_splits=None, fresh_prefill_ba
     torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
     err = ((out[:n].float() - ref).norm() / ref.norm()).item()
     assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
-    if n < q.shape[0] and fresh_prefill_backend == "triton":
+    if n < q.shape[0]:
         assert torch.isfinite(out[n:]).all(), "padded decode rows (seq_len 0) must not produce NaN"
     return out
 
@@ -77,23 +76,10 @@ def test_half_precision(name):
     run_and_check(CASES[name] | dict(dtype=torch.float16), tol=1e-2)
 
 
-def test_dense_fresh_path_on_torch():
-    run_and_check(CASES["fresh_ragged_gqa4_d64_bs16"], fresh_prefill_backend="sdpa", tol=1e-4)
-
-
-def test_dense_path_not_used_with_cached_prefix(monkeypatch):
-    def boom(*args, **kwargs):
-        raise AssertionError("dense path must only serve fresh-only steps")
-    monkeypatch.setattr(ta, "dense_prefill", boom)
-    run_and_check(CASES["prefix_gqa8_d64_bs64"], fresh_prefill_backend="sdpa")
-
-
 def test_user_errors_name_the_field():
     (q, k, v, k_cache, v_cache), meta = make_case(**CASES["tiny_d16_bs128"])
     with pytest.raises(ValueError, match="num_heads"):
         ta.paged_attention_triton(q[:, :3], k_cache, v_cache, meta, 0.25)
-    with pytest.raises(ValueError, match="fresh_prefill_backend"):
-        ta.triton_attention_forward(q, k, v, k_cache, v_cache, meta, 0.25, fresh_prefill_backend="fa9")
 
 
 @pytest.mark.gpu
@@ -158,23 +144,6 @@ def test_flash_backend_imports_without_flash_attn():
         assert not flash_backend.FLASH_ATTN_AVAILABLE
         with pytest.raises(RuntimeError, match="flash_attn"):
             flash_backend.flash_attention_forward(*[None] * 5, None, 1.0)
-
-
-def test_engine_fresh_prefill_backend_flag_keeps_outputs(tiny_llama):
-    """Config.fresh_prefill_backend reaches the kernel: the torch dense path for fresh-only steps and
-    our kernel give the same greedy tokens (float32)."""
-    from flame_llm import LLM, SamplingParams
-
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = {}
-    for fresh in ("triton", "sdpa"):
-        llm = LLM(tiny_llama, attention_backend="triton", fresh_prefill_backend=fresh, block_size=16,
-                  num_kvcache_blocks=64, max_model_len=256, max_num_batched_tokens=256)
-        outs[fresh] = [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    ref = LLM(tiny_llama, block_size=16, max_model_len=256, max_num_batched_tokens=256).generate(
-        prompts, sp, use_tqdm=False)
-    assert outs["triton"] == outs["sdpa"] == [o.output_token_ids for o in ref]
 
 
 @pytest.mark.parametrize("gather_bytes", [64 << 20, 100 * 2 * 32 * 4])  # small: the batch splits into groups
@@ -274,17 +243,33 @@ def test_step_varying_arguments_are_not_specialised():
         "['stride_psplit']", "['pos_ptr']"]
 
 
-def test_warmup_all_variants_runs_every_config_and_split():
+def test_warmup_all_variants_runs_every_config_and_split(monkeypatch):
+    """decode_only, GQA group 4: one launch per (decode tile config, split count), each pair once. On a GPU they
+    run; on CPU they are recorded and not run (the interpreter ran 254 programs here, ~27 s): the test below runs
+    every config under the interpreter, the decode tiles among them."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cache = torch.randn(4, 16, 2, 16, device=dev)
+    real, launched = ta.paged_attention_triton, []
+
+    def record(q, k_cache, v_cache, meta, scale, config=None, num_splits=None, out=None):
+        launched.append((config, num_splits))
+        assert q.shape[1:] == (8, 16) and meta.seq_lens.tolist() == [q.shape[0]]
+        return real(q, k_cache, v_cache, meta, scale, config=config, num_splits=num_splits) if dev == "cuda" else q
+    monkeypatch.setattr(ta, "paged_attention_triton", record)
     n = ta.warmup_all_variants(cache, cache, 8, 0.25, decode_only=True)
-    assert n == len(ta.reachable_configs(4, decode_only=True)) * len(ta.split_choices())
+    fp32 = dict(block_n=32, num_stages=1)  # as paged_attention_triton adjusts a picked config for fp32
+    want = [(c._replace(**fp32), s) for c in ta.reachable_configs(4, decode_only=True) for s in ta.split_choices()]
+    assert sorted(launched) == sorted(want) and n == len(want)
 
 
-def test_warmup_all_variants_covers_prefill_tiles_wider_than_a_block():
+def test_warmup_all_variants_covers_prefill_tiles_wider_than_a_block(monkeypatch):
     """Prefill tiles hold up to 128 keys: with 16-token blocks the warmup's block table must span them (a
-    one-column table was read past its end: a segfault under the interpreter, a bad read on a GPU)."""
+    one-column table was read past its end: a segfault under the interpreter, a bad read on a GPU). Every tile
+    config runs; on CPU with split counts 1 and 4 only (the table's width does not depend on the split, and all
+    seven counts cost the interpreter ~127 programs per config: the test above checks each is launched)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        monkeypatch.setattr(ta, "split_choices", lambda: [1, 4])
     cache = torch.randn(8, 16, 1, 16, device=dev)  # one head: the interpreter runs a grid 8x smaller
     n = ta.warmup_all_variants(cache, cache, 1, 0.25)
     assert n == len(ta.reachable_configs(1)) * len(ta.split_choices())

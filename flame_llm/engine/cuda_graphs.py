@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from flame_llm.engine.step_inputs import Staging, StepInputs
-from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix, set_context
+from flame_llm.kernels.metadata import AttentionMetadata, set_context
 
 BUCKETS = (1, 2, 4, 8)  # then every multiple of 16 up to max_num_seqs
 
@@ -28,10 +28,8 @@ def capture_graph(fn: Callable[..., torch.Tensor], *args, pool=None) -> tuple[to
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 device: torch.device, kv_stored: bool = False, shared_block_size: int = 0) -> None:
+                 device: torch.device) -> None:
         self.model = model
-        self.kv_stored = kv_stored  # RunnerConfig.fused_rope_store: the graphs' RoPE kernels store the K/V
-        self.shared_block_size = shared_block_size  # RunnerConfig.shared_prefix_decode: segments per replay
         self.max_bs = max_bs = min(max_num_seqs, 512)
         self.buckets = sorted({b for b in BUCKETS + tuple(range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         self.width = max_blocks_per_seq
@@ -42,9 +40,6 @@ class DecodeGraphs:
         self.g_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
-        if shared_block_size:
-            from flame_llm.kernels.shared_prefix import SEG_WIDTH, graph_capacity
-            self.g_segs = torch.zeros(graph_capacity(max_bs), SEG_WIDTH, dtype=torch.int32, device=device)
 
     @property
     def g_ids(self) -> torch.Tensor:
@@ -63,11 +58,7 @@ class DecodeGraphs:
         pool = None
         for b in reversed(self.buckets):
             meta = AttentionMetadata(self.g_cu_q[: b + 1], self.g_i32[:b], self.g_tables[:b], g_slots[:b], 1,
-                                     self.max_model_len, is_decode=True, kv_stored=self.kv_stored)
-            if self.shared_block_size:  # key splits fixed at capture, for a quarter of the rows in groups
-                from flame_llm.kernels.shared_prefix import graph_capacity
-                self.g_segs[:, 4:].fill_(-1)  # padding segments until a replay fills them
-                meta.shared = SharedPrefix(self.g_segs[: graph_capacity(b)], max(1, b // 4), self.max_model_len)
+                                     self.max_model_len, is_decode=True)
             set_context(meta)
             g_slots.fill_(-1)
             self.graphs[b], self.out[b] = capture_graph(self._logits, b, pool=pool)
@@ -91,12 +82,7 @@ class DecodeGraphs:
         tables = np.zeros((b, self.width), dtype=np.int32)
         tables[:n, : x.block_tables.shape[1]] = x.block_tables
         arrays = {"i64": h64, "lens": lens, "tables": tables, "rows": x.pending_rows, "src": x.pending_src}
-        if self.shared_block_size:  # every row of the bucket gets an own segment: padded rows come out 0
-            from flame_llm.kernels.shared_prefix import graph_capacity, plan_segments
-            arrays["segs"] = plan_segments(tables, lens, self.shared_block_size, graph_capacity(b))[0]
         t = staging.put(arrays)
-        if self.shared_block_size:
-            self.g_segs[: len(arrays["segs"])].copy_(t["segs"])
         self.g_i64.view(3, self.max_bs)[:, :b].copy_(t["i64"])
         self.g_i32[:b].copy_(t["lens"])
         self.g_tables[:b].copy_(t["tables"])

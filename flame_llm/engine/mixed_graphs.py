@@ -19,7 +19,7 @@ import torch
 from flame_llm.config import MIXED_GRAPH_TOKENS, Config
 from flame_llm.engine.cuda_graphs import capture_graph
 from flame_llm.engine.step_inputs import Staging, StepInputs
-from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix, set_context
+from flame_llm.kernels.metadata import AttentionMetadata, set_context
 
 SMALL_BUCKETS = (16, 32, 64, 128, 256, 512)
 # past 512 tokens a step's GEMMs are compute-bound: padded to the next power of two it could run up to twice its
@@ -37,7 +37,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 def build_mixed_graphs(model: torch.nn.Module, config: Config, backend: str, use_graphs: bool,
                        max_blocks_per_seq: int, layer: torch.nn.Module, device: torch.device,
-                       pool=None, kv_stored: bool = False, shared_block_size: int = 0) -> MixedGraphs | None:
+                       pool=None) -> MixedGraphs | None:
     """The runner's mixed-step graphs (captured in `pool` when use_graphs), or None where Config leaves them off:
     cuda_graph_mixed_tokens 0, the torch backend (no Triton kernel), enforce_eager; None means MIXED_GRAPH_TOKENS
     where decode steps replay graphs."""
@@ -49,15 +49,14 @@ def build_mixed_graphs(model: torch.nn.Module, config: Config, backend: str, use
         return None
     graphs = MixedGraphs(model, min(tokens, sc.max_num_batched_tokens), sc.max_num_seqs, max_blocks_per_seq,
                          config.model_config.max_model_len, layer.num_heads // layer.num_kv_heads, device,
-                         capture=use_graphs, kv_stored=kv_stored, shared_block_size=shared_block_size)
+                         capture=use_graphs)
     graphs.capture(pool)
     return graphs
 
 
 class MixedGraphs:
     def __init__(self, model: torch.nn.Module, max_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_model_len: int, group: int, device: torch.device, capture: bool = True,
-                 kv_stored: bool = False, shared_block_size: int = 0) -> None:
+                 max_model_len: int, group: int, device: torch.device, capture: bool = True) -> None:
         from flame_llm.kernels.triton_attention import mixed_launch  # imports Triton: only where graphs are made
 
         self.model = model
@@ -68,7 +67,6 @@ class MixedGraphs:
         self.width = max_blocks_per_seq
         self.max_model_len = max_model_len
         self.use_graphs = capture
-        self.kv_stored = kv_stored  # RunnerConfig.fused_rope_store: the RoPE kernels store the K/V
         tmax, bmax = max_tokens, self.seats[max_tokens]
         # static inputs, kept on self (a graph holds raw pointers): int64 ids | positions | slots, sampling rows;
         # int32 cu_seqlens_q | seq_lens | block tables
@@ -80,28 +78,14 @@ class MixedGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
         self.replays = 0
-        # RunnerConfig.shared_prefix_decode: the leading decode rows' segments (one per token row: the others come
-        # out 0 and are attended after, by a copy of cu_seqlens_q whose decode segments are empty)
-        self.shared_block_size = shared_block_size
-        if shared_block_size:
-            from flame_llm.kernels.shared_prefix import SEG_WIDTH, graph_capacity
-            self.g_segs = torch.zeros(graph_capacity(tmax), SEG_WIDTH, dtype=torch.int32, device=device)
-            self.g_cu_rest = torch.zeros(bmax + 1, dtype=torch.int32, device=device)
 
     def fits(self, x: StepInputs) -> bool:
         return not x.is_decode and len(x.input_ids) <= self.max_tokens
 
     def _meta(self, t: int) -> AttentionMetadata:
         b = self.seats[t]
-        meta = AttentionMetadata(self.g_cu[: b + 1], self.g_lens[:b], self.g_tables[:b], self.g_tok[2, :t], t,
-                                 self.max_model_len, fixed_launch=self.launch[t], kv_stored=self.kv_stored)
-        if self.shared_block_size:
-            from flame_llm.kernels.shared_prefix import graph_capacity
-            rest = AttentionMetadata(self.g_cu_rest[: b + 1], self.g_lens[:b], self.g_tables[:b], self.g_tok[2, :t],
-                                     t, self.max_model_len)
-            meta.shared = SharedPrefix(self.g_segs[: graph_capacity(t)], max(1, b // 4), self.max_model_len,
-                                       rest=rest)
-        return meta
+        return AttentionMetadata(self.g_cu[: b + 1], self.g_lens[:b], self.g_tables[:b], self.g_tok[2, :t], t,
+                                 self.max_model_len, fixed_launch=self.launch[t])
 
     def _logits(self, t: int) -> torch.Tensor:
         hidden = self.model(self.g_tok[0, :t], self.g_tok[1, :t])
@@ -115,9 +99,6 @@ class MixedGraphs:
         for t in reversed(self.buckets):
             self.g_cu.zero_()  # every segment empty: the capture run stores and attends nothing
             self.g_lens.zero_()
-            if self.shared_block_size:
-                self.g_cu_rest.zero_()
-                self.g_segs[:, 4:].fill_(-1)
             self.g_tok[2].fill_(-1)
             set_context(self._meta(t))
             try:
@@ -127,21 +108,6 @@ class MixedGraphs:
             pool = self.graphs[t].pool()
         torch.cuda.synchronize()
         return pool
-
-    def _shared_arrays(self, x: StepInputs, t: int, cu: np.ndarray) -> dict[str, np.ndarray]:
-        """shared_prefix_decode: segments of the step's leading single-token segments (a row each, the sequence's
-        index: they come first) and an own empty segment for every other token row; cu_seqlens_q with those
-        decode segments empty."""
-        from flame_llm.kernels.shared_prefix import graph_capacity, plan_segments
-        q = np.diff(x.cu_seqlens_q)
-        d = int(np.argmin(q == 1)) if (q != 1).any() else len(q)
-        lens = np.zeros(t, dtype=np.int32)
-        lens[:d] = x.seq_lens[:d]
-        tables = np.zeros((t, x.block_tables.shape[1]), dtype=np.int32)
-        tables[:d] = x.block_tables[:d]
-        cu_rest = cu.copy()
-        cu_rest[:d] = d  # segment i < d: [d, d), no queries
-        return {"segs": plan_segments(tables, lens, self.shared_block_size, graph_capacity(t))[0], "cu_rest": cu_rest}
 
     def replay(self, x: StepInputs, staging: Staging, prev_sampled: torch.Tensor | None) -> torch.Tensor:
         """Logits [S, V] of the step's sampling rows (x.logits_rows, in order)."""
@@ -160,12 +126,7 @@ class MixedGraphs:
         i32[b + 1: b + 1 + b_real] = x.seq_lens
         i32[2 * b + 1:].reshape(b, self.width)[:b_real, : x.block_tables.shape[1]] = x.block_tables
         arrays = {"tok": tok, "rows": rows, "i32": i32, "prows": x.pending_rows, "src": x.pending_src}
-        if self.shared_block_size:
-            arrays |= self._shared_arrays(x, t, i32[: b + 1])
         h = staging.put(arrays)
-        if self.shared_block_size:
-            self.g_segs[: len(arrays["segs"])].copy_(h["segs"])
-            self.g_cu_rest[: b + 1].copy_(h["cu_rest"])
         self.g_tok[:, :t].copy_(h["tok"])
         self.g_rows[:b].copy_(h["rows"])
         self.g_cu[: b + 1].copy_(h["i32"][: b + 1])

@@ -22,13 +22,13 @@ from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.selector import BACKEND_STEPS, resolve_backend, resolve_device, resolve_dtype
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
-from flame_llm.engine.warmup import tune_gemm_lt, warmup_fa4, warmup_triton
+from flame_llm.engine.warmup import warmup_fa4, warmup_triton
 from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
 from flame_llm.models.fp8_checkpoint import load_weights
-from flame_llm.models.llama import MODELS, set_gemm_lt, set_mlp_row_split
+from flame_llm.models.llama import MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -58,30 +58,20 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = resolve_backend(rc.attention_backend, self.device, self.block_size, self.dtype,
-                                       self.attn_layers[0].head_dim, rc.fresh_prefill_backend,
-                                       config.cache_config.kv_cache_dtype)
-        # FA4 kernels run in some steps (their JIT compiles are counted and logged)
-        self.uses_fa4 = self.backend == "fa4" or (self.backend == "triton" and rc.fresh_prefill_backend == "fa4")
+                                       self.attn_layers[0].head_dim, config.cache_config.kv_cache_dtype)
+        self.uses_fa4 = self.backend == "fa4"  # FA4 kernels run in some steps (their JIT compiles are counted, logged)
         for layer in self.attn_layers:
-            layer.set_backend(self.backend, rc.fresh_prefill_backend)
+            layer.set_backend(self.backend)
         if self.device.type == "cuda" and rc.fused_ops:
             for m in self.model.modules():
                 if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                     m.fused = True
-        if rc.gemm_epilogues:  # before the decode graphs are captured, which replay the path set here
-            from flame_llm.models.llama import configure_gemm_epilogues
-            configure_gemm_epilogues(self.model, rc.gemm_epilogues)
         torch.manual_seed(mc.seed)
-        self.lt_plans = tune_gemm_lt(config, self.model, self.device, self.dtype) if rc.gemm_lt_min_tokens else {}
         self.allocate_kv_cache()
         self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size
         self.staging = Staging(self.device)
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
         self.prune = rc.prune_last_layer  # eager steps: the last layer past its KV store on sampled rows only
-        self.fa4_reuse = rc.fa4_call_reuse and self.backend == "fa4"  # eager steps: FA4's call recorded, reused
-        self.rope_store = rc.fused_rope_store and self.backend != "torch"  # RoPE stores K/V (our Triton kernel)
-        # decode rows on our Triton kernel read a prefix several rows share once (kernels/shared_prefix.py)
-        self.shared_block_size = self.block_size if rc.shared_prefix_decode and self.backend != "torch" else 0
         self._jit_logged = 0
         if self.backend == "fa4":
             warmup_fa4(config, self.attn_layers[0])  # compiles our Triton kernel's decode-row variants too
@@ -91,24 +81,16 @@ class ModelRunner:
             from flame_llm.kernels.triton_attention import warmup_all_variants
             a = self.attn_layers[0]
             warmup_all_variants(a.k_cache, a.v_cache, a.num_heads, a.scale, decode_only=True)
-        if self.shared_block_size and self.device.type == "cuda":
-            from flame_llm.kernels.triton_attention import warmup_shared_variants
-            a = self.attn_layers[0]
-            warmup_shared_variants(a.k_cache, a.v_cache, a.num_heads, a.scale)
         self.use_graphs = self.device.type == "cuda" and not rc.enforce_eager and self.backend != "torch"
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(self.model, config.scheduler_config.max_num_seqs, self.max_blocks_per_seq,
-                                       mc.max_model_len, self.device, kv_stored=self.rope_store,
-                                       shared_block_size=self.shared_block_size)
+                                       mc.max_model_len, self.device)
             self.graphs.capture()
         self.mixed: MixedGraphs | None = None
         self.mixed = build_mixed_graphs(self.model, config, self.backend, self.use_graphs, self.max_blocks_per_seq,
                                         self.attn_layers[0], self.device,
-                                        self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None,
-                                        kv_stored=self.rope_store, shared_block_size=self.shared_block_size)
-        set_mlp_row_split(self.model, rc.mlp_row_split_tokens)  # after every capture: eager steps alone split
-        set_gemm_lt(self.model, self.lt_plans)  # after every capture, as the split
+                                        self.graphs.graphs[self.graphs.buckets[0]].pool() if self.graphs else None)
         logger.info("attention: %s; decode-only steps: %s; steps with prefill tokens: %s", BACKEND_STEPS[self.backend],
                     "CUDA graphs" if self.use_graphs else "eager",
                     f"CUDA graphs up to {self.mixed.max_tokens} tokens" if self.mixed and self.use_graphs
@@ -168,7 +150,7 @@ class ModelRunner:
         return build_step_inputs(seqs, num_tokens, self.block_size, starts)
 
     def upload(self, x: StepInputs, prune: bool = False) -> DeviceInputs:
-        return upload(self.staging, x, self.split_decodes, prune, self.shared_block_size)
+        return upload(self.staging, x, self.split_decodes, prune)
 
     def forward(self, dev: DeviceInputs, prune: bool = False) -> torch.Tensor:
         """Hidden states [T, hidden] of a forward's inputs (stores their K/V); prune: of dev.logits_rows only
@@ -222,9 +204,6 @@ class ModelRunner:
                 return handle
         else:
             dev = self.upload(x, self.prune)
-            dev.meta.kv_stored = self.rope_store
-            if self.fa4_reuse:
-                dev.meta.fa4_calls = {}  # this step's, filled at its first layer
             if prev_sampled is not None:
                 dev.input_ids[dev.pending_rows] = prev_sampled[dev.pending_src]
             hidden = self.forward(dev, self.prune)  # pruned: the logits_rows' alone

@@ -25,30 +25,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int,
-                    fresh_prefill_backend: str = "triton", kv_cache_dtype: str = "auto") -> str:
-    """The attention backend to use: `name`, or for "auto" the fastest one this machine has. ValueError when
-    the triton backend's fresh_prefill_backend "fa4" cannot run here (checked now, not at the first prefill).
-    kv_cache_dtype "fp8": e4m3 K/V, which our Triton kernel and the torch path read; FA4 (as our fa4_backend calls
-    it, bf16/fp16 paged K/V) and flash-attn do not: "auto" picks triton on CUDA, naming them is an error."""
+                    kv_cache_dtype: str = "auto") -> str:
+    """The attention backend to use: `name`, or for "auto" the fastest one this machine has; ValueError when
+    `name` cannot run here (checked now, not at the first step). kv_cache_dtype "fp8": e4m3 K/V, which our Triton
+    kernel and the torch path read; FA4 (as our fa4_backend calls it, bf16/fp16 paged K/V) and flash-attn do not:
+    "auto" picks triton on CUDA, naming them is an error."""
     if kv_cache_dtype == "fp8":
         if name in ("fa4", "flash_attn"):
             raise ValueError(f"engine field 'kv_cache_dtype' 'fp8' needs attention_backend 'auto', 'triton' or "
                              f"'torch' (e4m3 K/V are read by our Triton kernel and the torch path); got {name!r}")
-        if fresh_prefill_backend == "fa4":  # its warmup compiles on the cache's dtype
-            raise ValueError("engine field 'kv_cache_dtype' 'fp8' does not run with fresh_prefill_backend 'fa4'")
         if name == "auto":
             name = "triton" if device.type == "cuda" else "torch"
             logger.info("attention: kv_cache_dtype fp8: %s (FA4 takes no FP8 K/V)", name)
-    backend = _choose_backend(name, device, block_size, dtype, head_dim)
-    if backend == "triton" and fresh_prefill_backend == "fa4":
-        from flame_llm.kernels.fa4_backend import fa4_unavailable_reason
-        reason = fa4_unavailable_reason(device, dtype, head_dim)
-        if reason is not None:
-            raise ValueError(f"fresh_prefill_backend 'fa4' (attention_backend {name!r}) cannot run here: {reason}")
-    return backend
-
-
-def _choose_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int) -> str:
     if name == "flash_attn" and block_size % 256:
         raise ValueError(f"attention_backend 'flash_attn' needs block_size % 256 == 0; got {block_size}")
     if name == "fa4":

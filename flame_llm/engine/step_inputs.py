@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from flame_llm.engine.sequence import Sequence
-from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix
+from flame_llm.kernels.metadata import AttentionMetadata
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
@@ -145,12 +145,10 @@ class Staging:
         return out
 
 
-def upload(staging: Staging, x: StepInputs, split_decodes: bool = False, prune: bool = False,
-           shared_block_size: int = 0) -> DeviceInputs:
+def upload(staging: Staging, x: StepInputs, split_decodes: bool = False, prune: bool = False) -> DeviceInputs:
     """The step's tensors on the device. split_decodes: a mixed step that starts with single-token
     segments also gets metadata for those rows as a decode step and for the rest as their own varlen step.
-    prune: meta.kept describes the sampled rows (logits_rows) as a decode step (prune_last_layer).
-    shared_block_size: each decode-step metadata gets its shared-prefix segments (shared_prefix_decode)."""
+    prune: meta.kept describes the sampled rows (logits_rows) as a decode step (prune_last_layer)."""
     arrays = {"ids": x.input_ids, "pos": x.positions, "slots": x.slot_mapping, "rows": x.logits_rows,
               "pending": x.pending_rows, "src": x.pending_src, "cu": x.cu_seqlens_q, "lens": x.seq_lens,
               "tables": x.block_tables}
@@ -164,15 +162,6 @@ def upload(staging: Staging, x: StepInputs, split_decodes: bool = False, prune: 
         d = int(np.argmin(lens == 1))  # leading one-token segments
     if d:
         arrays["cu_rest"] = (x.cu_seqlens_q[d:] - d).astype(np.int32)
-    plans = {}
-    if shared_block_size:
-        from flame_llm.kernels.shared_prefix import plan_segments
-        rows = slice(None) if x.is_decode else slice(0, d)
-        if x.is_decode or d:
-            plans["sh"] = plan_segments(x.block_tables[rows], x.seq_lens[rows], shared_block_size)
-        if prune:
-            plans["k_sh"] = plan_segments(x.block_tables[x.sample_idx], x.seq_lens[x.sample_idx], shared_block_size)
-        arrays.update({k: p[0] for k, p in plans.items()})
     t = staging.put(arrays)
     meta = AttentionMetadata(t["cu"], t["lens"], t["tables"], t["slots"], x.max_seqlen_q, x.max_seqlen_k,
                              is_decode=x.is_decode, fresh_only=x.fresh_only)
@@ -186,9 +175,4 @@ def upload(staging: Staging, x: StepInputs, split_decodes: bool = False, prune: 
     if prune:
         meta.kept = AttentionMetadata(t["k_cu"], t["k_lens"], t["k_tables"], t["slots"][:0], 1,
                                       int(x.seq_lens[x.sample_idx].max()), is_decode=True)
-    if plans:
-        for key, m in (("sh", meta if x.is_decode else meta.decode_split and meta.decode_split[1]),
-                       ("k_sh", meta.kept)):
-            if key in plans and m:
-                m.shared = SharedPrefix(t[key], *plans[key][1:])
     return DeviceInputs(t["ids"], t["pos"], meta, t["rows"], t["pending"], t["src"])

@@ -16,14 +16,8 @@ import os
 
 import torch
 
-from flame_llm.kernels.fa4_reuse import reuse_call
 from flame_llm.kernels.metadata import AttentionMetadata
-from flame_llm.kernels.triton_attention import (
-    paged_attention_triton,
-    store_step_kv,
-    triton_attention_forward,
-    warmup_all_variants,
-)
+from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv, warmup_all_variants
 
 logger = logging.getLogger(__name__)
 MIN_CAPABILITY = (9, 0)  # Hopper and newer: the kernels FA4 was measured with on this project
@@ -91,18 +85,12 @@ def new_variants() -> list:
 
 
 def fa4_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, out: torch.Tensor | None = None, calls: dict | None = None, site: str = "paged",
-                        ) -> torch.Tensor:
+                        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] (segments by meta.cu_seqlens_q) over the paged cache (no store), into `out`
-    when given (FA4's forward takes an output buffer; its public wrapper, an autograd Function, does not).
-    calls: the step's recorded FA4 calls (fa4_reuse.py; None: FA4 in full every call), `site` this call's key."""
+    when given (FA4's forward takes an output buffer; its public wrapper, an autograd Function, does not)."""
     kwargs = dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                   seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=scale, causal=True)
-    if calls is None:
-        return _fa4_call(q, k_cache, v_cache, out, kwargs)
-    if out is None:
-        out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    return reuse_call(calls, site, q, k_cache, v_cache, out, lambda: _fa4_call(q, k_cache, v_cache, out, kwargs))
+    return _fa4_call(q, k_cache, v_cache, out, kwargs)
 
 
 def _fa4_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, kwargs: dict
@@ -135,45 +123,21 @@ def _forward_fn():
         return None
 
 
-def fa4_dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of fresh-only segments (no cached keys) on the step's own k/v [T, Hkv, D]: FA4's
-    dense varlen kernel (no page table; 695 vs 612-623 TFLOP/s paged for 8K fresh on the H200)."""
-    kwargs = dict(cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
-                  max_seqlen_k=meta.max_seqlen_q, softmax_scale=scale, causal=True)
-    return _fa4_call(q, k, v, out, kwargs)
-
-
-def triton_with_fa4_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The triton backend with fresh_prefill_backend "fa4": fresh-only prefill steps on FA4's dense kernel, every
-    other step on our Triton kernel."""
-    if meta.fresh_only and not meta.is_decode:
-        store_step_kv(k, v, k_cache, v_cache, meta)
-        return fa4_dense_prefill(q, k, v, meta, scale)
-    return triton_attention_forward(q, k, v, k_cache, v_cache, meta, scale)
-
-
 def fa4_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                          fresh_prefill_backend: str = "triton") -> torch.Tensor:
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Same contract as triton_attention_forward: store k/v at meta.slot_mapping, return [T, H, D].
 
     A mixed step whose leading segments are single tokens (meta.decode_split) sends those rows to our
-    Triton decode kernel and the rest to FA4, each writing its rows of one output. fresh_prefill_backend
-    "fa4": a step with no cached keys takes FA4's dense varlen kernel on the fresh k/v; every other value
-    (the triton backend's choices: triton, sdpa, ...) leaves this backend's fresh steps on the paged kernel."""
-    store_step_kv(k, v, k_cache, v_cache, meta)
+    Triton decode kernel and the rest to FA4, each writing its rows of one output."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode:
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    if meta.fresh_only and fresh_prefill_backend == "fa4":
-        return fa4_dense_prefill(q, k, v, meta, scale)
     if meta.decode_split is None:
-        return fa4_paged_attention(q, k_cache, v_cache, meta, scale, calls=meta.fa4_calls)
+        return fa4_paged_attention(q, k_cache, v_cache, meta, scale)
     d, decode, rest = meta.decode_split
     out = torch.empty_like(q)
     paged_attention_triton(q[:d], k_cache, v_cache, decode, scale, out=out[:d])
-    fa4_paged_attention(q[d:], k_cache, v_cache, rest, scale, out=out[d:], calls=meta.fa4_calls, site="rest")
+    fa4_paged_attention(q[d:], k_cache, v_cache, rest, scale, out=out[d:])
     return out
 
 
@@ -202,7 +166,7 @@ def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len:
 
 def _warmup_steps(k_cache: torch.Tensor, num_heads: int, max_num_seqs: int, max_num_batched_tokens: int,
                   max_model_len: int):
-    """(q, k_lens, q_lens, meta) of each warmup_shapes step whose block table fits the cache."""
+    """(q, meta) of each warmup_shapes step whose block table fits the cache."""
     num_blocks, block_size, _, head_dim = k_cache.shape
     dev = k_cache.device
     for q_lens, k_lens in warmup_shapes(max_num_seqs, max_num_batched_tokens, max_model_len, block_size):
@@ -214,16 +178,7 @@ def _warmup_steps(k_cache: torch.Tensor, num_heads: int, max_num_seqs: int, max_
         tables = torch.arange(width, dtype=torch.int32, device=dev).repeat(len(q_lens), 1)
         meta = AttentionMetadata(cu_q, torch.tensor(k_lens, dtype=torch.int32, device=dev), tables,
                                  torch.empty(0, dtype=torch.int64, device=dev), max(q_lens), max(k_lens))
-        yield q, q_lens, k_lens, meta
-
-
-def _dense_warmup_step(k_cache: torch.Tensor, q: torch.Tensor, q_lens: list[int], k_lens: list[int],
-                       meta: AttentionMetadata, scale: float) -> None:
-    """The dense kernel on a fresh-only warmup step (any finite keys: it only compiles)."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if k_lens == q_lens and num_blocks * block_size >= sum(q_lens):
-        kv = k_cache.view(-1, num_kv_heads, head_dim)[: sum(q_lens)]
-        fa4_dense_prefill(q, kv, kv, meta, scale)
+        yield q, meta
 
 
 def _finish_warmup(dev: torch.device, before: int) -> int:
@@ -236,29 +191,13 @@ def _finish_warmup(dev: torch.device, before: int) -> int:
 
 @torch.inference_mode()
 def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float, max_num_seqs: int,
-           max_num_batched_tokens: int, max_model_len: int, dense_fresh: bool = False) -> int:
-    """Compile every FA4 variant the engine's limits can reach (reads the cache, writes nothing to it), the
-    dense kernel's too when dense_fresh (fresh_prefill_backend "fa4"); returns how many were compiled.
-    jit_compiles() counts from here."""
+           max_num_batched_tokens: int, max_model_len: int) -> int:
+    """Compile every FA4 variant the engine's limits can reach (reads the cache, writes nothing to it); returns
+    how many were compiled. jit_compiles() counts from here."""
     before = _compile_cache_size()
-    for q, q_lens, k_lens, meta in _warmup_steps(k_cache, num_heads, max_num_seqs, max_num_batched_tokens,
-                                                 max_model_len):
+    for q, meta in _warmup_steps(k_cache, num_heads, max_num_seqs, max_num_batched_tokens, max_model_len):
         fa4_paged_attention(q, k_cache, v_cache, meta, scale)
-        if dense_fresh:
-            _dense_warmup_step(k_cache, q, q_lens, k_lens, meta, scale)
     # a mixed step's decode rows go to our Triton decode kernel with a split count that follows the step:
     # compile each split count's variant now, not under load
     warmup_all_variants(k_cache, v_cache, num_heads, scale, decode_only=True)
-    return _finish_warmup(k_cache.device, before)
-
-
-@torch.inference_mode()
-def warmup_dense(k_cache: torch.Tensor, num_heads: int, scale: float, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> int:
-    """The triton backend with fresh_prefill_backend "fa4": compile FA4's dense variants only (the paged ones
-    are never used); returns how many were compiled. jit_compiles() counts from here."""
-    before = _compile_cache_size()
-    for q, q_lens, k_lens, meta in _warmup_steps(k_cache, num_heads, max_num_seqs, max_num_batched_tokens,
-                                                 max_model_len):
-        _dense_warmup_step(k_cache, q, q_lens, k_lens, meta, scale)
     return _finish_warmup(k_cache.device, before)

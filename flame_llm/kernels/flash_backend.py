@@ -26,9 +26,9 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     block_size = k_cache.shape[1]
     if block_size % FLASH_BLOCK_MULTIPLE:
         raise ValueError(f"block_size ({block_size}) must be a multiple of {FLASH_BLOCK_MULTIPLE} for flash-attn")
-    from flame_llm.kernels.triton_attention import store_step_kv  # graph-safe store (no boolean indexing)
+    from flame_llm.kernels.triton_attention import store_kv  # graph-safe store (no boolean indexing)
 
-    store_step_kv(k, v, k_cache, v_cache, meta)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode:
         num_seqs = meta.seq_lens.shape[0]
         out = torch.empty_like(q)

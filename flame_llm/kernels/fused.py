@@ -1,5 +1,5 @@
 """Fused Triton kernels for the small per-layer ops (one launch each instead of five to ten):
-residual-add + RMSNorm, neox RoPE in place on q and k (optionally with the K/V cache store), and SiLU(gate) * up.
+residual-add + RMSNorm, neox RoPE in place on q and k, and SiLU(gate) * up.
 
 Each rounds where the torch path rounds (the residual sum and the normalized value are rounded to
 the activation dtype before the weight multiply), so bf16 outputs track the torch path closely."""
@@ -83,58 +83,6 @@ def rope_qk_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, c
         _rope_qk_kernel[(t, 2)](q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                 hq, hk, HALF=hd // 2, BLOCK_Q=triton.next_power_of_2(hq),
                                 BLOCK_K=triton.next_power_of_2(hk))
-    return q, k
-
-
-@_jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, slot_ptr, kc_ptr, vc_ptr, q_stride_t, q_stride_h,
-                       k_stride_t, k_stride_h, v_stride_t, v_stride_h, c_stride_slot, c_stride_h, num_q_heads,
-                       num_k_heads, HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    if tl.program_id(1) == 0:
-        _rope_rows(q_ptr, t, pos, cache_ptr, q_stride_t, q_stride_h, num_q_heads, HALF, BLOCK_Q)
-    else:  # k rotated in place and, with v, written to the cache row of its slot (-1: a padded row, not stored)
-        d = tl.arange(0, HALF)
-        cos = tl.load(cache_ptr + pos * 2 * HALF + d)
-        sin = tl.load(cache_ptr + pos * 2 * HALF + HALF + d)
-        h = tl.arange(0, BLOCK_K)
-        mask = (h < num_k_heads)[:, None]
-        kb = k_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :]
-        x1 = tl.load(kb, mask=mask, other=0.0)
-        x2 = tl.load(kb + HALF, mask=mask, other=0.0)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        y1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
-        y2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
-        tl.store(kb, y1, mask=mask)
-        tl.store(kb + HALF, y2, mask=mask)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            cb = slot * c_stride_slot + h[:, None] * c_stride_h + d[None, :]
-            tl.store(kc_ptr + cb, y1.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(kc_ptr + cb + HALF, y2.to(kc_ptr.dtype.element_ty), mask=mask)
-            vb = v_ptr + t * v_stride_t + h[:, None] * v_stride_h + d[None, :]
-            v1 = tl.load(vb, mask=mask, other=0.0)
-            v2 = tl.load(vb + HALF, mask=mask, other=0.0)
-            tl.store(vc_ptr + cb, v1.to(vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc_ptr + cb + HALF, v2.to(vc_ptr.dtype.element_ty), mask=mask)
-
-
-def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope_qk_inplace and the cache store of the rotated k and of v in one launch (RunnerConfig.fused_rope_store):
-    q [T, H, D] and k [T, Hkv, D] rotated in place, k/v written to the cache rows slot_mapping [T] (-1: skipped)."""
-    t, hq, hd = q.shape
-    hk = k.shape[1]
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and triton.next_power_of_2(hd) == hd
-    assert k_cache.shape[2:] == (hk, hd) and v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1
-    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "cache blocks must be dense"
-    if t:
-        _rope_store_kernel[(t, 2)](q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, q.stride(0),
-                                   q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1),
-                                   k_cache.stride(2), hq, hk, HALF=hd // 2, BLOCK_Q=triton.next_power_of_2(hq),
-                                   BLOCK_K=triton.next_power_of_2(hk))
     return q, k
 
 

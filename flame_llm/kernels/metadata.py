@@ -7,18 +7,6 @@ import torch
 
 
 @dataclass(slots=True)
-class SharedPrefix:
-    """A decode step's shared-prefix segments on the device (kernels/shared_prefix.py), and what picks their key
-    splits without reading them back."""
-    segments: torch.Tensor  # int32 [S, SEG_WIDTH]
-    num_shared: int  # shared segments (host count; an upper bound in a CUDA graph)
-    longest: int  # keys of the longest segment (host; an upper bound in a CUDA graph)
-    num_splits: int | None = None  # fixed (CUDA graphs); None: picked per launch
-    # a mixed-step graph: its other rows as their own step (the decode rows' segments emptied), attended after
-    rest: AttentionMetadata | None = None
-
-
-@dataclass(slots=True)
 class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [B+1]: query segment starts; a segment's tokens end its keys
     seq_lens: torch.Tensor  # int32 [B]: keys per sequence after this step's tokens are stored
@@ -38,14 +26,6 @@ class AttentionMetadata:
     # prune_last_layer: the sampled rows' queries of the last layer as a decode step over the same caches (one
     # query per sampling sequence, seq_lens/block_tables of those sequences, no slot_mapping: already stored)
     kept: AttentionMetadata | None = None
-    # RunnerConfig.fused_rope_store: every layer's RoPE kernel stored the step's K/V already (the backends skip it)
-    kv_stored: bool = False
-    # RunnerConfig.fa4_call_reuse: this step's FA4 kernel calls recorded at their first layer, by call site
-    # (kernels/fa4_reuse.py); None: every layer runs FA4's forward in full
-    fa4_calls: dict | None = None
-    # RunnerConfig.shared_prefix_decode, decode rows only: the step's segments (kernels/shared_prefix.py), so a
-    # prefix several rows share is read once for all of them; None: the usual kernel
-    shared: SharedPrefix | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

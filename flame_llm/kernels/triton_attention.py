@@ -2,25 +2,19 @@
 
 `triton_attention_forward` stores this step's K/V, then attends every query segment over its cached
 keys. Decode steps (is_decode) launch without host syncs or value-dependent shapes, so they can be
-captured in a CUDA graph. Fresh-only prefill steps can optionally go through torch's dense fused
-attention instead (Config.fresh_prefill_backend: `dense_prefill`), which the GPU benchmark compares
-against our kernel."""
+captured in a CUDA graph."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flame_llm.config import FRESH_PREFILL_BACKENDS
 from flame_llm.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from flame_llm.kernels.metadata import AttentionMetadata, SharedPrefix
+from flame_llm.kernels.metadata import AttentionMetadata
 from flame_llm.kernels.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
 
 logger = logging.getLogger(__name__)
@@ -66,13 +60,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         FP8_MAX=FP8_MAX if k_cache.dtype == FP8_DTYPE else 0.0)
-
-
-def store_step_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata) -> None:
-    """store_kv at the step's slot_mapping, unless the layer's RoPE kernel stored them (meta.kv_stored)."""
-    if not meta.kv_stored:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
 
 def pick_config(meta: AttentionMetadata, group: int) -> TileConfig:
@@ -155,11 +142,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = config or pick_config(meta, group)
     if config is None and q.dtype == torch.float32:  # fp32 tiles (tests) need 2x the shared memory
         cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
-    if meta.shared is not None:  # RunnerConfig.shared_prefix_decode
-        from flame_llm.kernels.shared_prefix import shared_decode_attention
-        assert meta.is_decode, "shared-prefix segments describe decode rows"
-        return shared_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.shared, scale, cfg.block_n,
-                                       cfg.num_warps, cfg.num_stages, _sm_count(q.device), out=out)
     assert cfg.block_m % group_pad == 0 and cfg.block_m >= 16, f"block_m {cfg.block_m} vs group {group}"
     if out is None:
         out = torch.empty_like(q)
@@ -210,83 +192,12 @@ def fixed_launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     cfg, splits = meta.fixed_launch
     if q.dtype == torch.float32:  # as paged_attention_triton adjusts a picked config (tests)
         cfg = cfg._replace(block_n=min(cfg.block_n, 32), num_stages=1)
-    store_step_kv(k, v, k_cache, v_cache, meta)
-    if meta.shared is not None:  # shared_prefix_decode: the decode rows by their segments (every other row 0), then
-        # the other rows over the same fixed grid with the decode rows' segments empty, unsplit: a split launch's
-        # combine rewrites every row, and would overwrite the decode rows with partials no program wrote
-        from flame_llm.kernels.shared_prefix import shared_decode_attention
-        dec = DECODE_CONFIG if q.dtype != torch.float32 else DECODE_CONFIG._replace(block_n=32, num_stages=1)
-        out = shared_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.shared, scale, dec.block_n,
-                                      dec.num_warps, dec.num_stages, _sm_count(q.device))
-        return paged_attention_triton(q, k_cache, v_cache, meta.shared.rest, scale, config=cfg, num_splits=1,
-                                      out=out)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale, config=cfg, num_splits=splits)
 
 
-def dense_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
-                  backend: str) -> torch.Tensor:
-    """Causal attention of fresh-only segments on the fresh k/v with torch's fused kernels."""
-    if backend == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
-        return varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
-                           meta.max_seqlen_q, scale=scale, window_size=(-1, 0), enable_gqa=True)
-    if meta.seq_lens.shape[0] == 1 and meta.max_seqlen_q == q.shape[0]:
-        bounds = [0, q.shape[0]]  # one unpadded segment: no host sync
-    else:
-        bounds = meta.cu_seqlens_q.tolist()
-    out = torch.empty_like(q)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            with _sdpa_backend(backend):
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-            out[start:end] = o[0].transpose(0, 1)
-    return out
-
-
-def _sdpa_backend(backend: str):
-    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    if backend == "sdpa":
-        return contextlib.nullcontext()
-    return sdpa_kernel([backends[backend]])
-
-
 def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                             fresh_prefill_backend: str = "triton") -> torch.Tensor:
-    """Store k/v [T, Hkv, D] at meta.slot_mapping, then return the attention output [T, H, D] of q.
-
-    fresh_prefill_backend: the path of fresh-only prefill steps: "triton" (our kernel, as every other step) or
-    torch's dense attention on the fresh k/v: "sdpa" (torch picks), "cudnn", "flash", "efficient" (SDPA
-    restricted to that backend), "varlen" (torch.nn.attention.varlen.varlen_attn), or "fa4" (flash-attn-4's
-    dense varlen kernel)."""
-    if fresh_prefill_backend not in FRESH_PREFILL_BACKENDS:
-        raise ValueError(f"fresh_prefill_backend {fresh_prefill_backend!r} is not one of {FRESH_PREFILL_BACKENDS}")
-    store_step_kv(k, v, k_cache, v_cache, meta)
-    if fresh_prefill_backend != "triton" and meta.fresh_only and not meta.is_decode:
-        # "fa4" on this backend is fa4_backend.triton_with_fa4_fresh (that module imports this one)
-        assert fresh_prefill_backend != "fa4", "layers.attention routes fresh_prefill_backend 'fa4' to fa4_backend"
-        return dense_prefill(q, k, v, meta, scale, fresh_prefill_backend)
+                             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store k/v [T, Hkv, D] at meta.slot_mapping, then return the attention output [T, H, D] of q."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-
-
-@torch.inference_mode()
-def warmup_shared_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> int:
-    """shared_prefix_decode: compile every variant of its kernel a step can reach (each key split count and its
-    combine) for this cache, so none compiles just in time under load. Returns the launches made."""
-    import numpy as np
-
-    from flame_llm.kernels.shared_prefix import MAX_SHARED_SPLITS, plan_segments, shared_decode_attention
-
-    dev = k_cache.device
-    q = torch.zeros(2, num_heads, k_cache.shape[3], dtype=k_cache.dtype, device=dev)
-    tables = torch.zeros(2, 1, dtype=torch.int32, device=dev)
-    segs = plan_segments(np.zeros((2, 1), dtype=np.int32), np.ones(2, dtype=np.int32), k_cache.shape[1])[0]
-    segs = torch.from_numpy(segs).to(dev)
-    splits = [1 << i for i in range(MAX_SHARED_SPLITS.bit_length()) if 1 << i <= MAX_SHARED_SPLITS]
-    for n in splits:
-        shared_decode_attention(q, k_cache, v_cache, tables, SharedPrefix(segs, 0, 1, n), scale, DECODE_CONFIG.block_n,
-                                DECODE_CONFIG.num_warps, DECODE_CONFIG.num_stages, _sm_count(dev))
-    return len(splits)
-

@@ -12,28 +12,18 @@ from flame_llm.kernels.torch_attention import (
 )
 
 
-def _backend_fn(name: str, fresh_prefill_backend: str = "triton"):
+def _backend_fn(name: str):
     if name == "torch":
         return torch_attention_forward
     if name == "triton":
-        import functools
-
-        if fresh_prefill_backend == "fa4":
-            from flame_llm.kernels.fa4_backend import triton_with_fa4_fresh
-            return triton_with_fa4_fresh
         from flame_llm.kernels.triton_attention import triton_attention_forward
-        return functools.partial(triton_attention_forward, fresh_prefill_backend=fresh_prefill_backend)
+        return triton_attention_forward
     if name == "flash_attn":
         from flame_llm.kernels.flash_backend import flash_attention_forward
         return flash_attention_forward
     if name == "fa4":
-        import functools
-
         from flame_llm.kernels.fa4_backend import fa4_attention_forward
-        # only "fa4" changes this backend's fresh-only steps (FA4's dense kernel); the triton backend's other
-        # choices (sdpa, cudnn, ...) are not this backend's and leave them on FA4's paged kernel
-        return functools.partial(fa4_attention_forward,
-                                 fresh_prefill_backend="fa4" if fresh_prefill_backend == "fa4" else "triton")
+        return fa4_attention_forward
     raise ValueError(f"attention_backend {name!r} is not one of 'torch', 'triton', 'flash_attn', 'fa4'")
 
 
@@ -50,9 +40,9 @@ class Attention(nn.Module):
         self.backend = "torch"
         self._fn = torch_attention_forward
 
-    def set_backend(self, name: str, fresh_prefill_backend: str = "triton") -> None:
+    def set_backend(self, name: str) -> None:
         self.backend = name
-        self._fn = _backend_fn(name, fresh_prefill_backend)
+        self._fn = _backend_fn(name)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_context()
@@ -72,8 +62,8 @@ class Attention(nn.Module):
         assert self.k_cache.numel() > 0 and meta.fixed_launch is None, "eager steps with a KV cache only"
         triton = self.backend != "torch"
         if triton:
-            from flame_llm.kernels.triton_attention import paged_attention_triton, store_step_kv
-            store_step_kv(k, v, self.k_cache, self.v_cache, meta)
+            from flame_llm.kernels.triton_attention import paged_attention_triton, store_kv
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         else:
             store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if q_kept.shape[0] == 0:

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flame_llm.kernels.fp8 import fp8_linear
+
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
     if param.shape != loaded.shape:
@@ -24,37 +26,11 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
         self.register_parameter("weight_scale", None)  # quantization "fp8": float32 [N] (layers/fp8.py)
-        self.row_split = 0  # Config.mlp_row_split_tokens, set on gate_up_proj after graph capture (eager steps)
-        self.lt = None  # Config.gemm_lt_min_tokens: kernels.cublaslt.LtLinear, set after graph capture (eager steps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
-            from flame_llm.kernels.fp8 import fp8_linear
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        if self.lt is not None:
-            y = self.lt(x, self.weight)  # None: below its step sizes, or x not contiguous and aligned
-            if y is not None:
-                return y
-        if self.row_split and x.shape[0] > self.row_split:
-            return linear_rows(x, self.weight, self.bias, self.row_split)
         return F.linear(x, self.weight, self.bias)
-
-
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) of a 2-D x as equal blocks of at most `rows` rows (M=8192, rows=4096: two of
-    4096; M=4100: two of 2050, not 4096 + 4), each GEMM written into its rows of one output (no copy). The same
-    per-row arithmetic (mm/addmm, as F.linear calls them), but cuBLAS picks its kernel for the block's M: on the
-    H200 Llama-3.1-8B's gate/up at M=8192 ran 644 TFLOP/s whole, 676 as two 4096-row GEMMs (bench.gemm_probe)."""
-    assert x.dim() == 2, x.shape
-    m = x.shape[0]
-    block = -(-m // -(-m // rows))  # ceil(m / number of blocks)
-    out = x.new_empty((m, weight.shape[0]))
-    for xs, os_ in zip(x.split(block), out.split(block)):
-        if bias is None:
-            torch.mm(xs, weight.t(), out=os_)
-        else:
-            torch.addmm(bias, xs, weight.t(), out=os_)
-    return out
 
 
 class MergedLinear(Linear):

@@ -5,8 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flame_llm.config import parse_gemm_epilogues
-from flame_llm.kernels.metadata import get_context
 from flame_llm.layers.attention import Attention
 from flame_llm.layers.layers import (
     Linear,
@@ -33,24 +31,21 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.qk_norm = qk_norm
-        self.residual_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None,
-                ) -> torch.Tensor:
-        """o_proj(attention(x)), plus `residual` in o_proj's epilogue when given (residual_impl set)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o_proj(attention(x))."""
         q, k, v = self._qkv(positions, x)
-        return self._out(self.attn(q, k, v), residual)
+        return self.o_proj(self.attn(q, k, v).flatten(1, -1))
 
-    def forward_kept(self, positions: torch.Tensor, x: torch.Tensor, keep_rows: torch.Tensor,
-                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Store the K/V of every row of x, then o_proj(attention) of the rows keep_rows only (`residual`: those
-        rows' residual, fused as in forward); None when keep_rows is empty (the store alone)."""
+    def forward_kept(self, positions: torch.Tensor, x: torch.Tensor, keep_rows: torch.Tensor) -> torch.Tensor | None:
+        """Store the K/V of every row of x, then o_proj(attention) of the rows keep_rows only; None when keep_rows
+        is empty (the store alone)."""
         q, k, v = self._qkv(positions, x)
         o = self.attn.forward_kept(q[keep_rows], k, v)
-        return None if o.shape[0] == 0 else self._out(o, residual)
+        return None if o.shape[0] == 0 else self.o_proj(o.flatten(1, -1))
 
     def _qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = self.qkv_proj(x)
@@ -60,20 +55,8 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        meta = get_context()
-        if meta.kv_stored and self.attn.k_cache.numel():  # RunnerConfig.fused_rope_store: one launch for both
-            from flame_llm.kernels.fused import rope_store_kv
-            return (*rope_store_kv(q, k, v, positions, self.rotary_emb.cos_sin_cache, self.attn.k_cache,
-                                   self.attn.v_cache, meta.slot_mapping), v)
         q, k = self.rotary_emb(positions, q, k)
         return q, k, v
-
-    def _out(self, o: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        o = o.flatten(1, -1)
-        if residual is not None:
-            from flame_llm.kernels.gemm_epilogue import residual_linear
-            return residual_linear(o, self.o_proj.weight, residual, self.residual_impl)
-        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -86,20 +69,10 @@ class MLP(nn.Module):
                                                            "up": cfg.intermediate_size}, bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias)
         self.act_fn = SiluAndMul()
-        self.swiglu_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
-        self.residual_impl: str | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """down(silu(gate) * up), plus `residual` in down's epilogue when given (residual_impl set)."""
-        if self.swiglu_impl is not None:
-            from flame_llm.kernels.gemm_epilogue import swiglu_linear
-            h = swiglu_linear(x, self.gate_up_proj.weight, self.swiglu_impl)
-        else:
-            h = self.act_fn(self.gate_up_proj(x))
-        if residual is not None:
-            from flame_llm.kernels.gemm_epilogue import residual_linear
-            return residual_linear(h, self.down_proj.weight, residual, self.residual_impl)
-        return self.down_proj(h)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up)."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -109,16 +82,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.residual_impl: str | None = None  # Config.gemm_epilogues (configure_gemm_epilogues)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.residual_impl is not None:
-            # `hidden` is the residual stream itself: o_proj and down_proj add into it in their epilogues,
-            # so each norm has no add (returns (stream, None); DecoderModel knows the form)
-            assert residual is None, "every layer fuses the residual or none does"
-            hidden = self.self_attn(positions, self.input_layernorm(hidden), residual=hidden)
-            return self.mlp(self.post_attention_layernorm(hidden), residual=hidden), None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -132,11 +98,6 @@ class DecoderLayer(nn.Module):
                      keep_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """forward for the rows keep_rows only, after storing every row's K/V (prune_last_layer); None when
         keep_rows is empty."""
-        if self.residual_impl is not None:
-            assert residual is None, "every layer fuses the residual or none does"
-            out = self.self_attn.forward_kept(positions, self.input_layernorm(hidden), keep_rows,
-                                              residual=hidden[keep_rows])
-            return None if out is None else (self.mlp(self.post_attention_layernorm(out), residual=out), None)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -180,8 +141,6 @@ class DecoderModel(nn.Module):
                 hidden, residual = out
                 break
             hidden, residual = layer(positions, hidden, residual)
-        if residual is None:  # residual fused into the GEMMs: hidden is the stream
-            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -215,57 +174,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
-
-
-def set_mlp_row_split(model: nn.Module, rows: int) -> None:
-    """Config.mlp_row_split_tokens: every MLP's gate/up projection runs an input of more than `rows` rows as row
-    blocks of at most `rows` (0: whole). The runner sets it after its CUDA graphs are captured, so only eager
-    steps split; gemm_epilogues' fused swiglu GEMM (MLP.swiglu_impl) bypasses gate_up_proj and stays whole."""
-    assert rows >= 0, rows
-    for m in model.modules():
-        if isinstance(m, MLP):
-            m.gate_up_proj.row_split = rows
-
-
-def gemm_lt_weights(model: nn.Module) -> dict[tuple[int, int], torch.Tensor]:
-    """Config.gemm_lt_min_tokens: one weight per (N, K) shape of the decoder's bias-free projections (what
-    kernels.cublaslt.tune_linears times)."""
-    return {tuple(m.weight.shape): m.weight for m in model.modules() if isinstance(m, Linear) and m.bias is None}
-
-
-def set_gemm_lt(model: nn.Module, plans: dict) -> int:
-    """Every bias-free projection runs on the LtLinear plan of its (N, K), if there is one, else on F.linear (eager
-    steps: the runner sets this after its CUDA graphs are captured). Returns how many projections got one."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Linear) and m.bias is None:
-            m.lt = plans.get(tuple(m.weight.shape))
-            n += m.lt is not None
-    return n
-
-
-def configure_gemm_epilogues(model: nn.Module, spec: str) -> dict[str, str]:
-    """Set Config.gemm_epilogues on every decoder layer of `model`: "swiglu=triton|quack" (SiLU-mul in the
-    gate/up GEMM's epilogue), "residual=cublas|triton|quack" (the residual add in the o / down GEMMs'; the
-    norms after them then have no add); "" is today's path. Off CUDA each runs as its torch composition.
-    ValueError names the field when an impl cannot run on the model's device (quack not importable, triton
-    below SM90)."""
-    from flame_llm.kernels.gemm_epilogue import epilogue_unavailable_reason
-
-    ops = parse_gemm_epilogues(spec)
-    device = next(model.parameters()).device
-    for op, impl in ops.items():
-        reason = epilogue_unavailable_reason(impl, device)
-        if reason is not None:
-            raise ValueError(f"engine field 'gemm_epilogues': {op}={impl} cannot run here: {reason}")
-    for m in model.modules():
-        biases = []
-        if isinstance(m, MLP):
-            biases = [m.gate_up_proj.bias if "swiglu" in ops else None, m.down_proj.bias if "residual" in ops else None]
-            m.swiglu_impl, m.residual_impl = ops.get("swiglu"), ops.get("residual")
-        elif isinstance(m, (DecoderAttention, DecoderLayer)):
-            biases = [m.o_proj.bias] if isinstance(m, DecoderAttention) and "residual" in ops else []
-            m.residual_impl = ops.get("residual")
-        if any(b is not None for b in biases):
-            raise ValueError("config field 'gemm_epilogues': fused epilogues do not take projection biases")
-    return ops
