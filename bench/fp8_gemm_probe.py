@@ -47,13 +47,10 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w8a16_configs(m: int) -> list[tuple]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, swap) candidates for M rows."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) candidates for M rows."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    plain = [(bm, bn, 256, split, 4, stages, False) for bn, split, stages in
-             itertools.product((32, 64), (1, 4), (3, 5))]  # the first sweep's winners (session 16)
-    swapped = [(bm, bn, bk, split, 4, stages, True) for bn, bk, split, stages in
-               itertools.product((64, 128), (128, 256, 512), (1, 2, 4), (3, 4))]
-    return plain + swapped
+    return [(bm, bn, bk, split, 4, stages) for bn, bk, split, stages in
+            itertools.product((16, 32, 64), (128, 256), (1, 2, 4), (3, 5))]
 
 
 def timed(fn, calls: int) -> float:
@@ -99,14 +96,14 @@ def probe_shape(name: str, n: int, k: int, m: int, calls: int, rounds: int, sets
     w8 = [(q, s.flatten().contiguous()) for q, s in wq]
     configs = w8a16_configs(m) if m <= 64 else []
     for cfg in configs:
-        bm, bn, bk, split, warps, stages, swap = cfg
+        bm, bn, bk, split, warps, stages = cfg
         try:
-            fp8_small_m_linear(xs[0], w8[0][0], w8[0][1], cfg[:4], num_warps=warps, num_stages=stages, swap=swap)
+            fp8_small_m_linear(xs[0], w8[0][0], w8[0][1], cfg[:4], num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources:
             continue
-        variants[f"w8a16{'s' if swap else ''}:{bm},{bn},{bk},{split},{warps},{stages}"] = (
+        variants[f"w8a16:{bm},{bn},{bk},{split},{warps},{stages}"] = (
             lambda i, cfg=cfg: fp8_small_m_linear(xs[i % sets], w8[i % sets][0], w8[i % sets][1], cfg[:4],
-                                                  num_warps=cfg[4], num_stages=cfg[5], swap=cfg[6]))
+                                                  num_warps=cfg[4], num_stages=cfg[5]))
     ref = bf16(0).float()
     err = ((fp8_mm(0).float() - ref).norm() / ref.norm()).item()
     deq = F.linear(xs[0].float(), wq[0][0].float() * wq[0][1]).float()

@@ -1,6 +1,6 @@
-"""The small-M FP8-weight kernel (flame_llm/kernels/fp8_gemv.py) against the dequantized weights' product, both
-forms (plain and transposed) and split-K, under Triton's interpreter on CPU (fp16: the interpreter's bf16 dot is
-wrong) and on a GPU in bf16."""
+"""The small-M FP8-weight kernel (flame_llm/kernels/fp8_gemv.py) against the dequantized weights' product, with
+and without split-K, under Triton's interpreter on CPU (fp16: the interpreter's bf16 dot is wrong) and on a GPU
+in bf16."""
 import os
 
 import torch
@@ -23,16 +23,16 @@ def _case(m, n, k, dtype, device):
     return x, wq, s.float().to(device), ref
 
 
-@pytest.mark.parametrize("m,n,k,cfg,swap", [
-    (1, 64, 256, (16, 32, 128, 1), False),
-    (5, 96, 512, (16, 32, 128, 2), False),   # split-K through the fp32 buffer
-    (3, 160, 384, (16, 64, 128, 1), True),   # N and K not multiples of the tiles
-    (16, 128, 512, (16, 64, 128, 4), True),
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (1, 64, 256, (16, 32, 128, 1)),
+    (5, 96, 512, (16, 32, 128, 2)),   # split-K through the fp32 buffer
+    (3, 160, 384, (16, 64, 128, 1)),  # N and K not multiples of the tiles
+    (16, 128, 512, (16, 64, 128, 4)),
 ])
-def test_small_m_matches_dequantized(m, n, k, cfg, swap):
+def test_small_m_matches_dequantized(m, n, k, cfg):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x, wq, s, ref = _case(m, n, k, torch.float16, device)
-    out = fp8_small_m_linear(x, wq, s, cfg, swap=swap)
+    out = fp8_small_m_linear(x, wq, s, cfg)
     assert out.shape == (m, n) and out.dtype == torch.float16
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
 
@@ -50,10 +50,8 @@ def test_pick_config_fills_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("swap", [False, True])
-def test_small_m_on_gpu_bf16(swap):
+def test_small_m_on_gpu_bf16():
     for m in (1, 8, 16):
         x, wq, s, ref = _case(m, 6144, 4096, torch.bfloat16, "cuda")
-        cfg = (16, 64 if swap else 32, 256, 2)
-        out = fp8_small_m_linear(x, wq, s, cfg, swap=swap)
+        out = fp8_small_m_linear(x, wq, s, (16, 32, 256, 2))
         assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
