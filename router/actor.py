@@ -12,6 +12,7 @@ every event_poll_ms; calls and the feed take one lock. A restarted router resync
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 
@@ -71,7 +72,7 @@ class Router:
         with self._lock:
             st = self._policy.stats()
         feed = {"event_feed": dict(self._feed.counters)} if self._feed is not None else {}
-        return {**st, **feed, "node": ray.get_runtime_context().get_node_id()}
+        return {**st, **feed, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
 
 def start_router(num_shards: int, config: RouterConfig | None = None, *, name: str = ROUTER_NAME, namespace: str,

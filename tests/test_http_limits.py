@@ -215,13 +215,40 @@ def _drop_test(url: str, body: dict, settled) -> bytes:
         s.close()
 
 
+def _serve_small_sndbuf(backend, cfg: HttpConfig):
+    """The door's app on a listening socket whose send buffer is 4 kB (accepted sockets inherit it on Linux)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from flame_llm.serving.http_app import build_app
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.bind(("127.0.0.1", 0))
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(backend, cfg), handler_cancellation=True)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def close():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", close
+
+
 def test_a_client_that_never_reads_is_dropped_and_its_requests_aborted(door):
     """A streamed response whose client stops reading: dropped once stream_buffer_events events wait for it; its
     requests leave the engine. Before, every event was buffered (the issue: +52 MB for one n=256 request) and the
     requests ran to their end."""
     _, _, backend, _ = door
     engine = backend.engine
-    url, close = _serve(backend, HttpConfig(port=0, stream_buffer_events=32))
+    # the door's socket with a 4 kB send buffer: Linux lets an accepted socket's buffer grow to tcp_wmem's 4 MB, room
+    # for this whole answer (16 x 480 events, ~1.1 MB), so a writer there never waits on a client that does not read
+    url, close = _serve_small_sndbuf(backend, HttpConfig(port=0, stream_buffer_events=32))
 
     def settled():
         deadline = time.monotonic() + 30

@@ -66,9 +66,14 @@ def test_a_killed_router_resyncs_from_the_shards_snapshots(service):
     qs = _doc_questions(2, 3)
     (r0,) = client.generate([qs[0]], sp)
     _wait_for(lambda: _holdings(svc.router)["held"] >= 8)
+    pid = ray.get(svc.router.stats.remote())["pid"]
     ray.kill(svc.router, no_restart=False)  # Ray restarts it, empty
-    _wait_for(lambda: (_try_stats(svc.router) or {}).get("event_feed", {}).get("snapshots", 0) >= 2)
-    assert _holdings(svc.router)["held"] >= 8  # both documents are known again, from the snapshots
+
+    def resynced() -> bool:  # the new incarnation (the old one answers until the kill lands) has both snapshots
+        st = _try_stats(svc.router) or {}
+        return st.get("pid", pid) != pid and st.get("event_feed", {}).get("snapshots", 0) >= 2
+    _wait_for(resynced)
+    assert _try_stats(svc.router)["holdings"]["held"] >= 8  # both documents are known again, from the snapshots
     for q in qs[1:]:
         (r,) = client.generate([q], sp)
         assert r.shard == r0.shard and r.cached_tokens >= 512 and r.error is None
