@@ -217,27 +217,10 @@ def _drop_test(url: str, body: dict, settled) -> bytes:
 
 def _serve_small_sndbuf(backend, cfg: HttpConfig):
     """The door's app on a listening socket whose send buffer is 4 kB (accepted sockets inherit it on Linux)."""
-    import asyncio
-
-    from aiohttp import web
-
-    from flame_llm.serving.http_app import build_app
-
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     sock.bind(("127.0.0.1", 0))
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(backend, cfg), handler_cancellation=True)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.SockSite(runner, sock).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def close():
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=5)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", close
+    return _serve(backend, cfg, sock)
 
 
 def test_a_client_that_never_reads_is_dropped_and_its_requests_aborted(door):

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from flame_llm import LLM, AsyncEngine, SamplingParams
@@ -20,9 +21,18 @@ from flame_llm.serving.http_server import EngineBackend
 KEY = "sesame"
 
 
-def _serve(backend, cfg: HttpConfig):
+def _serve(backend, cfg: HttpConfig, sock=None):
+    """The door's app on a loop of its own: started as serve starts it, or on `sock` (a listening socket set up by
+    the test, e.g. with a small send buffer)."""
     loop = asyncio.new_event_loop()
-    runner, url = loop.run_until_complete(start(build_app(backend, cfg), cfg))
+    if sock is None:
+        runner, url = loop.run_until_complete(start(build_app(backend, cfg), cfg))
+    else:
+        runner = web.AppRunner(build_app(backend, cfg), handler_cancellation=True)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host}:{port}"
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
