@@ -78,25 +78,41 @@ def test_quant_and_scaled_mm_capture_into_a_cuda_graph():
     assert torch.equal(y, fp8_linear(x, wq, ws, None))
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])  # None: the bf16 control for the same bound
-def test_engine_fp8_decode_graphs_equal_eager_steps(quantization):
-    llm = LLM(os.path.join(MODELS, "qwen3-0.6b"), load_format="dummy", quantization=quantization, max_model_len=512,
-              max_num_seqs=8, max_num_batched_tokens=2048, num_kvcache_blocks=64, async_scheduling=False)
+# (quantization, kv_cache_dtype): the bf16 control, W8A8, W8A8 with e4m3 K/V
+@pytest.mark.parametrize("quantization,kv", [(None, "auto"), ("fp8", "auto"), ("fp8", "fp8")])
+def test_engine_decode_graphs_equal_eager_steps(quantization, kv, monkeypatch):
+    """A replayed decode step's logits equal an eager step's when both split the keys alike. A decode graph is
+    captured at max_seqlen_k = max_model_len, so its split-KV count can exceed what an eager step picks from the
+    step's real lengths; a row whose keys then span two partials sums them in another order, and the dummy model
+    amplifies that rounding to ~10% of the row's logits in 28 layers (seen on the H200 in bf16 as in fp8: rows
+    within one key tile equal bit for bit, the one spanning two off by 0.098). So the eager step takes the graph's
+    split count."""
+    from flame_llm.kernels import triton_attention as ta
+    llm = LLM(os.path.join(MODELS, "qwen3-0.6b"), load_format="dummy", quantization=quantization,
+              kv_cache_dtype=kv, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=2048,
+              num_kvcache_blocks=64, async_scheduling=False)
     eng, runner = llm.engine, llm.engine.model_runner
     assert runner.use_graphs
     want = FP8_DTYPE if quantization else torch.bfloat16
     assert runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype == want
+    assert runner.kv_cache.dtype == (FP8_DTYPE if kv == "fp8" else torch.bfloat16)
     outs = llm.generate([[1, 2, 3, 4] * 20] * 3, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                         use_tqdm=False)  # first: the manual step below is scheduled, never committed
     assert all(len(o.output_token_ids) == 16 for o in outs)
-    for i in range(4):
-        eng.add_request(list(range(10 + i, 60 + 7 * i)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for i in range(4):  # contexts 51..69 and 200+: rows within one 64-key tile and rows over several
+        n = 50 + 6 * i if i < 3 else 230
+        eng.add_request(list(range(10 + i, 10 + i + n)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while eng.scheduler.waiting:
         eng.step()
     scheduled = eng.scheduler.schedule()
     x = runner.prepare(scheduled.seqs, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens)
+    bucket = next(b for b in runner.graphs.buckets if b >= len(scheduled.seqs))
+    num_kv_heads = runner.kv_cache.shape[-2]
+    splits = ta.pick_num_splits(bucket * num_kv_heads, runner.graphs.max_model_len, ta._sm_count(runner.device))
+    assert splits > 1  # the case this test is about: the graph splits keys an eager step would not
     with torch.inference_mode():
         graph_logits = runner.graphs.replay(x, runner.staging, None).clone()
+        monkeypatch.setattr(ta, "pick_num_splits", lambda *a: splits)
         eager = runner.model.compute_logits(runner.forward(runner.upload(x)))
     # the graph's bucket may give cuBLASLt another M, so another kernel: close, not bitwise
     rows = ((graph_logits - eager).norm(dim=-1) / eager.norm(dim=-1)).tolist()
@@ -133,9 +149,6 @@ def test_engine_fp8_kv_triton_graphs_and_half_the_block_bytes():
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [list(range(10 + i, 200 + 13 * i)) for i in range(4)]
     graphs = [o.output_token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert all(len(t) == 16 for t in graphs)
-    eager = [o.output_token_ids for o in LLM(model, quantization="fp8", kv_cache_dtype="fp8", enforce_eager=True,
-                                             **kw).generate(prompts, sp, use_tqdm=False)]
-    assert sum(a == b for a, b in zip(graphs, eager)) >= 3, (graphs, eager)  # replays: same kernels, padded grids
+    assert all(len(t) == 16 for t in graphs)  # graphs against eager steps: test_engine_decode_graphs_equal_eager_steps
     bf16 = LLM(model, **kw).engine.model_runner
     assert 2 * runner.block_bytes() == bf16.block_bytes()
