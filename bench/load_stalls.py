@@ -13,11 +13,16 @@ from flame_llm.engine.stalls import GcPauses
 
 log = logging.getLogger(__name__)
 
+# where a window's tokens went (issue 39): engine steps and the tokens they carried (flame: its scheduler's counts
+# and schedule-to-complete seconds of decode-only and prefill/mixed steps; vLLM: its iteration_tokens histogram)
+STEP_KEYS = ("num_steps", "step_tokens", "num_decode_steps", "num_mixed_steps", "num_prefill_tokens",
+             "num_decode_tokens", "decode_time_s", "prefill_time_s")
+VLLM_STEPS = {"vllm:iteration_tokens_total_count": "num_steps", "vllm:iteration_tokens_total_sum": "step_tokens"}
 # engine stats() keys: kernel variants compiled after warmup (any kernel; attention's alone on older engines),
 # GC pauses over 10 ms and the longest pause so far
 # and the long eager launches (count, host seconds) with the hand-outs emit_before_long_launch moved before them
 COUNT_KEYS = ("jit_compiles", "attention_jit_compiles", "gc_pauses_over_10ms", "long_launches", "long_launch_s",
-              "early_commits")
+              "early_commits", *STEP_KEYS)
 MAX_KEYS = ("gc_pause_max_s",)
 
 
@@ -60,6 +65,17 @@ def parse_metrics(text: str) -> dict:
     return found
 
 
+def vllm_steps(text: str) -> dict:
+    """vLLM's engine steps and the tokens they carried, from its /metrics (summed over labels)."""
+    found: dict = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if m and m.group(1) in VLLM_STEPS:
+            key = VLLM_STEPS[m.group(1)]
+            found[key] = found.get(key, 0.0) + float(m.group(3))
+    return found
+
+
 def _get(url: str, timeout_s: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return r.read().decode(errors="replace")
@@ -81,11 +97,18 @@ def stream_resumes(system) -> int | None:
 
 def engine_stats(system) -> list[dict] | None:
     """Each engine's stats as a dict (flame: every shard's stats()["engine"]; our serve-http: what its /metrics
-    says); None for systems that publish none of them (vLLM)."""
+    says; vLLM: its steps only, from /metrics)."""
     kind = system.system.kind
     if kind == "flame":
         import ray
-        return [s.get("engine", {}) for s in ray.get([a.stats.remote() for a in system.service.actors.values()])]
+        out = [s.get("engine", {}) for s in ray.get([a.stats.remote() for a in system.service.actors.values()])]
+        for e in out:
+            if "num_decode_steps" in e:
+                e["num_steps"] = e["num_decode_steps"] + e.get("num_prefill_steps", 0)
+                e["step_tokens"] = e.get("num_decode_tokens", 0) + e.get("num_prefill_tokens", 0)
+        return out
+    if kind == "vllm":
+        return [vllm_steps(_get(f"{r.url}/metrics")) for r in system.http_replicas()]
     if kind == "engine":
         out = []
         for r in system.http_replicas():

@@ -13,7 +13,16 @@ import pytest
 from bench import cli
 from bench.load import AutoSearch, load_records, next_rate, render
 from bench.load_report import saturation_line, upgrade
-from bench.load_stalls import GcWatch, merge, parse_metrics, shared_pauses, window_cache, window_stalls
+from bench.load_stalls import (
+    STEP_KEYS,
+    GcWatch,
+    merge,
+    parse_metrics,
+    shared_pauses,
+    vllm_steps,
+    window_cache,
+    window_stalls,
+)
 from bench.load_workloads import OutputLen, doc_weights, draw_doc, hot_share, kill_effect
 from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, arrivals, percentiles, record, saturation, summarize
 
@@ -194,7 +203,7 @@ def test_stall_figures_read_around_a_window():
     before = merge([{"jit_compiles": 1, "gc_pauses_over_10ms": 0, "gc_pause_max_s": 0.004, "long_launches": 2,
                      "long_launch_s": 0.03},
                     {"jit_compiles": 2, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.02}])
-    none = {"attention_jit_compiles": None, "early_commits": None}
+    none = {"attention_jit_compiles": None, "early_commits": None, **dict.fromkeys(STEP_KEYS)}
     assert before == {"jit_compiles": 3, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.02, "long_launches": 2,
                       "long_launch_s": 0.03, **none}
     after = {**before, "jit_compiles": 5, "gc_pauses_over_10ms": 2, "gc_pause_max_s": 0.05, "long_launches": 6,
@@ -203,6 +212,13 @@ def test_stall_figures_read_around_a_window():
     assert st["engine"] == {"jit_compiles": 2, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.05, "long_launches": 4,
                             "long_launch_s": pytest.approx(0.08), **none}
     assert window_stalls(None, None, {})["engine"]["jit_compiles"] is None  # a system without counters: n/a
+    vllm = ('vllm:iteration_tokens_total_bucket{le="1.0",model_name="m"} 3.0\n'
+            'vllm:iteration_tokens_total_count{model_name="m"} 40.0\n'
+            'vllm:iteration_tokens_total_sum{model_name="m"} 900.0\n'
+            'vllm:num_requests_running{model_name="m"} 2.0\n')
+    assert vllm_steps(vllm) == {"num_steps": 40.0, "step_tokens": 900.0}
+    st = window_stalls(merge([vllm_steps(vllm)]), merge([{"num_steps": 70.0, "step_tokens": 1500.0}]), {})
+    assert st["engine"]["num_steps"] == 30.0 and st["engine"]["step_tokens"] == 600.0
     assert window_cache({"prefix_hit_tokens": 10, "prefix_query_tokens": 100, "evictions": 2},
                         {"prefix_hit_tokens": 70, "prefix_query_tokens": 300, "evictions": 5}) == {
         "prefix_hit_tokens": 60, "prefix_query_tokens": 200, "evictions": 3, "hit_rate": 0.3}
@@ -260,6 +276,10 @@ def test_load_mode_against_the_front_door_and_the_engine_server(tmp_path):
             cache = window["cache"]  # prompt tokens looked up over the window: every request's, on any engine
             assert cache["prefix_query_tokens"] >= sum(104 for _ in outs) and 0 <= cache["hit_rate"] <= 1
             assert jit == 0 if rec["system"] == "flame" else jit in (None, 0)
+            if rec["system"] == "flame":  # where the window's tokens went: its steps, decode-only and mixed
+                eng = window["stalls"]["engine"]
+                assert eng["num_steps"] >= eng["num_decode_steps"] + eng["num_mixed_steps"] > 0
+                assert eng["step_tokens"] == eng["num_decode_tokens"] + eng["num_prefill_tokens"] >= 4 * len(outs)
             assert window["completed"] == len(outs) > 0 and window["failed"] == window["rejected"] == 0
             assert all(o.output_tokens == 4 for o in outs)
     md = open(os.path.join(out, "load-report.md")).read()
