@@ -17,7 +17,9 @@ load mode); "flame-noresume" fails a stream whose shard dies after its first tok
 shard had in flight on only after its restart (ClientConfig.reroute_on_loss off: the same A/B on 2+ shards);
 "flame-noearly" and "engine-noearly" enqueue an eager step of 2,048+ tokens right behind the step before it, whose
 tokens then wait for that launch (emit_before_long_launch 0; by default 2,048: the step before is read and its tokens
-handed out first; the A/B of the inter-token gap before a long prefill, bench/launch_cost.py). The labels of retired
+handed out first; the A/B of the inter-token gap before a long prefill, bench/launch_cost.py). "flame-gil" and
+"engine-gil" set the engine process's GIL switch interval to 0.5 ms (gil_switch_interval_ms; Python's is 5 ms: the
+A/B of the engine thread waiting for the GIL behind its callers' loop after each step, issue 39). The labels of retired
 levers (-split, -ropestore, -shared, -lt) went with them (bench/KERNELS.md, "Tried and retired").
 "flame-fp8" and "engine-fp8" run W8A8 FP8 projections (quantization "fp8": e4m3 weights quantized at load,
 per-token activation scales; issue 40), "flame-fp8kv" and "engine-fp8kv" add e4m3 K/V (kv_cache_dtype "fp8": our
@@ -30,12 +32,14 @@ from dataclasses import dataclass, field
 
 KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-noearly", "flame-raystream",
          "flame-noresume", "flame-noreroute", "engine", "engine-nomix", "engine-mix2k", "engine-noprune",
-         "engine-noearly", "vllm", "vllm-seed", "flame-fp8", "engine-fp8", "vllm-fp8", "flame-fp8kv", "engine-fp8kv")
+         "engine-noearly", "flame-gil", "engine-gil",
+         "vllm", "vllm-seed", "flame-fp8", "engine-fp8", "vllm-fp8", "flame-fp8kv", "engine-fp8kv")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
                 "flame-noprune": {"prune_last_layer": False}, "engine-noprune": {"prune_last_layer": False},
                 "flame-noearly": {"emit_before_long_launch": 0}, "engine-noearly": {"emit_before_long_launch": 0},
+                "flame-gil": {"gil_switch_interval_ms": 0.5}, "engine-gil": {"gil_switch_interval_ms": 0.5},
                 "flame-fp8": {"quantization": "fp8"}, "engine-fp8": {"quantization": "fp8"},
                 "flame-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
                 "engine-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}

@@ -117,6 +117,10 @@ class SchedulerConfig:
     # GIL) until each of those loops has run them, at most this long; on CPU the engine thread otherwise keeps
     # the GIL and the loop that carries a token onwards waits for it. 0: off (no wait)
     handoff_wait_ms: float = 0.0  # AsyncEngine: wait up to this long for callers' loops to take a step's tokens
+    # AsyncEngine: the process's GIL switch interval (sys.setswitchinterval). The engine thread returns from each
+    # step's sync wanting the GIL while the callers' loop may hold it; Python makes it wait up to the interval
+    # (5 ms) before it asks for the GIL back. 0: Python's default left alone
+    gil_switch_interval_ms: float = 0.0  # AsyncEngine: GIL switch interval of the engine's process (0: default)
     # asynchronous scheduling reads a step's tokens once the next step is enqueued; an eager step of 8K tokens takes
     # the host ~40 ms to enqueue on the H200 (a decode step runs ~5), so the tokens before it wait that long. With
     # this many tokens or more, an eager step after a shorter one is enqueued only once that one is read and its
@@ -134,6 +138,7 @@ class SchedulerConfig:
             check_bool(name, getattr(self, name), **_F)
         check_bool("async_scheduling", self.async_scheduling, optional=True, **_F)
         check_number("handoff_wait_ms", self.handoff_wait_ms, 0, HANDOFF_WAIT_MAX_MS, **_F)
+        check_number("gil_switch_interval_ms", self.gil_switch_interval_ms, 0, 5.0, **_F)
         check_int("emit_before_long_launch", self.emit_before_long_launch, 0, **_F)
 
 

@@ -115,3 +115,28 @@ def test_bad_handoff_wait_names_the_field(bad, tiny_llama):
 
 def test_default_is_off():
     assert EngineConfig().scheduler_config.handoff_wait_ms == 0
+
+
+def test_the_gil_switch_interval_is_set_only_when_asked(tiny_llama):
+    """gil_switch_interval_ms (issue 39's A/B of the engine thread waiting for the GIL after each step): 0 leaves
+    Python's interval as it is; a value sets the process's; beyond 5 ms or negative is refused, naming the field."""
+    import sys
+    before = sys.getswitchinterval()
+    try:
+        eng = AsyncEngine.from_args(tiny_llama, block_size=16)
+        eng.shutdown()
+        assert sys.getswitchinterval() == before
+        eng = AsyncEngine.from_args(tiny_llama, block_size=16, gil_switch_interval_ms=0.5)
+        try:
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+            sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            ref = [o.output_token_ids for o in LLM(tiny_llama, block_size=16).generate(PROMPTS, sp, use_tqdm=False)]
+            streamed, generated = _run_all(eng, sp)
+            assert streamed + generated == ref
+        finally:
+            eng.shutdown()
+    finally:
+        sys.setswitchinterval(before)
+    for bad in (-1, 6):
+        with pytest.raises(FieldError, match="gil_switch_interval_ms"):
+            Config.from_kwargs(tiny_llama, gil_switch_interval_ms=bad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -69,6 +70,8 @@ class AsyncEngine:
         # the hand-offs gathered since the last flush, per loop, in order (one wake-up per loop: _flush)
         self._batch: dict[asyncio.AbstractEventLoop, list[tuple]] = {}
         self._handoff = {"handoff_waits": 0, "handoff_timeouts": 0, "handoff_wait_s": 0.0, "handoff_wait_max_s": 0.0}
+        if config.scheduler_config.gil_switch_interval_ms:
+            sys.setswitchinterval(config.scheduler_config.gil_switch_interval_ms / 1000)
         self._thread = threading.Thread(target=self._loop, name="flame-engine", daemon=True)
         self._thread.start()
 
