@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 # where a window's tokens went (issue 39): engine steps and the tokens they carried (flame: its scheduler's counts
 # and schedule-to-complete seconds of decode-only and prefill/mixed steps; vLLM: its iteration_tokens histogram)
 STEP_KEYS = ("num_steps", "step_tokens", "num_decode_steps", "num_mixed_steps", "num_prefill_tokens",
-             "num_decode_tokens", "decode_time_s", "prefill_time_s")
+             "num_decode_tokens", "decode_time_s", "prefill_time_s", "mixed_graph_steps")
 VLLM_STEPS = {"vllm:iteration_tokens_total_count": "num_steps", "vllm:iteration_tokens_total_sum": "step_tokens"}
 # engine stats() keys: kernel variants compiled after warmup (any kernel; attention's alone on older engines),
 # GC pauses over 10 ms and the longest pause so far
