@@ -7,6 +7,8 @@ long, so that a flood of connections (idle, slow, or bad) cannot use up the acto
 - At most `max_connections` connections are past their hello; one more is closed at its hello (counted).
 - A connection past its hello with no stream open and no frame for `idle_timeout_s` is closed (clients ping).
 - A frame whose first byte arrived completes within `frame_timeout_s` plus its length at 1 MiB/s.
+- A connection's unsent bytes over `max_unsent_bytes` for `drain_timeout_s` (a peer that does not read) cut it
+  off (actors/stream_out.py).
 - Accept failing for want of file descriptors (EMFILE, ENFILE) backs off accepting (up to ACCEPT_BACKOFF_MAX_S)
   and closes the older half of the pending connections; connections already served go on.
 
@@ -32,6 +34,9 @@ class StreamLimits:
     max_connections: int
     idle_timeout_s: float
     frame_timeout_s: float
+    coalesce: bool  # a connection's frames of one loop turn leave as one write (actors/stream_out.py)
+    max_unsent_bytes: int  # a connection's unsent bytes past this make its streams wait for the peer
+    drain_timeout_s: float  # a peer that does not read within this (over the bound) is cut off
 
 
 class RefusalLog:

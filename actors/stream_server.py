@@ -25,6 +25,7 @@ import ray
 
 from actors.shard_options import ShardOptions
 from actors.stream_guard import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, RefusalLog, StreamLimits
+from actors.stream_out import CutOff, StreamOut
 from flame_llm.protocol.stream_frames import (
     FRAME_OVERHEAD,
     HELLO_MAX_BYTES,
@@ -45,7 +46,8 @@ LOOPBACK = "127.0.0.1"
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_cancels", "socket_dropped",
             "socket_hello_timeouts", "socket_refused_cap", "socket_idle_closed", "socket_frame_timeouts",
-            "socket_bad_frames", "socket_accept_errors")
+            "socket_bad_frames", "socket_accept_errors", "socket_out_frames", "socket_out_writes", "socket_out_bytes",
+            "socket_cutoffs")
 
 
 async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
@@ -167,7 +169,7 @@ class StreamServer:
 
     async def _serve_conn(self, cid: int, sock: socket.socket) -> None:
         conn = self.pending[cid]
-        writer = None
+        writer = out = None
         streams: dict[int, asyncio.Task] = {}
         lim = self.limits
         try:
@@ -194,6 +196,7 @@ class StreamServer:
             self.authed[cid] = conn
             self.counters["socket_connections"] += 1
             keepalive(writer.get_extra_info("socket"))
+            out = StreamOut(writer, self.counters, lim.coalesce, lim.max_unsent_bytes, lim.drain_timeout_s)
             owner = f"socket-{self.incarnation[:8]}-{cid}"  # this connection's requests (actors/inflight.py)
             while True:
                 try:
@@ -207,7 +210,7 @@ class StreamServer:
                     return
                 if frame is None:
                     return
-                self._frame(frame, streams, writer, owner)
+                self._frame(frame, streams, out, owner)
         except FrameError as e:
             self.counters["socket_bad_frames"] += 1
             if "deadline" in str(e):
@@ -223,12 +226,14 @@ class StreamServer:
             for task in list(streams.values()):
                 task.cancel()
             await asyncio.gather(*streams.values(), return_exceptions=True)
-            self._close(conn, writer, sock)
+            self._close(writer, out, sock)
 
     @staticmethod
-    def _close(conn: _Conn, writer: asyncio.StreamWriter | None, sock: socket.socket) -> None:
+    def _close(writer: asyncio.StreamWriter | None, out: StreamOut | None, sock: socket.socket) -> None:
         """Free the connection's descriptor now: a clean close when nothing is left to send, else an abort (a peer
         that does not read must not keep it)."""
+        if out is not None:
+            out.flush()
         if writer is None:
             sock.close()
         elif writer.transport.get_write_buffer_size() == 0:
@@ -240,8 +245,7 @@ class StreamServer:
         ep = self.endpoint
         return ep is not None and ep.accepts(presented)
 
-    def _frame(self, frame: list, streams: dict[int, asyncio.Task], writer: asyncio.StreamWriter,
-               owner: str) -> None:
+    def _frame(self, frame: list, streams: dict[int, asyncio.Task], out: StreamOut, owner: str) -> None:
         """One frame after the hello. A malformed OPEN or CANCEL is refused alone; other kinds from a client close
         the connection (FrameError)."""
         kind = frame[0]
@@ -253,11 +257,11 @@ class StreamServer:
                 return self._bad(f"OPEN with an unusable stream id {str(sid)[:40]}")
             if not isinstance(payload, bytes):
                 self._bad("OPEN whose payload is not bytes")
-                writer.write(encode_frame(Frame.FAIL, sid, "the OPEN frame's payload must be bytes"))
+                out.send(encode_frame(Frame.FAIL, sid, "the OPEN frame's payload must be bytes"))
                 return
             caller, client = (x if isinstance(x, str) else None for x in (caller, client))
             self.counters["socket_streams"] += 1
-            task = asyncio.get_running_loop().create_task(self._stream(writer, sid, payload, caller, client, owner))
+            task = asyncio.get_running_loop().create_task(self._stream(out, sid, payload, caller, client, owner))
             streams[sid] = task
             task.add_done_callback(lambda _, sid=sid: streams.pop(sid, None))
             return
@@ -278,17 +282,18 @@ class StreamServer:
         self.counters["socket_bad_frames"] += 1
         self.refusals.note(f"frame refused: {what}")
 
-    async def _stream(self, writer: asyncio.StreamWriter, sid: int, payload: bytes, caller: str | None,
-                      client: str | None, owner: str) -> None:
+    async def _stream(self, out: StreamOut, sid: int, payload: bytes, caller: str | None, client: str | None,
+                      owner: str) -> None:
         try:
             async with aclosing(self.items(payload, caller, client, owner)) as items:  # closed when cancelled
                 async for item in items:
                     kind = Frame.CHUNK if isinstance(item, list) else Frame.RESULT
-                    writer.write(encode_frame(kind, sid, item))
-                    await writer.drain()
+                    out.send(encode_frame(kind, sid, item))
+                    await out.room()
+        except CutOff as e:  # the peer does not read: the connection is aborted, its reader ends it and its streams
+            self.refusals.note(f"cut off: {e}"[:120])
         except ConnectionError:  # the connection went: _serve_conn aborts what is left of its streams
             return
         except Exception as e:  # a bug: the client must not wait forever (the Ray path raises it to the caller)
             log.exception("shard %s: stream %d failed", self.name, sid)
-            if not writer.is_closing():
-                writer.write(encode_frame(Frame.FAIL, sid, f"{type(e).__name__}: {e}"))
+            out.send(encode_frame(Frame.FAIL, sid, f"{type(e).__name__}: {e}"))
