@@ -10,7 +10,8 @@ callers): its task is cancelled, and the actor aborts its request as `EngineActo
 shard's "aborted"), which frees its admission slot. Every wait of a connection is bounded (actors/stream_guard.py);
 a bad frame after the hello closes only what it must: an OPEN or CANCEL whose fields are unusable is refused alone
 (counted in socket_bad_frames; an OPEN with a usable new stream id is answered FAIL), a frame that breaks the
-framing closes its connection."""
+framing closes its connection. Accepting and the connections before their hello are actors/stream_accept.py's (bare
+sockets); a connection's outgoing frames are actors/stream_out.py's (coalesced a loop turn, unsent bytes bounded)."""
 from __future__ import annotations
 
 import asyncio
