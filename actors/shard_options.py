@@ -40,6 +40,7 @@ class ShardOptions:
         check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
         check_bool("fair_admission", self.fair_admission, where="shard field")
         check_bool("stream_coalesce", self.stream_coalesce, where="shard field")
+        # at least asyncio's default write high-water mark (64 KiB): over the bound, a transport is always paused
         check_int("stream_max_unsent_bytes", self.stream_max_unsent_bytes, 1 << 16, 1 << 34, where="shard field")
         for name in ("stream_hello_timeout_s", "stream_idle_timeout_s", "stream_frame_timeout_s",
                      "stream_drain_timeout_s"):

@@ -1,7 +1,8 @@
 """The stream port's bounds (issue 37): what a connection to an engine actor's stream server may hold, and for how
 long, so that a flood of connections (idle, slow, or bad) cannot use up the actor's file descriptors or its log.
 
-- A connection presents its hello within `hello_timeout_s` of its accept, or it is closed.
+- A connection presents its hello within `hello_timeout_s` of its accept, or it is closed (by the periodic sweep of
+  actors/stream_accept.py: within a quarter of the deadline, at most 1 s, after it).
 - At most `max_pending` connections wait for their hello; one more closes the oldest of them (a valid client sends
   its hello with its connect, so it leaves the pending set within a round trip; a flood only evicts itself).
 - At most `max_connections` connections are past their hello; one more is closed at its hello (counted).
