@@ -27,6 +27,10 @@ class ShardOptions:
     stream_max_connections: int = 1024  # connections past their hello (one per client per shard); more are closed
     stream_idle_timeout_s: float = 120.0  # a connection with no stream and no frame (clients ping at a third of it)
     stream_frame_timeout_s: float = 30.0  # a frame begun must complete within this (+ its length at 1 MiB/s)
+    # the stream port's output (actors/stream_out.py)
+    stream_coalesce: bool = True  # a connection's frames of one loop turn leave as one write; false: a write a frame
+    stream_max_unsent_bytes: int = 1 << 20  # a connection's unsent bytes past this make its streams wait
+    stream_drain_timeout_s: float = 30.0  # a peer that does not read within this, over the bound, is cut off
 
     def __post_init__(self) -> None:
         for name, low, high in (("torch_threads", 1, 1 << 10), ("max_inflight_tokens", 1, 1 << 40),
@@ -35,11 +39,16 @@ class ShardOptions:
             check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
         check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
         check_bool("fair_admission", self.fair_admission, where="shard field")
-        for name in ("stream_hello_timeout_s", "stream_idle_timeout_s", "stream_frame_timeout_s"):
+        check_bool("stream_coalesce", self.stream_coalesce, where="shard field")
+        # at least asyncio's default write high-water mark (64 KiB): over the bound, a transport is always paused
+        check_int("stream_max_unsent_bytes", self.stream_max_unsent_bytes, 1 << 16, 1 << 34, where="shard field")
+        for name in ("stream_hello_timeout_s", "stream_idle_timeout_s", "stream_frame_timeout_s",
+                     "stream_drain_timeout_s"):
             check_number(name, getattr(self, name), 0, 86400, low_open=True, where="shard field")
         check_int("stream_max_pending", self.stream_max_pending, 1, 1 << 20, where="shard field")
         check_int("stream_max_connections", self.stream_max_connections, 1, 1 << 20, where="shard field")
 
     def stream_limits(self) -> StreamLimits:
         return StreamLimits(self.stream_hello_timeout_s, self.stream_max_pending, self.stream_max_connections,
-                            self.stream_idle_timeout_s, self.stream_frame_timeout_s)
+                            self.stream_idle_timeout_s, self.stream_frame_timeout_s, self.stream_coalesce,
+                            self.stream_max_unsent_bytes, self.stream_drain_timeout_s)

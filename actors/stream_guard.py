@@ -1,12 +1,15 @@
 """The stream port's bounds (issue 37): what a connection to an engine actor's stream server may hold, and for how
 long, so that a flood of connections (idle, slow, or bad) cannot use up the actor's file descriptors or its log.
 
-- A connection presents its hello within `hello_timeout_s` of its accept, or it is closed.
+- A connection presents its hello within `hello_timeout_s` of its accept, or it is closed (by the periodic sweep of
+  actors/stream_accept.py: within a quarter of the deadline, at most 1 s, after it).
 - At most `max_pending` connections wait for their hello; one more closes the oldest of them (a valid client sends
   its hello with its connect, so it leaves the pending set within a round trip; a flood only evicts itself).
 - At most `max_connections` connections are past their hello; one more is closed at its hello (counted).
 - A connection past its hello with no stream open and no frame for `idle_timeout_s` is closed (clients ping).
 - A frame whose first byte arrived completes within `frame_timeout_s` plus its length at 1 MiB/s.
+- A connection's unsent bytes over `max_unsent_bytes` for `drain_timeout_s` (a peer that does not read) cut it
+  off (actors/stream_out.py).
 - Accept failing for want of file descriptors (EMFILE, ENFILE) backs off accepting (up to ACCEPT_BACKOFF_MAX_S)
   and closes the older half of the pending connections; connections already served go on.
 
@@ -32,6 +35,9 @@ class StreamLimits:
     max_connections: int
     idle_timeout_s: float
     frame_timeout_s: float
+    coalesce: bool  # a connection's frames of one loop turn leave as one write (actors/stream_out.py)
+    max_unsent_bytes: int  # a connection's unsent bytes past this make its streams wait for the peer
+    drain_timeout_s: float  # a peer that does not read within this (over the bound) is cut off
 
 
 class RefusalLog:

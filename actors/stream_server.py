@@ -10,11 +10,11 @@ callers): its task is cancelled, and the actor aborts its request as `EngineActo
 shard's "aborted"), which frees its admission slot. Every wait of a connection is bounded (actors/stream_guard.py);
 a bad frame after the hello closes only what it must: an OPEN or CANCEL whose fields are unusable is refused alone
 (counted in socket_bad_frames; an OPEN with a usable new stream id is answered FAIL), a frame that breaks the
-framing closes its connection."""
+framing closes its connection. Accepting and the connections before their hello are actors/stream_accept.py's (bare
+sockets); a connection's outgoing frames are actors/stream_out.py's (coalesced a loop turn, unsent bytes bounded)."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
 import logging
 import socket
@@ -24,17 +24,17 @@ from contextlib import aclosing
 import ray
 
 from actors.shard_options import ShardOptions
-from actors.stream_guard import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, RefusalLog, StreamLimits
+from actors.stream_accept import Acceptor
+from actors.stream_guard import RefusalLog, StreamLimits
+from actors.stream_out import CutOff, StreamOut
 from flame_llm.protocol.stream_frames import (
     FRAME_OVERHEAD,
-    HELLO_MAX_BYTES,
     Frame,
     FrameError,
     FrameIdle,
     StreamEndpoint,
     encode_frame,
     keepalive,
-    read_frame,
     read_frame_within,
 )
 
@@ -42,10 +42,10 @@ log = logging.getLogger(__name__)
 
 Items = Callable[[bytes, "str | None", "str | None", "str | None"], AsyncIterator["list[int] | bytes"]]
 LOOPBACK = "127.0.0.1"
-OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_cancels", "socket_dropped",
             "socket_hello_timeouts", "socket_refused_cap", "socket_idle_closed", "socket_frame_timeouts",
-            "socket_bad_frames", "socket_accept_errors")
+            "socket_bad_frames", "socket_accept_errors", "socket_out_frames", "socket_out_writes", "socket_out_bytes",
+            "socket_cutoffs")
 
 
 async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
@@ -62,13 +62,6 @@ async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
     return host
 
 
-class _Conn:
-    __slots__ = ("task", "evicted")
-
-    def __init__(self, task: asyncio.Task) -> None:
-        self.task, self.evicted = task, False
-
-
 class StreamServer:
     def __init__(self, items: Items, max_payload_bytes: int, name: str, incarnation: str,
                  limits: StreamLimits | None = None) -> None:
@@ -79,12 +72,16 @@ class StreamServer:
         self.token = StreamEndpoint.new_token()  # one per incarnation, whichever address a client comes by
         self.endpoints: dict[str, StreamEndpoint] = {}  # host -> where it listens
         self._starting: dict[str, asyncio.Future] = {}
-        self._listeners: list[tuple[socket.socket, asyncio.Task]] = []
-        self.pending: dict[int, _Conn] = {}  # connections before their hello, oldest first
-        self.authed: dict[int, _Conn] = {}
+        self.authed: dict[int, asyncio.Task] = {}  # connections past their hello: the task serving each
         self._ids = itertools.count()
         self.refusals = RefusalLog(log, name)
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.acceptor: Acceptor | None = None  # on the loop of the first start()
+
+    @property
+    def pending(self) -> dict:
+        """The connections before their hello, oldest first (bare sockets: actors/stream_accept.py)."""
+        return self.acceptor.pending if self.acceptor is not None else {}
 
     @property
     def endpoint(self) -> StreamEndpoint | None:
@@ -98,9 +95,10 @@ class StreamServer:
 
     async def _start(self, host: str) -> StreamEndpoint:
         lsock = socket.create_server((host, 0), backlog=1024)
-        lsock.setblocking(False)
-        task = asyncio.get_running_loop().create_task(self._accept(lsock))
-        self._listeners.append((lsock, task))
+        if self.acceptor is None:
+            self.acceptor = Acceptor(self.limits, self.counters, self.refusals, lambda: self.endpoint, self._hello,
+                                     lambda: next(self._ids))
+        self.acceptor.listen(lsock)
         port = lsock.getsockname()[1]
         ep = self.endpoints[host] = StreamEndpoint(host, port, self.token, self.incarnation,
                                                    self.limits.idle_timeout_s)
@@ -108,92 +106,39 @@ class StreamServer:
         return ep
 
     async def stop(self) -> None:
-        for lsock, task in self._listeners:
-            task.cancel()
-            lsock.close()
-        conns = [c.task for c in (*self.pending.values(), *self.authed.values())]
+        if self.acceptor is not None:
+            self.acceptor.close()
+        conns = list(self.authed.values())
         for t in conns:
             t.cancel()
-        await asyncio.gather(*conns, *(t for _, t in self._listeners), return_exceptions=True)
+        await asyncio.gather(*conns, return_exceptions=True)
         self.refusals.close()
 
-    async def _accept(self, lsock: socket.socket) -> None:
-        """Accept connections; when the process is out of file descriptors, back off (doubling up to
-        ACCEPT_BACKOFF_MAX_S) and close the older half of the pending connections, instead of a tight loop of
-        failed accepts."""
-        loop, backoff = asyncio.get_running_loop(), 0.0
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(lsock)
-            except OSError as e:
-                if e.errno not in OUT_OF_FDS:
-                    if lsock.fileno() < 0:  # closed by stop()
-                        return
-                    self.refusals.note(f"accept failed ({errno.errorcode.get(e.errno, e.errno)})")
-                    await asyncio.sleep(ACCEPT_BACKOFF_MIN_S)
-                    continue
-                self.counters["socket_accept_errors"] += 1
-                self.refusals.note(f"accept failed ({errno.errorcode.get(e.errno, e.errno)}), backing off")
-                for _ in range(max(1, len(self.pending) // 2)):  # the flood holds them: room for new ones
-                    self._evict_oldest_pending("evicted to free descriptors")
-                backoff = min(max(backoff * 2, ACCEPT_BACKOFF_MIN_S), ACCEPT_BACKOFF_MAX_S)
-                await asyncio.sleep(backoff)
-                continue
-            backoff = 0.0
-            # an accepted socket's proto is 0, so asyncio does not set TCP_NODELAY itself (small frames would wait
-            # for delayed ACKs: 40 ms a stream)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if len(self.pending) >= self.limits.max_pending:
-                self._evict_oldest_pending("pending cap: oldest without hello closed")
-            cid = next(self._ids)
-            conn = self.pending[cid] = _Conn(loop.create_task(self._serve_conn(cid, sock)))
-            conn.task.add_done_callback(lambda _, cid=cid, sock=sock: self._gone(cid, sock))
-            await asyncio.sleep(0)  # sock_accept does not yield while the backlog holds connections: the rest run
+    def _hello(self, cid: int, sock: socket.socket) -> None:
+        """A connection presented the token (actors/stream_accept.py): served, unless the connection cap is
+        reached."""
+        if len(self.authed) >= self.limits.max_connections:
+            self.counters["socket_refused_cap"] += 1
+            self.refusals.note(f"connection cap ({self.limits.max_connections}) reached")
+            sock.close()
+            return
+        self.counters["socket_connections"] += 1
+        task = self.authed[cid] = asyncio.get_running_loop().create_task(self._serve_conn(cid, sock))
+        task.add_done_callback(lambda _, cid=cid, sock=sock: self._gone(cid, sock))
 
     def _gone(self, cid: int, sock: socket.socket) -> None:
-        self.pending.pop(cid, None)
         self.authed.pop(cid, None)
         sock.close()  # its descriptor is freed even when its task was cancelled before it ran
 
-    def _evict_oldest_pending(self, why: str) -> None:
-        for conn in self.pending.values():
-            if not conn.evicted:
-                conn.evicted = True
-                self.counters["socket_refused"] += 1
-                self.counters["socket_refused_cap"] += 1
-                self.refusals.note(why)
-                conn.task.cancel()
-                return
-
     async def _serve_conn(self, cid: int, sock: socket.socket) -> None:
-        conn = self.pending[cid]
-        writer = None
+        """A connection past its hello: its frames until it closes, idles out or breaks the framing."""
+        writer = out = None
         streams: dict[int, asyncio.Task] = {}
         lim = self.limits
         try:
-            try:
-                async with asyncio.timeout(lim.hello_timeout_s) as hello_wait:
-                    reader, writer = await asyncio.open_connection(sock=sock)
-                    hello = await read_frame(reader, HELLO_MAX_BYTES)
-            except (FrameError, OSError, asyncio.IncompleteReadError) as e:
-                hello = None
-                if isinstance(e, TimeoutError) and hello_wait.expired():
-                    self.counters["socket_hello_timeouts"] += 1
-                    self.counters["socket_refused"] += 1
-                    self.refusals.note(f"no hello within {lim.hello_timeout_s:g}s")
-                    return
-            if hello is None or hello[0] != Frame.HELLO or len(hello) != 2 or not self._accepts(hello[1]):
-                self.counters["socket_refused"] += 1
-                self.refusals.note("no valid token")
-                return
-            del self.pending[cid]
-            if len(self.authed) >= lim.max_connections:
-                self.counters["socket_refused_cap"] += 1
-                self.refusals.note(f"connection cap ({lim.max_connections}) reached")
-                return
-            self.authed[cid] = conn
-            self.counters["socket_connections"] += 1
-            keepalive(writer.get_extra_info("socket"))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            keepalive(sock)
+            out = StreamOut(writer, self.counters, lim.coalesce, lim.max_unsent_bytes, lim.drain_timeout_s)
             owner = f"socket-{self.incarnation[:8]}-{cid}"  # this connection's requests (actors/inflight.py)
             while True:
                 try:
@@ -207,7 +152,7 @@ class StreamServer:
                     return
                 if frame is None:
                     return
-                self._frame(frame, streams, writer, owner)
+                self._frame(frame, streams, out, owner)
         except FrameError as e:
             self.counters["socket_bad_frames"] += 1
             if "deadline" in str(e):
@@ -223,12 +168,14 @@ class StreamServer:
             for task in list(streams.values()):
                 task.cancel()
             await asyncio.gather(*streams.values(), return_exceptions=True)
-            self._close(conn, writer, sock)
+            self._close(writer, out, sock)
 
     @staticmethod
-    def _close(conn: _Conn, writer: asyncio.StreamWriter | None, sock: socket.socket) -> None:
+    def _close(writer: asyncio.StreamWriter | None, out: StreamOut | None, sock: socket.socket) -> None:
         """Free the connection's descriptor now: a clean close when nothing is left to send, else an abort (a peer
         that does not read must not keep it)."""
+        if out is not None:
+            out.flush()
         if writer is None:
             sock.close()
         elif writer.transport.get_write_buffer_size() == 0:
@@ -236,12 +183,7 @@ class StreamServer:
         else:
             writer.transport.abort()
 
-    def _accepts(self, presented) -> bool:
-        ep = self.endpoint
-        return ep is not None and ep.accepts(presented)
-
-    def _frame(self, frame: list, streams: dict[int, asyncio.Task], writer: asyncio.StreamWriter,
-               owner: str) -> None:
+    def _frame(self, frame: list, streams: dict[int, asyncio.Task], out: StreamOut, owner: str) -> None:
         """One frame after the hello. A malformed OPEN or CANCEL is refused alone; other kinds from a client close
         the connection (FrameError)."""
         kind = frame[0]
@@ -253,11 +195,11 @@ class StreamServer:
                 return self._bad(f"OPEN with an unusable stream id {str(sid)[:40]}")
             if not isinstance(payload, bytes):
                 self._bad("OPEN whose payload is not bytes")
-                writer.write(encode_frame(Frame.FAIL, sid, "the OPEN frame's payload must be bytes"))
+                out.send(encode_frame(Frame.FAIL, sid, "the OPEN frame's payload must be bytes"))
                 return
             caller, client = (x if isinstance(x, str) else None for x in (caller, client))
             self.counters["socket_streams"] += 1
-            task = asyncio.get_running_loop().create_task(self._stream(writer, sid, payload, caller, client, owner))
+            task = asyncio.get_running_loop().create_task(self._stream(out, sid, payload, caller, client, owner))
             streams[sid] = task
             task.add_done_callback(lambda _, sid=sid: streams.pop(sid, None))
             return
@@ -278,17 +220,18 @@ class StreamServer:
         self.counters["socket_bad_frames"] += 1
         self.refusals.note(f"frame refused: {what}")
 
-    async def _stream(self, writer: asyncio.StreamWriter, sid: int, payload: bytes, caller: str | None,
-                      client: str | None, owner: str) -> None:
+    async def _stream(self, out: StreamOut, sid: int, payload: bytes, caller: str | None, client: str | None,
+                      owner: str) -> None:
         try:
             async with aclosing(self.items(payload, caller, client, owner)) as items:  # closed when cancelled
                 async for item in items:
                     kind = Frame.CHUNK if isinstance(item, list) else Frame.RESULT
-                    writer.write(encode_frame(kind, sid, item))
-                    await writer.drain()
+                    out.send(encode_frame(kind, sid, item))
+                    await out.room()
+        except CutOff as e:  # the peer does not read: the connection is aborted, its reader ends it and its streams
+            self.refusals.note(f"cut off: {e}"[:120])
         except ConnectionError:  # the connection went: _serve_conn aborts what is left of its streams
             return
         except Exception as e:  # a bug: the client must not wait forever (the Ray path raises it to the caller)
             log.exception("shard %s: stream %d failed", self.name, sid)
-            if not writer.is_closing():
-                writer.write(encode_frame(Frame.FAIL, sid, f"{type(e).__name__}: {e}"))
+            out.send(encode_frame(Frame.FAIL, sid, f"{type(e).__name__}: {e}"))

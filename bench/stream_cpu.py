@@ -88,9 +88,11 @@ async def window(url: str, streams: int, out_tokens: int, prompt_tokens: int, vo
 
 
 def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int,
-            engine: tuple[str, int | None]) -> dict:
-    """engine: (the process that runs the engine, its engine thread's native id when known)."""
+            engine: tuple[str, int | None], shard_stats=None) -> dict:
+    """engine: (the process that runs the engine, its engine thread's native id when known). shard_stats: the
+    engine actor's stats (flame), whose stream-server output counters are read around the window."""
     proc, tid = engine
+    sock0 = shard_stats() if shard_stats is not None else {}
     threads0 = thread_cpu_s(pids[proc])
     before, t = cpu_s({**pids, "load generator": os.getpid()}), time.perf_counter()
     outs = asyncio.run(window(url, a.streams, a.output_tokens, a.prompt_tokens, vocab, a.duration_s, seed))
@@ -98,6 +100,7 @@ def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int,
     after = cpu_s({**pids, "load generator": os.getpid()})
     eng_s, how = engine_thread_share(threads0, thread_cpu_s(pids[proc]), tid)
     tokens = sum(o.output_tokens for o in outs)
+    sock = {k: v - sock0[k] for k, v in shard_stats().items() if k in sock0} if shard_stats is not None else {}
     per_tok = {k: 1e6 * (after[k] - before[k]) / tokens for k in after}
     split = {"engine thread": 1e6 * eng_s / tokens, "found as": how,
              "other threads": per_tok[proc] - 1e6 * eng_s / tokens}
@@ -106,7 +109,10 @@ def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int,
     return {"system": name, "streams": len(outs), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "cpu_us_per_token": per_tok, "engine_process_split": split, "system_cpu_us_per_token": system,
             "system_cpu_cores": system * tokens / wall / 1e6, "itl_s": percentiles(itl),
-            "chunks_per_token": sum(len(o.chunk_s) for o in outs) / tokens}
+            "chunks_per_token": sum(len(o.chunk_s) for o in outs) / tokens, "stream_out": sock,
+            # the stream server's frames per socket write (before its output counters: one write a frame)
+            "frames_per_write": sock["socket_out_frames"] / max(1, sock["socket_out_writes"])
+            if "socket_out_writes" in sock else None}
 
 
 def flame_pids(flame) -> tuple[dict[str, int], int]:
@@ -153,8 +159,8 @@ def table(rows: list[dict]) -> str:
     names = sorted({k for r in rows for k in r["cpu_us_per_token"]})
     lines = ["| system | round | tokens | tok/s | " + " | ".join(f"{n} us/tok" for n in names)
              + " | of the engine's process: engine thread / other threads us/tok | system us/tok | system CPU cores | "
-               "ITL p50 / p99 ms | chunks/token |",
-             "|---" * (9 + len(names)) + "|"]
+               "ITL p50 / p99 ms | chunks/token | stream frames/write |",
+             "|---" * (10 + len(names)) + "|"]
     for r in rows:
         c = r["cpu_us_per_token"]
         lines.append(f"| {r['system']} | {r['round']} | {r['tokens']} | {r['tok_s']:.0f} | "
@@ -163,7 +169,8 @@ def table(rows: list[dict]) -> str:
                        f"{r['engine_process_split']['other threads']:.1f}"
                      + f" | {r['system_cpu_us_per_token']:.1f} | {r['system_cpu_cores']:.2f} | "
                        f"{1e3 * r['itl_s']['p50']:.2f} / {1e3 * r['itl_s']['p99']:.2f} | "
-                       f"{r['chunks_per_token']:.2f} |")
+                       f"{r['chunks_per_token']:.2f} | "
+                       + (f"{r['frames_per_write']:.2f} |" if r.get("frames_per_write") is not None else "- |"))
     return "\n".join(lines)
 
 
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             raise SystemExit(f"{name} is out of range: {getattr(a, name[2:].replace('-', '_'))!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import ray
+
     from bench.runner import RunOptions, build_setup, local_ray_scope
     from bench.system_config import parse_system
     from bench.systems import make_system
@@ -209,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             door_pids, tid = flame_pids(flame)
             pids = {"serve-http": {"serve-http": http.procs[0].pid}, "flame door": door_pids}
             engine = {"serve-http": ("serve-http", None), "flame door": ("engine actor", tid)}
+            actor = next(iter(flame.service.actors.values()))
+            stats = {"serve-http": None, "flame door": lambda: {k: v for k, v in ray.get(actor.stats.remote()).items()
+                                                                if k.startswith("socket_out_")}}
             for url in urls.values():  # warm both paths
                 asyncio.run(window(url, a.streams, 8, a.prompt_tokens, vocab, 0.5, 99))
             order = [n for k in range(a.rounds) for n in (list(urls) if k % 2 == 0 else list(urls)[::-1])]
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                 if a.py_spy and name == "flame door" and not spy:
                     spy_pids = {n: p for n, p in pids[name].items() if n != "router"}
                     spies = py_spy(spy_pids, min(a.py_spy, a.duration_s), os.path.join(a.logs, "py-spy"))
-                row = measure(name, urls[name], pids[name], a, vocab, seed=k, engine=engine[name])
+                row = measure(name, urls[name], pids[name], a, vocab, seed=k, engine=engine[name],
+                              shard_stats=stats[name])
                 row["round"] = k // 2
                 rows.append(row)
                 for proc in spies:

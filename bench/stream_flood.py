@@ -3,7 +3,8 @@ time: `python -m bench.stream_flood --connections 20000` starts a one-shard tiny
 valid streams (a Client on the socket transport) idle, then while `--connections` silent connections are opened to
 the shard's stream port as fast as `--concurrency` allows, then after; it prints the shard process's file
 descriptors before, at peak and after, how long flood connections lived, and the valid streams' latency during the
-flood against idle. `--target standalone` floods a StreamServer with stand-in streams in a child process instead
+flood against idle, and the server process's CPU over the flood per connection (the valid streams beside it
+included). `--target standalone` floods a StreamServer with stand-in streams in a child process instead
 (no Ray; what tests/test_stream_flood.py runs at a smaller size)."""
 from __future__ import annotations
 
@@ -74,6 +75,16 @@ async def flood(port: int, n: int, concurrency: int, hold_s: float) -> FloodStat
     return st
 
 
+def cpu_s_of(pid: int) -> float:
+    """User + system CPU seconds of a process so far (-1 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
 def _percentiles(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
@@ -106,6 +117,7 @@ async def run(port: int, pid: int, stream_once, args) -> dict:
             await asyncio.sleep(0.1)
 
     sampler = asyncio.ensure_future(sample())
+    cpu0 = cpu_s_of(pid)
     during_task = asyncio.ensure_future(_valid(stream_once, done, 0))
     # the flood runs in its own process: the valid streams' latency is the server's, not this loop's
     proc = await asyncio.create_subprocess_exec(
@@ -113,12 +125,14 @@ async def run(port: int, pid: int, stream_once, args) -> dict:
         "--concurrency", str(args.concurrency), "--hold-s", str(args.hold_s), stdout=subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), args.hold_s + 600)
     st = FloodStats(**json.loads(out))
+    cpu = cpu_s_of(pid) - cpu0  # the server's CPU over the flood (the valid streams beside it included)
     done.set()
     during = await during_task
     await sampler
     await asyncio.sleep(args.settle_s)
     return {"connections": args.connections, "flood": asdict(st), "fds_before": fds_before, "fds_peak": peak[0],
-            "fds_after": fds_of(pid), "valid_idle": _percentiles(idle), "valid_during": _percentiles(during)}
+            "fds_after": fds_of(pid), "valid_idle": _percentiles(idle), "valid_during": _percentiles(during),
+            "server_cpu_s": cpu, "server_cpu_us_per_conn": 1e6 * cpu / max(1, st.opened)}
 
 
 def _standalone(args, stderr=None) -> dict:

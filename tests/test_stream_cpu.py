@@ -51,3 +51,8 @@ def test_a_short_run_of_both_systems_adds_up(tmp_path):
         assert split["engine thread"] + split["other threads"] == pytest.approx(c[procs[0]])
         assert split["found as"] == ("its AsyncEngine thread" if r["system"] == "flame door" else
                                      "the busiest thread but the main one")
+        if r["system"] == "flame door":  # the stream server's output counters were read around the window
+            assert r["stream_out"]["socket_out_frames"] >= r["stream_out"]["socket_out_writes"] > 0
+            assert r["frames_per_write"] >= 1.0
+        else:
+            assert r["frames_per_write"] is None

@@ -33,6 +33,7 @@ HELLO_MAX_BYTES = 256  # a frame before the token was presented is at most this 
 FRAME_MIN_BYTES_PER_S = 1 << 20  # a frame's deadline grows by its length at this rate (beyond the frame timeout)
 FRAME_OVERHEAD = 1024  # a frame's bytes besides its payload (kind, ids, caller, client, msgpack headers)
 _LEN = struct.Struct(">I")
+LEN_BYTES = _LEN.size  # a frame's length prefix
 # a peer whose node is gone (no FIN, no RST) is noticed by TCP keepalive: idle, interval (s), probes
 KEEPALIVE = (10, 5, 3)
 
@@ -120,6 +121,16 @@ async def read_frame_within(reader: asyncio.StreamReader, max_bytes: int, wait_s
             raise FrameTimeout(f"a frame did not complete within its deadline ({frame_s}s + its length at "
                                f"{FRAME_MIN_BYTES_PER_S} B/s)") from None
         raise
+    return _parse(body)
+
+
+def frame_length(head: bytes, max_bytes: int) -> int:
+    """A frame's body length from its 4-byte head (FrameError over max_bytes): for readers of bare sockets."""
+    return _length(head, max_bytes)
+
+
+def parse_frame(body: bytes) -> list:
+    """A frame's array from its body (FrameError when it is not a frame): for readers of bare sockets."""
     return _parse(body)
 
 

@@ -80,17 +80,16 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
     """Server-sent events: each choice's chunks as its tokens arrive, its last chunk with its finish reason, a
     usage chunk when asked for, then [DONE]. A failed choice ends the stream with an error event. The client
     going away (a failed write, or its handler cancelled) cancels every choice: their requests are aborted; so does
-    a client that falls behind by max_events events, or whose write does not drain within drain_s seconds."""
+    a client that falls behind by max_events events, or whose write does not drain within drain_s seconds.
+
+    The events waiting when the writer comes round (several choices', or a choice's chunks that arrived while the
+    last write drained) leave in one write; one drain deadline (a reschedulable timeout, no task per write) covers
+    each write."""
     model = backend.model_names[0]
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     events: asyncio.Queue = asyncio.Queue()  # at most max_events, plus one last item per choice
-
-    async def write(data: bytes) -> None:
-        try:
-            await asyncio.wait_for(resp.write(data), drain_s)
-        except asyncio.TimeoutError:
-            raise SlowClient(f"a write did not drain within stream_drain_timeout_s ({drain_s:g}s)") from None
+    loop = asyncio.get_running_loop()
 
     async def one(index: int, prompt, sp) -> None:
         def on_text(text: str, token_ids: list[int]) -> None:
@@ -110,34 +109,59 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
 
     tasks: list[asyncio.Task] = []
     results: list[Result | None] = [None] * len(req.prompts)
-    first = True
+    first, failed = True, False
+    out: list[bytes] = []  # the events of this write
+
+    def event(kind: str, index: int, a, b) -> None:
+        """One queued item into `out`; a SlowClient raises, a failed choice ends the stream (`failed`)."""
+        nonlocal first, failed
+        if kind == "slow":
+            raise a
+        if kind == "text":
+            if first and b:
+                observe("ttft_s", time.perf_counter() - t0)
+                first = False
+            out.append(_event(api.chunk(req, model, index, a, b, None)))
+            return
+        error = a if kind == "error" else (api.result_error(a.to_dict()) if a.error is not None else None)
+        if error is not None:
+            out.append(_event(error.body()))
+            failed = True
+            return
+        results[index] = a
+        out.append(_event(api.chunk(req, model, index, "", [], a.finish_reason)))
+
     try:
-        if req.kind == "chat":
-            for k in range(len(req.prompts)):
-                await write(_event(api.chunk(req, model, k, "", [], None, first=True)))
-        tasks = [asyncio.create_task(one(k, p, sp)) for k, (p, sp) in enumerate(zip(req.prompts, req.sampling))]
-        while any(r is None for r in results):
-            kind, index, a, b = await events.get()
-            if kind == "slow":
-                raise a
-            if kind == "text":
-                if first and b:
-                    observe("ttft_s", time.perf_counter() - t0)
-                    first = False
-                await write(_event(api.chunk(req, model, index, a, b, None)))
-                continue
-            error = a if kind == "error" else (api.result_error(a.to_dict()) if a.error is not None else None)
-            if error is not None:
-                await write(_event(error.body()))
-                break
-            results[index] = a
-            await write(_event(api.chunk(req, model, index, "", [], a.finish_reason)))
-        else:
-            if req.include_usage:
-                await write(_event(api.usage_chunk(req, model, [r.to_dict() for r in results])))
-        await write(b"data: [DONE]\n\n")
+        async with asyncio.timeout(None) as deadline:
+
+            async def write() -> None:
+                data = out[0] if len(out) == 1 else b"".join(out)
+                out.clear()
+                deadline.reschedule(loop.time() + drain_s)
+                await resp.write(data)
+                deadline.reschedule(None)
+
+            if req.kind == "chat":
+                out.extend(_event(api.chunk(req, model, k, "", [], None, first=True)) for k in range(len(req.prompts)))
+                await write()
+            tasks = [asyncio.create_task(one(k, p, sp)) for k, (p, sp) in enumerate(zip(req.prompts, req.sampling))]
+            while not failed and any(r is None for r in results):
+                event(*await events.get())
+                while not failed and not events.empty():  # what else is ready goes with it
+                    event(*events.get_nowait())
+                if not failed and all(r is not None for r in results):
+                    break  # the last events go with the usage chunk and [DONE]
+                await write()
+            if not failed and req.include_usage:
+                out.append(_event(api.usage_chunk(req, model, [r.to_dict() for r in results])))
+            out.append(b"data: [DONE]\n\n")
+            await write()
         await resp.write_eof()
-    except SlowClient as e:  # dropped: nothing more is written; its requests are aborted below
+    except (SlowClient, TimeoutError) as e:  # dropped: nothing more is written; its requests are aborted below
+        if isinstance(e, TimeoutError):
+            if not deadline.expired():
+                raise
+            e = SlowClient(f"a write did not drain within stream_drain_timeout_s ({drain_s:g}s)")
         log.info("%s %s: client %s dropped: %s", request.method, request.path, request.remote, e)
         if request.transport is not None:
             request.transport.abort()
