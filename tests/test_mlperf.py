@@ -209,3 +209,25 @@ def test_find_qps_over_the_front_door_searches_within_its_budget(tmp_path):
     assert all(r["scenario"] == "Server" and r["counters"]["failed"] == 0 for r in runs)
     with open(os.path.join(runs[0]["logs"], "mlperf_log_detail.txt")) as f:
         assert '"requested_server_ttft_latency", "value": 500000000,' in f.read()  # Interactive's bound ran
+
+
+def test_the_device_stage_runs_loadgen_and_brings_back_its_logs(tmp_path):
+    """bench/device_run.sh's `mlperf` stage, on CPU as on the GPU machine: loadgen.md and every LoadGen log in $OUT."""
+    import subprocess
+    import tarfile
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "MLPERF_DIR": str(tmp_path / "mlperf"), "CACHES_IN": str(tmp_path / "no")}
+    args = ["--systems", "engine", "--scenario", "offline", *CPU_RUN]
+    p = subprocess.run(
+        ["bash", "bench/device_run.sh", "mlperf", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "not an MLPerf submission" in (out / "loadgen.md").read_text()
+    with tarfile.open(out / "mlperf.tgz") as t:
+        names = t.getnames()
+    assert "mlperf/loadgen.json" in names and "mlperf/raw/loadgen-engine.json" in names
+    assert "mlperf/loadgen/engine/offline/mlperf_log_summary.txt" in names
+    assert "mlperf/loadgen/engine/offline/mlperf_log_detail.txt" in names
