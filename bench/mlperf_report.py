@@ -79,6 +79,9 @@ def write_report(out: str) -> str:
     def ms(v):
         return "" if v is None else f"{v * 1000:.1f}"
 
+    def qps(v):
+        return "" if not v else f"{v:.4g}"
+
     lines = [
         "# LoadGen: MLPerf scenarios, MLPerf-style",
         "",
@@ -90,14 +93,18 @@ def write_report(out: str) -> str:
     ]
     for label, x in rows:
         lines.append(
-            f"| {label} | {x['scenario_name']} | {x['target_qps'] or ''} | {x['result']} | "
+            f"| {label} | {x['scenario_name']} | {qps(x['target_qps'])} | {x['result']} | "
             f"{'valid' if x['valid'] else 'invalid'} | {x['samples_per_s']} | {x['tokens_per_s']} | "
             f"{ms(x['ttft_p99_s'])} | {ms(x['tpot_p99_s'])} | {x['counters']['failed']} | "
             f"{os.path.relpath(x['logs'], out)} |"
         )
     lines += ["", "| system | Offline tok/s (valid) | highest valid QPS |", "|---|---|---|"]
     for label, b in best.items():
-        q = ", ".join(f"{k.split('_')[0]} {v}" for k, v in b.items() if k.endswith("_qps"))
+        q = ", ".join(
+            f"{k.split('_')[0]} {qps(v)}" if v else f"{k.split('_')[0]}: none valid"
+            for k, v in b.items()
+            if k.endswith("_qps")
+        )
         lines.append(f"| {label} | {b['offline_tokens_per_s']} | {q} |")
     if recs:
         d = recs[0]["dataset"]
