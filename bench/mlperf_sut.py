@@ -27,6 +27,7 @@ from bench.mlperf_data import Dataset
 from bench.system_config import parse_system
 
 log = logging.getLogger(__name__)
+KEEPALIVE_S = 2.0  # the client's idle keep-alive, under every server's own
 HTTP_SUFFIX = "-http"  # a flame label with it drives the front door instead of the Python client
 
 
@@ -64,7 +65,9 @@ class HttpBackend:
 
     async def open(self) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.max_connections),
+            # idle pooled connections are dropped after KEEPALIVE_S, before a server closes them (ours after 10 s,
+            # uvicorn's after 5): a request written into a connection the server is closing fails reset
+            connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
         )
 
