@@ -169,6 +169,7 @@ def run_system(label: str, o, cfg: LoadgenConfig, out: str) -> dict:
         rec["start"] = {k: v for k, v in sysm.start().items() if k != "health"}
         sut = LoadgenSut(make_backend(sysm, transport, setup.burst_timeout_s), data)
         rec["startup_s"] = time.perf_counter() - t0
+        rec["warmup_s"] = sut.warmup()
         for scenario in cfg.scenarios:
             base = os.path.join(out, "loadgen", label)
             if scenario == "offline":

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -152,6 +153,21 @@ class LoadgenSut:
         self.sut = lg.ConstructSUT(self.issue_queries, self.flush_queries)
         n = len(dataset)
         self.qsl = lg.ConstructQSL(n, n, lambda _: None, lambda _: None)  # the samples are in memory already
+
+    def warmup(self, n: int = 8, max_tokens: int = 4) -> float:
+        """n samples' prompts with short answers through the backend, outside LoadGen (first-use compiles and
+        connections before the measured runs); seconds taken. A failure here is the system's: raised."""
+
+        async def one(i: int) -> None:
+            async for _ in self.backend.stream(self.dataset.input_ids[i % len(self.dataset)], max_tokens):
+                pass
+
+        async def all_of() -> None:
+            await asyncio.gather(*(one(i) for i in range(n)))
+
+        t0 = time.perf_counter()
+        asyncio.run_coroutine_threadsafe(all_of(), self.loop).result()
+        return time.perf_counter() - t0
 
     def reset(self) -> None:
         """Counters start again (one LoadGen run each)."""
