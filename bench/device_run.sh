@@ -144,8 +144,7 @@ case $stage in
     # merge: MLPERF_DIR). LoadGen travels as its wheel: .whl/mlcommons_loadgen-*.whl in the bundles (unpacked to
     # /tmp/wheels) or carried in .whl/ with the call (bg's copy of the tree leaves .whl/ out: there LoadGen imports
     # only once an earlier call unpacked it; the GPU image's Python is 3.12: the cp312 wheel). $OUT: loadgen.md, and
-    # mlperf.tgz (the report's JSON, each
-    # system's record and every LoadGen run's mlperf_log_summary.txt / mlperf_log_detail.txt)
+    # mlperf.tgz (the report's JSON, each system's record and every LoadGen run's summary and detail logs)
     if ! python3 -c 'import mlperf_loadgen' 2>/dev/null; then
       for w in .whl/mlcommons_loadgen-*.whl; do [[ -f $w ]] && python3 -m zipfile -e "$w" /tmp/wheels; done
     fi
