@@ -139,6 +139,25 @@ case $stage in
     timeout ${LOAD_TIMEOUT:-560} python3 -m bench.pairs --mode load "${VLLM[@]}" --out /tmp/load "$@" 2>&1 \
       | grep -v -e INFO -e WARNING | tail -45
     tar czf "$OUT/load.tgz" -C /tmp load ;;
+  mlperf)  # MLPerf LoadGen (bench/mlperf.py; MLPerf-style, not a submission), e.g. `mlperf --systems flame,vllm
+    # --scenario offline,server --find-qps --mlperf-samples 1000` (one system after another; calls into one --out
+    # merge: MLPERF_DIR). LoadGen travels as its wheel: .whl/mlcommons_loadgen-*.whl in the bundles (unpacked to
+    # /tmp/wheels) or carried in .whl/ with the call (bg's copy of the tree leaves .whl/ out: there LoadGen imports
+    # only once an earlier call unpacked it; the GPU image's Python is 3.12: the cp312 wheel). $OUT: loadgen.md, and
+    # mlperf.tgz (the report's JSON, each system's record and every LoadGen run's summary and detail logs)
+    if ! python3 -c 'import mlperf_loadgen' 2>/dev/null; then
+      for w in .whl/mlcommons_loadgen-*.whl; do [[ -f $w ]] && python3 -m zipfile -e "$w" /tmp/wheels; done
+    fi
+    python3 -c 'import mlperf_loadgen' 2>/dev/null || {
+      echo "no MLPerf LoadGen here: pip download mlcommons-loadgen==6.0.17 --no-deps -d .whl (this machine's Python)"
+      exit 5; }
+    mdir=${MLPERF_DIR:-/tmp/mlperf}
+    timeout ${MLPERF_TIMEOUT:-560} python3 -m bench.pairs --mode loadgen "${VLLM[@]}" --out "$mdir" "$@" 2>&1 \
+      | grep -v -e INFO -e WARNING | tail -45
+    st=${PIPESTATUS[0]}
+    cp "$mdir/loadgen.md" "$OUT/" 2>/dev/null
+    tar czf "$OUT/mlperf.tgz" -C "$(dirname "$mdir")" "$(basename "$mdir")"
+    (exit "$st") ;;
   py)  # any module or script with the bundles' packages, e.g. `py -m bench.prune_ab --out \$OUT/prune.json`
     timeout ${PY_TIMEOUT:-540} python3 "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -60 ;;
   bg)  # any stage in a process session of its own, so it runs on after this call returns (the device tool ends a

@@ -6,6 +6,7 @@ paired report. load: each system fresh in turn under a Poisson stream of the doc
     ray job submit --working-dir . -- python -m bench.pairs --systems flame,engine --pairs 5 --out DIR
     flame-llm bench --systems flame,engine --pairs 5 --out DIR        (the same, without a job)
     flame-llm bench --mode load --systems flame,engine,vllm --rates 0.5,1,2,4 --duration-s 60 --out DIR
+    flame-llm bench --mode loadgen --scenario offline,server --systems flame,vllm --find-qps --out DIR
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from bench.load import LOAD_ARGUMENTS
+from bench.mlperf import LOADGEN_ARGUMENTS
 from bench.provenance import call_info, machine_info
 from bench.report import render_markdown, write_report
 from bench.runner import RUN_ARGUMENTS, check_round_robin, local_ray_scope, options_from_args, run_one
@@ -32,10 +34,12 @@ log = logging.getLogger(__name__)
 
 # (flags, add_argument kwargs): the `flame-llm bench` options
 ARGUMENTS = [
-    (("--mode",), {"default": "burst", "choices": ("burst", "load"),
-                   "help": "burst: the paired burst report; load: sustained Poisson load at each of --rates"}),
+    (("--mode",), {"default": "burst", "choices": ("burst", "load", "loadgen"),
+                   "help": "burst: the paired burst report; load: sustained Poisson load at each of --rates; "
+                           "loadgen: MLPerf LoadGen's scenarios, MLPerf-style (bench/mlperf.py)"}),
     (("--systems",), {"default": "flame,engine", "help": "comma-separated labels: flame, engine, vllm, vllm-seed, "
-                      "each optionally -rr; the first is the subject of the report's ratios"}),
+                      "each optionally -rr; the first is the subject of the report's ratios (loadgen mode also: "
+                      "flame-http, the front door)"}),
     (("--traces",), {"default": ",".join(TRACE_NAMES), "help": "comma-separated: no-reuse, reuse (the seed's), decode "
                       "(issue 39: long drawn answers, --decode-*)"}),
     (("--pairs",), {"type": int, "default": 5, "help": "interleaved pairs per trace (the report warns below "
@@ -44,6 +48,7 @@ ARGUMENTS = [
                          "report over several commands writing to the same --out)"}),
     *RUN_ARGUMENTS,
     *LOAD_ARGUMENTS,
+    *LOADGEN_ARGUMENTS,
 ]
 
 
@@ -55,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     if a.mode == "load":
         return run_load(a)
+    if a.mode == "loadgen":
+        from bench.mlperf import run_loadgen
+        return run_loadgen(a)
     o = options_from_args(a)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     traces = [t.strip() for t in a.traces.split(",") if t.strip()]

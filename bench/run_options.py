@@ -119,7 +119,10 @@ BENCH_EPILOG = """examples:
   # CPU, no GPU here: the tiny model and CPU-sized traces are the defaults (3 pairs: ~5 min on 2 cores)
   flame-llm bench --systems flame,engine --traces reuse --pairs 3
   # GPU: Llama-3.1-8B shapes with dummy weights, one shard per GPU, the seed's traces, against vLLM
-  flame-llm bench --systems flame,engine,vllm --traces no-reuse,reuse --pairs 5 --out out/bench-gpu"""
+  flame-llm bench --systems flame,engine,vllm --traces no-reuse,reuse --pairs 5 --out out/bench-gpu
+  # MLPerf LoadGen's Offline and Server scenarios, MLPerf-style (not a submission); CPU: the lengths x 0.1
+  flame-llm bench --mode loadgen --systems flame --scenario offline,server --find-qps --mlperf-samples 1000 \
+    --mlperf-len-scale 0.1 --mlperf-duration-s 10 --out out/loadgen-cpu"""
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
