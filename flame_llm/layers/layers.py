@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flame_llm.kernels.fp8 import fp8_linear
+from flame_llm.kernels.fp8 import Fp8Activation, fp8_linear, quantize_activation
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
@@ -27,8 +27,8 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader
         self.register_parameter("weight_scale", None)  # quantization "fp8": float32 [N] (layers/fp8.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale is not None:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if self.weight_scale is not None:  # x: bf16, or e4m3 + scales from its producer (fp8_out)
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -62,6 +62,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.fused = False  # set by the ModelRunner on CUDA: one Triton launch instead of several
+        self.fp8_out = False  # quantization fp8 + fp8_fused_quant: the output is an Fp8Activation (layers/fp8.py)
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
@@ -71,8 +72,19 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple:
+        if not self.fp8_out:
+            return self._forward(x, residual)
+        if self.fused:  # norm and quantization in one launch
+            from flame_llm.kernels.fp8_fused import add_rmsnorm_quant
+            return add_rmsnorm_quant(x, self.weight, self.eps, residual)
+        if residual is None:
+            return quantize_activation(self._forward(x, None))
+        out, residual = self._forward(x, residual)
+        return quantize_activation(out), residual
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
             from flame_llm.kernels.fused import add_rmsnorm
             return add_rmsnorm(x, self.weight, self.eps, residual)
@@ -84,8 +96,17 @@ class RMSNorm(nn.Module):
 
 class SiluAndMul(nn.Module):
     fused = False
+    fp8_out = False  # as RMSNorm.fp8_out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activation:
+        if self.fp8_out and self.fused:
+            from flame_llm.kernels.fp8_fused import silu_mul_quant
+            return silu_mul_quant(x)
+        if self.fp8_out:
+            return quantize_activation(self._forward(x))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             from flame_llm.kernels.fused import silu_mul
             return silu_mul(x)
