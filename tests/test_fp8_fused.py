@@ -212,3 +212,10 @@ def test_flag_default_and_json():
     assert EngineConfig.from_kwargs().model_config.fp8_fused_quant is True
     assert engine_fields_from_json('{"quantization": "fp8", "fp8_fused_quant": false}') == {
         "quantization": "fp8", "fp8_fused_quant": False}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message; the GPU run is the lead's")
+def test_fusion_probe_refuses_cpu_with_a_message(tmp_path):
+    from bench.fp8_fusion_probe import main
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["--out", str(tmp_path / "x.json")])
