@@ -219,3 +219,15 @@ def test_fusion_probe_refuses_cpu_with_a_message(tmp_path):
     from bench.fp8_fusion_probe import main
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["--out", str(tmp_path / "x.json")])
+
+
+def test_fp8_roofline_of_the_seed_traces():
+    from bench.fp8_roofline import linear_params_per_layer, main, roofline
+    assert 32 * linear_params_per_layer() == 6_979_321_856  # Llama-3.1-8B's decoder projections
+    r = roofline("no-reuse")
+    assert r["tokens_per_request"] == 8192 + 64 + 15 and round(r["roofline_req_per_s"], 1) == 17.1
+    assert 66 < roofline("reuse")["roofline_req_per_s"] < 67
+    with pytest.raises(SystemExit, match="expected TRACE=req/s"):
+        main(["--measured", "no-reuse:5.9"])
+    with pytest.raises(ValueError, match="trace 'decode'"):
+        roofline("decode")
