@@ -27,14 +27,14 @@ def linear_params_per_layer(hidden: int = HIDDEN, q: int = Q, kv: int = KV, inte
 
 
 def tokens_per_request(name: str, cfg: TraceConfig | None = None) -> float:
+    if name not in ("no-reuse", "reuse"):
+        raise ValueError(f"trace {name!r}: the roofline knows 'no-reuse' and 'reuse'")
     cfg = cfg or TraceConfig(name=name)
     prompt = cfg.doc_tokens + cfg.question_tokens
     decode = cfg.output_tokens - 1
     if name == "no-reuse":
         return prompt + decode
-    if name == "reuse":
-        return cfg.doc_tokens / cfg.questions + cfg.question_tokens + decode
-    raise ValueError(f"trace {name!r}: the roofline knows 'no-reuse' and 'reuse'")
+    return cfg.doc_tokens / cfg.questions + cfg.question_tokens + decode
 
 
 def roofline(name: str, tflops: float = FP8_DENSE_TFLOPS, layers: int = LAYERS) -> dict:
