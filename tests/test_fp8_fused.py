@@ -231,3 +231,56 @@ def test_fp8_roofline_of_the_seed_traces():
         main(["--measured", "no-reuse:5.9"])
     with pytest.raises(ValueError, match="trace 'decode'"):
         roofline("decode")
+
+
+# ---- fp8_small_m_gemv: W8A16 steps of few rows --------------------------------------------------------------
+@pytest.mark.parametrize("bad", [-1, 65, True, 8.0])
+def test_bad_fp8_small_m_gemv_names_the_field_and_limit(tiny_llama, bad):
+    with pytest.raises(ValueError, match="'fp8_small_m_gemv' must be 0 \\(off\\) or the most rows, at most 64"):
+        Config.from_kwargs(tiny_llama, quantization="fp8", fp8_small_m_gemv=bad)
+
+
+def test_small_m_sets_projections_and_producers_only_when_on(tiny_llama):
+    from flame_llm.layers.layers import Linear
+    on = LLM(tiny_llama, quantization="fp8", fp8_small_m_gemv=32, **ENGINE)
+    model = on.engine.model_runner.model
+    assert all(m.small_m_rows == 32 for m in model.modules() if isinstance(m, Linear))
+    assert all(m.fp8_bf16_rows == 32 for m in _producers(on) if m.fp8_out)
+    assert EngineConfig.from_kwargs().model_config.fp8_small_m_gemv == 0
+    off = LLM(tiny_llama, quantization="fp8", **ENGINE).engine.model_runner.model
+    assert all(m.small_m_rows == 0 for m in off.modules() if isinstance(m, Linear))
+
+
+def test_small_m_layers_switch_at_the_row_limit():
+    from flame_llm.kernels.fp8 import fp8_small_m
+    from flame_llm.layers.fp8 import quantize_linear
+    from flame_llm.layers.layers import Linear
+    lin = Linear(64, 32)
+    lin.weight.data.normal_()
+    quantize_linear(lin)
+    lin.small_m_rows = 4
+    norm = RMSNorm(64, 1e-5)
+    norm.fp8_out, norm.fp8_bf16_rows = True, 4
+    x = torch.randn(4, 64)
+    assert isinstance(norm(x), torch.Tensor) and isinstance(norm(torch.randn(5, 64)), Fp8Activation)
+    assert torch.equal(lin(x), fp8_small_m(x, lin.weight, lin.weight_scale, None))  # bf16 rows: W8A16
+    assert not torch.equal(lin(x), fp8_linear(x, lin.weight, lin.weight_scale, None))
+    x5 = torch.randn(5, 64)
+    assert torch.equal(lin(x5), fp8_linear(x5, lin.weight, lin.weight_scale, None))  # over the limit: W8A8
+    assert lin(torch.empty(0, 64)).shape == (0, 32)
+
+
+def test_small_m_engine_logits_closer_to_unquantized(tiny_llama):
+    """A step of <= 64 rows with fp8_small_m_gemv 64 runs W8A16 (the activations unquantized): its logits are
+    closer to the unquantized model's than W8A8's (one e4m3 rounding instead of two)."""
+    from test_fp8 import _step_logits
+    prompts = [p[:20] for p in make_prompts()[:3]]  # 60 rows
+    base = _step_logits(LLM(tiny_llama, **ENGINE), prompts)
+    err = {}
+    for small_m in (0, 64):
+        got = _step_logits(LLM(tiny_llama, quantization="fp8", fp8_small_m_gemv=small_m, **ENGINE), prompts)
+        err[small_m] = ((got - base).norm() / base.norm()).item()
+    assert 0 < err[64] < err[0], err
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = LLM(tiny_llama, quantization="fp8", fp8_small_m_gemv=8, **ENGINE).generate(prompts, sp, use_tqdm=False)
+    assert all(len(o.output_token_ids) == 6 for o in outs)

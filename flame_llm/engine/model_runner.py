@@ -68,7 +68,7 @@ class ModelRunner:
                 if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                     m.fused = True
         if mc.quantization == "fp8":
-            set_fp8_producers(self.model, mc.fp8_fused_quant)
+            set_fp8_producers(self.model, mc.fp8_fused_quant, mc.fp8_small_m_gemv)
         torch.manual_seed(mc.seed)
         self.allocate_kv_cache()
         self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size

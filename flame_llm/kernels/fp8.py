@@ -95,3 +95,19 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_sca
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], weight.shape[0])
+
+
+def fp8_small_m(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                ) -> torch.Tensor:
+    """W8A16 for steps of few rows (fp8_small_m_gemv): x as it is times the e4m3 weights widened, no activation
+    quantization; kernels/fp8_gemv.py on CUDA, the dequantized weights' product elsewhere. y in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.is_cuda:
+        from flame_llm.kernels.fp8_gemv import fp8_small_m_linear
+        y = fp8_small_m_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, weight_scale)
+    else:
+        y = (x2.float() @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], weight.shape[0])
