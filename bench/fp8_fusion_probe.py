@@ -12,7 +12,8 @@ as four variants:
   engine with fp8_fused_quant false;
 - `fused`: kernels/fp8_fused.py's producers writing e4m3 + scales, then _scaled_mm: fp8_fused_quant true;
 - `unfused_prod` / `fused_prod`: the producers (and quantization) alone, no GEMMs: what the fusion itself saves;
-- `bf16`: the same chain in bf16 (F.linear), for scale.
+- `bf16`: the same chain in bf16 (F.linear), for scale;
+- `w8a16` (M <= 64): bf16 producers, then kernels/fp8_gemv.py on the e4m3 weights (fp8_small_m_gemv >= M).
 Each timing is `--calls` back-to-back chains over rotating inputs and weights (`--sets`, so little stays in L2)
 captured in one CUDA graph and replayed between two events, as the engine's steps run. Reported per M: ms per
 layer (median of rounds), fused ÷ unfused speed-up, the 32-layer sum, and the relative difference of the fused
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 log = logging.getLogger("bench.fp8_fusion_probe")
 HIDDEN, QKV, INTER = 4096, 6144, 14336  # Llama-3.1-8B
 TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
-VARIANTS = ("unfused", "fused", "unfused_prod", "fused_prod", "bf16")
+VARIANTS = ("unfused", "fused", "unfused_prod", "fused_prod", "bf16", "w8a16")
 
 
 def timed(fn, calls: int) -> float:
@@ -54,7 +55,7 @@ def timed(fn, calls: int) -> float:
 
 def make_chains(m: int, sets: int) -> dict:
     """The variants' callables (i: which rotating set) for M tokens."""
-    from flame_llm.kernels.fp8 import fp8_linear, per_token_quant, quantize_weight
+    from flame_llm.kernels.fp8 import fp8_linear, fp8_small_m, per_token_quant, quantize_weight
     from flame_llm.kernels.fp8_fused import add_rmsnorm_quant, silu_mul_quant
     from flame_llm.kernels.fused import add_rmsnorm, silu_mul
 
@@ -97,18 +98,30 @@ def make_chains(m: int, sets: int) -> dict:
         h, _ = add_rmsnorm(o, nw, eps, res)
         return F.linear(silu_mul(F.linear(h, w["gate_up"])), w["down"])
 
-    return {"unfused": lambda i: chain(i, False), "fused": lambda i: chain(i, True),
-            "unfused_prod": lambda i: producers(i, False), "fused_prod": lambda i: producers(i, True),
-            "bf16": chain16}
+    def chain_w8a16(i: int) -> torch.Tensor:
+        x, r, nw, o = xs[i % sets]
+        w = w8[i % sets]
+        a, res = add_rmsnorm(x, nw, eps, r)
+        fp8_small_m(a, *w["qkv"], None)
+        h, _ = add_rmsnorm(o, nw, eps, res)
+        return fp8_small_m(silu_mul(fp8_small_m(h, *w["gate_up"], None)), *w["down"], None)
+
+    fns = {"unfused": lambda i: chain(i, False), "fused": lambda i: chain(i, True),
+           "unfused_prod": lambda i: producers(i, False), "fused_prod": lambda i: producers(i, True),
+           "bf16": chain16}
+    if m <= 64:
+        fns["w8a16"] = chain_w8a16
+    return fns
 
 
 def probe(m: int, calls: int, rounds: int, sets: int) -> dict:
     fns = make_chains(m, sets)
     ref, got = fns["unfused"](0).float(), fns["fused"](0).float()
     diff = ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    order = [v for v in VARIANTS if v in fns]
+    times: dict[str, list[float]] = {v: [] for v in order}
     for r in range(rounds):
-        for v in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+        for v in order if r % 2 == 0 else order[::-1]:
             times[v].append(timed(fns[v], calls))
     row = {"m": m, "rel_diff_fused_vs_unfused": diff}
     row.update({v: {"ms": statistics.median(t), "all_ms": t} for v, t in times.items()})
@@ -116,6 +129,8 @@ def probe(m: int, calls: int, rounds: int, sets: int) -> dict:
     row["speedup_producers"] = row["unfused_prod"]["ms"] / row["fused_prod"]["ms"]
     row["fp8_vs_bf16_fused"] = row["bf16"]["ms"] / row["fused"]["ms"]
     row["fp8_vs_bf16_unfused"] = row["bf16"]["ms"] / row["unfused"]["ms"]
+    if "w8a16" in row:
+        row["w8a16_vs_fused"] = row["fused"]["ms"] / row["w8a16"]["ms"]
     del fns
     torch.cuda.empty_cache()
     return row
@@ -138,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         raise SystemExit(f"bench.fp8_fusion_probe: {why}")
     rows = []
-    log.info("%6s %10s %10s %8s %10s %10s %8s %9s %9s", "M", "unfused", "fused", "x chain", "unf prod", "fus prod",
-             "x prod", "bf16", "diff")
+    log.info("%6s %10s %10s %8s %10s %10s %8s %9s %9s %9s", "M", "unfused", "fused", "x chain", "unf prod",
+             "fus prod", "x prod", "bf16", "w8a16", "diff")
     for m in [int(t) for t in a.tokens.split(",")]:
         row = probe(m, a.calls, a.rounds, a.sets)
         rows.append(row)
-        log.info("%6d %10.4f %10.4f %8.3f %10.4f %10.4f %8.3f %9.4f %9.2e", m, row["unfused"]["ms"],
+        log.info("%6d %10.4f %10.4f %8.3f %10.4f %10.4f %8.3f %9.4f %9s %9.2e", m, row["unfused"]["ms"],
                  row["fused"]["ms"], row["speedup_chain"], row["unfused_prod"]["ms"], row["fused_prod"]["ms"],
-                 row["speedup_producers"], row["bf16"]["ms"], row["rel_diff_fused_vs_unfused"])
+                 row["speedup_producers"], row["bf16"]["ms"],
+                 f"{row['w8a16']['ms']:.4f}" if "w8a16" in row else "-", row["rel_diff_fused_vs_unfused"])
     steps = [{"m": r["m"], **{f"{v}_ms": a.layers * r[v]["ms"] for v in ("unfused", "fused", "bf16")},
               "saved_ms": a.layers * (r["unfused"]["ms"] - r["fused"]["ms"])} for r in rows]
     log.info("\nper %d-layer step (these chains only; ms): %s", a.layers,

@@ -130,3 +130,25 @@ def test_engine_flag_on_equals_off_logits_and_tokens():
     cos = torch.nn.functional.cosine_similarity(logits[True], logits[False], dim=-1).min().item()
     assert rel < 1e-3 and cos > 0.9999, (rel, cos)
     assert tokens[True] == tokens[False]
+
+
+def test_engine_small_m_gemv_runs_in_graphs_close_to_w8a8():
+    """fp8_small_m_gemv 16: decode steps of <= 16 rows (graph buckets included) run W8A16; a teacher-forced step of
+    <= 16 rows moves the logits less from bf16's than W8A8 does (no activation rounding), and decoding runs."""
+    kw = dict(load_format="dummy", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=2048,
+              num_kvcache_blocks=64, async_scheduling=False)
+    model = os.path.join(MODELS, "qwen3-0.6b")
+    prompts = [list(range(10, 16)), list(range(40, 48))]  # 14 rows
+    base = _step_logits(LLM(model, **kw), prompts).float()
+    err = {}
+    for small_m in (0, 16):
+        llm = LLM(model, quantization="fp8", fp8_small_m_gemv=small_m, **kw)
+        assert llm.engine.model_runner.use_graphs
+        got = _step_logits(llm, prompts)
+        err[small_m] = ((got - base).norm() / base.norm()).item()
+        outs = llm.generate([list(range(10 + i, 70 + i)) for i in range(4)],
+                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.output_token_ids) == 16 for o in outs)
+        del llm
+        torch.cuda.empty_cache()
+    assert err[16] < err[0], err
