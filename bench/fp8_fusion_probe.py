@@ -13,6 +13,8 @@ as four variants:
 - `fused`: kernels/fp8_fused.py's producers writing e4m3 + scales, then _scaled_mm: fp8_fused_quant true;
 - `unfused_prod` / `fused_prod`: the producers (and quantization) alone, no GEMMs: what the fusion itself saves;
 - `bf16`: the same chain in bf16 (F.linear), for scale;
+- `fused_prod_2pass`: fused_prod with SiLU-mul's two-pass form (amax, then the row again from L2) instead of
+  holding the 14,336-wide row in registers (kernels/fp8_fused.SILU_ONE_PASS_MAX), to pick between them;
 - `w8a16` (M <= 64): bf16 producers, then kernels/fp8_gemv.py on the e4m3 weights (fp8_small_m_gemv >= M).
 Each timing is `--calls` back-to-back chains over rotating inputs and weights (`--sets`, so little stays in L2)
 captured in one CUDA graph and replayed between two events, as the engine's steps run. Reported per M: ms per
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 log = logging.getLogger("bench.fp8_fusion_probe")
 HIDDEN, QKV, INTER = 4096, 6144, 14336  # Llama-3.1-8B
 TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
-VARIANTS = ("unfused", "fused", "unfused_prod", "fused_prod", "bf16", "w8a16")
+VARIANTS = ("unfused", "fused", "unfused_prod", "fused_prod", "fused_prod_2pass", "bf16", "w8a16")
 
 
 def timed(fn, calls: int) -> float:
@@ -56,7 +58,7 @@ def timed(fn, calls: int) -> float:
 def make_chains(m: int, sets: int) -> dict:
     """The variants' callables (i: which rotating set) for M tokens."""
     from flame_llm.kernels.fp8 import fp8_linear, fp8_small_m, per_token_quant, quantize_weight
-    from flame_llm.kernels.fp8_fused import add_rmsnorm_quant, silu_mul_quant
+    from flame_llm.kernels.fp8_fused import SILU_ONE_PASS_MAX, add_rmsnorm_quant, silu_mul_quant
     from flame_llm.kernels.fused import add_rmsnorm, silu_mul
 
     def bf16(*shape):
@@ -79,12 +81,12 @@ def make_chains(m: int, sets: int) -> dict:
         gu = fp8_linear(h, *w["gate_up"], None)
         return fp8_linear((silu_mul_quant if fused else silu_mul)(gu), *w["down"], None)
 
-    def producers(i: int, fused: bool) -> None:
+    def producers(i: int, fused: bool, one_pass_max: int = SILU_ONE_PASS_MAX) -> None:
         x, r, nw, o = xs[i % sets]
         if fused:
             add_rmsnorm_quant(x, nw, eps, r)
             add_rmsnorm_quant(o, nw, eps, r)
-            silu_mul_quant(gus[i % sets])
+            silu_mul_quant(gus[i % sets], one_pass_max=one_pass_max)
         else:
             per_token_quant(add_rmsnorm(x, nw, eps, r)[0])
             per_token_quant(add_rmsnorm(o, nw, eps, r)[0])
@@ -108,7 +110,7 @@ def make_chains(m: int, sets: int) -> dict:
 
     fns = {"unfused": lambda i: chain(i, False), "fused": lambda i: chain(i, True),
            "unfused_prod": lambda i: producers(i, False), "fused_prod": lambda i: producers(i, True),
-           "bf16": chain16}
+           "fused_prod_2pass": lambda i: producers(i, True, 0), "bf16": chain16}
     if m <= 64:
         fns["w8a16"] = chain_w8a16
     return fns
@@ -127,6 +129,7 @@ def probe(m: int, calls: int, rounds: int, sets: int) -> dict:
     row.update({v: {"ms": statistics.median(t), "all_ms": t} for v, t in times.items()})
     row["speedup_chain"] = row["unfused"]["ms"] / row["fused"]["ms"]
     row["speedup_producers"] = row["unfused_prod"]["ms"] / row["fused_prod"]["ms"]
+    row["silu_2pass_vs_1pass"] = row["fused_prod"]["ms"] / row["fused_prod_2pass"]["ms"]
     row["fp8_vs_bf16_fused"] = row["bf16"]["ms"] / row["fused"]["ms"]
     row["fp8_vs_bf16_unfused"] = row["bf16"]["ms"] / row["unfused"]["ms"]
     if "w8a16" in row:
