@@ -39,6 +39,8 @@ class ModelConfig:
     # "fp8": W8A8 decoder projections, e4m3 weights with per-output-channel scales (quantized at load, or read
     # from a compressed-tensors / HF "fp8" checkpoint) and per-token activation scales at run time (layers/fp8.py)
     quantization: str | None = None  # null (off) | fp8
+    fp8_fused_quant: bool = True  # fp8: RMSNorm / SiLU-mul write the e4m3 inputs + scales (kernels/fp8_fused.py)
+    fp8_small_m_gemv: int = 0  # fp8: steps of <= this many rows (<= 64) run W8A16 (kernels/fp8_gemv.py); 0: off
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # read from config.json
 
     def __post_init__(self) -> None:
@@ -50,6 +52,8 @@ class ModelConfig:
         check_int("seed", self.seed, 0, **_F)
         check_str("model_revision", self.model_revision, empty=True, **_F)
         check_choice("quantization", self.quantization, QUANTIZATIONS, **_F)
+        check_bool("fp8_fused_quant", self.fp8_fused_quant, **_F)
+        check_int("fp8_small_m_gemv", self.fp8_small_m_gemv, 0, 64, limit="0 (off) or the most rows, at most 64", **_F)
         eos = self.eos_token_ids
         check(isinstance(eos, (list, tuple)) and all(is_int(t) and t >= 0 for t in eos), "eos_token_ids",
               "a list of token ids (integers >= 0)", eos, **_F)

@@ -25,6 +25,7 @@ from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, buil
 from flame_llm.engine.warmup import warmup_fa4, warmup_triton
 from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
+from flame_llm.layers.fp8 import set_fp8_producers
 from flame_llm.layers.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from flame_llm.layers.sampler import sample_rows
 from flame_llm.models.fp8_checkpoint import load_weights
@@ -66,6 +67,8 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                     m.fused = True
+        if mc.quantization == "fp8":
+            set_fp8_producers(self.model, mc.fp8_fused_quant, mc.fp8_small_m_gemv)
         torch.manual_seed(mc.seed)
         self.allocate_kv_cache()
         self.max_blocks_per_seq = (mc.max_model_len + self.block_size - 1) // self.block_size

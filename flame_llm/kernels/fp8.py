@@ -9,6 +9,8 @@ input, safe inside CUDA graphs. Elsewhere the reference path (per_token_quant_re
 quantizes, dequantizes and multiplies in float32."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -53,21 +55,59 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return per_token_quant_ref(x)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               ) -> torch.Tensor:
-    """y = x @ (weight * weight_scale).T + bias with x quantized per token; y in x's dtype. weight: e4m3 [N, K];
-    weight_scale: float32 [N]."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] == 0:  # no rows: no GEMM (cuBLASLt may refuse M = 0)
-        return x.new_empty(*shape[:-1], weight.shape[0])
-    xq, xs = per_token_quant(x2)
-    if x.is_cuda:
+@dataclass(slots=True, frozen=True)
+class Fp8Activation:
+    """A projection input already quantized by its producer (fp8_fused_quant: RMSNorm or SiLU-mul wrote it,
+    kernels/fp8_fused.py): values e4m3 [M, K], scales float32 [M, 1] (x ≈ values * scales), dtype: the model
+    dtype the projection's output takes."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
+def quantize_activation(x: torch.Tensor) -> Fp8Activation:
+    """x [M, K] quantized per token (the unfused producer's path: its output, then per_token_quant)."""
+    q, s = per_token_quant(x.reshape(-1, x.shape[-1]))
+    return Fp8Activation(q, s, x.dtype)
+
+
+def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ (weight * weight_scale).T + bias with x quantized per token (here, or by its producer: an
+    Fp8Activation); y in x's dtype. weight: e4m3 [N, K]; weight_scale: float32 [N]."""
+    shape, dtype = x.shape, x.dtype
+    if isinstance(x, Fp8Activation):
+        xq, xs = x.values, x.scales
+    else:
+        xq, xs = per_token_quant(x.reshape(-1, shape[-1]))
+    if xq.shape[0] == 0:  # no rows: no GEMM (cuBLASLt may refuse M = 0)
+        return torch.empty(*shape[:-1], weight.shape[0], dtype=dtype, device=xq.device)
+    if xq.is_cuda:
         # row-wise scaling writes bf16 only (cuBLASLt); a float32/float16 model gets it cast
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
-        y = y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+        y = y if dtype == torch.bfloat16 else y.to(dtype)
     else:  # reference: dequantize both, multiply in float32
-        y = ((xq.float() * xs) @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
+        y = ((xq.float() * xs) @ (weight.float() * weight_scale[:, None]).t()).to(dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], weight.shape[0])
+
+
+def fp8_small_m(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                ) -> torch.Tensor:
+    """W8A16 for steps of few rows (fp8_small_m_gemv): x as it is times the e4m3 weights widened, no activation
+    quantization; kernels/fp8_gemv.py on CUDA, the dequantized weights' product elsewhere. y in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.is_cuda:
+        from flame_llm.kernels.fp8_gemv import fp8_small_m_linear
+        y = fp8_small_m_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, weight_scale)
+    else:
+        y = (x2.float() @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], weight.shape[0])

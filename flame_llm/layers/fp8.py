@@ -16,6 +16,23 @@ def fp8_linears(model: nn.Module) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
+def set_fp8_producers(model: nn.Module, fused_quant: bool, small_m: int = 0) -> int:
+    """fused_quant (ModelConfig.fp8_fused_quant): each decoder layer's input_layernorm, post_attention_layernorm
+    and SiLU-mul write their projection's input as an Fp8Activation (with fused ops on CUDA: one Triton launch,
+    kernels/fp8_fused.py), so the projection skips its own quantization; off: bf16 outputs, as before.
+    small_m (fp8_small_m_gemv; 0: off): inputs of at most that many rows stay bf16 and every projection runs them
+    W8A16 (kernels/fp8_gemv.py). Returns how many producers it set."""
+    producers = []
+    for m in model.modules():
+        if hasattr(m, "post_attention_layernorm"):  # a DecoderLayer (the final norm feeds lm_head: bf16)
+            producers += [m.input_layernorm, m.post_attention_layernorm, m.mlp.act_fn]
+    for p in producers:
+        p.fp8_out, p.fp8_bf16_rows = fused_quant, small_m
+    for m in fp8_linears(model):
+        m.small_m_rows = small_m
+    return len(producers)
+
+
 def quantize_linear(m: Linear) -> None:
     """Replace a loaded bf16/fp32 projection's weight by e4m3 + per-channel scales, in place."""
     q, scale = quantize_weight(m.weight.data)

@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flame_llm.kernels.fp8 import fp8_linear
+from flame_llm.kernels.fp8 import Fp8Activation, fp8_linear, fp8_small_m, quantize_activation
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
@@ -26,9 +30,12 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
         self.register_parameter("weight_scale", None)  # quantization "fp8": float32 [N] (layers/fp8.py)
+        self.small_m_rows = 0  # fp8_small_m_gemv: bf16 inputs of at most this many rows run W8A16
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale is not None:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if self.weight_scale is not None:  # x: bf16, or e4m3 + scales from its producer (fp8_out)
+            if not isinstance(x, Fp8Activation) and 0 < _rows(x) <= self.small_m_rows:
+                return fp8_small_m(x, self.weight, self.weight_scale, self.bias)
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -62,6 +69,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.fused = False  # set by the ModelRunner on CUDA: one Triton launch instead of several
+        self.fp8_out = False  # quantization fp8 + fp8_fused_quant: the output is an Fp8Activation (layers/fp8.py)
+        self.fp8_bf16_rows = 0  # fp8_small_m_gemv: outputs of at most this many rows stay bf16 (W8A16 reads them)
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
@@ -71,8 +80,19 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple:
+        if not self.fp8_out or _rows(x) <= self.fp8_bf16_rows:
+            return self._forward(x, residual)
+        if self.fused:  # norm and quantization in one launch
+            from flame_llm.kernels.fp8_fused import add_rmsnorm_quant
+            return add_rmsnorm_quant(x, self.weight, self.eps, residual)
+        if residual is None:
+            return quantize_activation(self._forward(x, None))
+        out, residual = self._forward(x, residual)
+        return quantize_activation(out), residual
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
             from flame_llm.kernels.fused import add_rmsnorm
             return add_rmsnorm(x, self.weight, self.eps, residual)
@@ -84,8 +104,18 @@ class RMSNorm(nn.Module):
 
 class SiluAndMul(nn.Module):
     fused = False
+    fp8_out = False  # as RMSNorm.fp8_out
+    fp8_bf16_rows = 0  # as RMSNorm.fp8_bf16_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activation:
+        if not self.fp8_out or _rows(x) <= self.fp8_bf16_rows:
+            return self._forward(x)
+        if self.fused:
+            from flame_llm.kernels.fp8_fused import silu_mul_quant
+            return silu_mul_quant(x)
+        return quantize_activation(self._forward(x))
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             from flame_llm.kernels.fused import silu_mul
             return silu_mul(x)
