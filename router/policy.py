@@ -44,6 +44,7 @@ from router.holdings import Holdings
 from router.least import LeastLoaded
 
 POLICIES = ("cumulative", "load_guarded", "round_robin", "events")
+MAX_REPLICAS = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +56,7 @@ class RouterConfig:
     decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
     placement_ttl_s: float = 1.0  # events: how long the router's own placement of a prefix counts
     event_poll_ms: float = 20.0  # events: the router actor pulls the shards' cache events this often
+    replicas: int = 1  # router actors; N > 1 splits prefixes among them by their first block (router/replicas.py)
 
     def __post_init__(self) -> None:
         check_choice("policy", self.policy, POLICIES, where="router field")
@@ -63,6 +65,7 @@ class RouterConfig:
         check_number("decode_cost", self.decode_cost, 0, where="router field")
         check_number("placement_ttl_s", self.placement_ttl_s, 0, where="router field")
         check_number("event_poll_ms", self.event_poll_ms, 1, where="router field")
+        check_int("replicas", self.replicas, 1, MAX_REPLICAS, where="router field")
 
 
 class RouterPolicy:
