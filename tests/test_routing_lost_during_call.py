@@ -1,7 +1,9 @@
 """A route call lost mid-call (its router died under it, or was restarting) is routed again, not failed
 (flame_llm/serving/routing.py): before, three tries 0.1 and 0.2 s apart failed every request of the batch with
 ROUTER_ERROR when the router's restart took longer than that. With router replicas the lost call's requests go to
-the next replica on the ring within the same call (router/replica_client.py)."""
+the next replica on the ring within the same call (router/replica_client.py). And a request the router answered
+with a shard the client saw die while the call was out is routed again to the shards left, not failed with that
+shard's loss (found by tests/test_router_replicas_multinode.py: two shards lost with their node)."""
 
 import asyncio
 import time
@@ -12,6 +14,7 @@ import pytest
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request
 from flame_llm.sampling_params import SamplingParams
@@ -174,3 +177,39 @@ def test_with_replicas_a_replica_killed_mid_call_fails_over_within_the_call(loca
         assert time.monotonic() < deadline
         time.sleep(0.05)
     ray.kill(handles[0])
+
+
+class FakeLossDuringCall:
+    """The real router, with a fake of a shard's loss being seen by the client while the first route call is out:
+    the shard is avoided when the answer arrives (not when the call was made)."""
+
+    def __init__(self, real, watch, shard: int) -> None:
+        self.real, self.watch, self.shard, self.calls = real, watch, shard, []
+        self.place, self.complete, self.drop_shard = real.place, real.complete, real.drop_shard
+        self.config, self.route = real.config, self
+
+    async def remote(self, items, avoid):
+        self.calls.append(list(avoid))
+        shards = await self.real.route.remote(items, avoid)
+        if len(self.calls) == 1:
+            self.watch.avoid[self.shard] = ErrorInfo(ErrorCode.SHARD_UNAVAILABLE, f"shard {self.shard} died")
+        return shards
+
+
+def test_a_request_answered_with_a_shard_lost_during_the_call_is_routed_again(local_ray):
+    handle = start_router(2, RouterConfig("cumulative"), name=f"r-{uuid.uuid4().hex[:8]}", namespace=NS)
+    forgotten = []
+
+    async def main():
+        counters = ClientCounters()
+        watch = ShardWatch({}, handle, [], 5.0, counters)
+        fake = FakeLossDuringCall(handle, watch, shard=1)
+        routing = ClientRouting(fake, [0, 1], watch, counters, 5.0, lambda s, ps: forgotten.extend((s, p) for p in ps))
+        batch = _batch(asyncio.get_running_loop(), 8, seed=3)
+        return await routing.route_shards(batch), batch, fake, counters
+
+    out, batch, fake, counters = asyncio.run(main())
+    assert out == [0] * 8 and all(not p.future.done() for p in batch)  # none failed: all on the shard left
+    assert fake.calls == [[], [1]] and counters.route_retries == 1
+    assert forgotten and all(s == 1 for s, _ in forgotten)  # what shard 1 was charged leaves the router's count
+    ray.kill(handle)

@@ -26,6 +26,7 @@ from flame_llm.serving.shard_watch import ShardWatch
 from router.replica_client import Charge, RouterReplicas
 from router.replicas import RouteCache
 
+REROUTE_ROUNDS = 3  # route calls again for requests answered with a shard lost during the call
 ROUTE_RETRY_MAX_S = 0.5  # a call lost with a restarting router is made again, after 0.1, 0.2, .. up to this, s
 
 
@@ -85,13 +86,16 @@ class ClientRouting:
         time, and the router's run competes for the CPUs while the shard makes that token."""
         (p.charged,) = self.router.place([RouteItem(p.chain, p.est_work, p.est_decode)], [shard])
 
-    async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
+    async def route_shards(self, batch: list[Pending], rounds: int = REROUTE_ROUNDS) -> list[int | ErrorInfo | None]:
         """One router call for the batch: each request's shard (p.shard is set), or None when its caller gave up
-        meanwhile, or the error it got (set as its result): the router is down, or no shard is left for it."""
+        meanwhile, or the error it got (set as its result): the router is down, or no shard is left for it. A
+        request answered with a shard lost while the call was out (avoided now, not when asked) is routed again
+        while another shard serves (up to `rounds` more calls), not failed."""
         self.counters.route_calls += 1
         t0 = time.perf_counter()
+        asked = self.avoid_now()
         call = asyncio.ensure_future(self.route_call([RouteItem(p.chain, p.est_work, p.est_decode) for p in batch],
-                                                     self.avoid_now()))
+                                                     asked))
         self.calls.add(call)
         call.add_done_callback(self.calls.discard)
         try:
@@ -108,10 +112,15 @@ class ClientRouting:
         assert len(shards) == len(batch), "the router answers every request"
         self.counters.route_s += time.perf_counter() - t0
         out: list[int | ErrorInfo | None] = []
+        again: list[int] = []  # positions answered with a shard lost during the call: routed again
+        serving = any(x not in self.watch.avoid for x in self.shards)
         for p, s, c in zip(batch, shards, charged, strict=True):
             p.shard, p.charged = s, c
             why = self.watch.avoid.get(s)
             if p.future.done():  # abandoned while its route was asked for
+                out.append(None)
+            elif why is not None and s not in asked and serving and rounds > 0:  # lost during the call
+                again.append(len(out))
                 out.append(None)
             elif why is not None:  # no shard is left to serve it
                 p.future.set_result(failed_result(p, why))
@@ -124,6 +133,10 @@ class ClientRouting:
                     self._learn(p.chain, s)
                 continue
             self.forget(s, [p])
+        if again:
+            self.counters.route_retries += 1
+            for i, r in zip(again, await self.route_shards([batch[i] for i in again], rounds - 1), strict=True):
+                out[i] = r
         return out
 
     def _forget_answer(self, call: asyncio.Task, batch: list[Pending]) -> None:
