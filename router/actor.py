@@ -5,15 +5,19 @@ waiting). The actor runs one call at a time, so the policy needs no locks. It ta
 scheduler (num_cpus=0): routing a batch is sub-millisecond work and must never wait for a free CPU.
 Restarted by Ray if it dies; a restarted router starts with an empty map (every prefix is unseen). It lives
 on the cluster's head node (Ray's `node:__internal_head__` resource): losing a worker node never costs the
-map, and losing the head node ends the cluster anyway.
+map, and losing the head node ends the cluster anyway. With router.replicas N > 1 the service runs N of them
+(start_routers; replica r named replica_name(ROUTER_NAME, r)), each routing its share of the prefixes
+(router/replica_client.py) and each pulling every shard's cache events.
 
 With policy 'events' and the shards' actor names given, a thread pulls the shards' cache events (router/event_feed.py)
 every event_poll_ms; calls and the feed take one lock. A restarted router resyncs from every shard's snapshot.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 
 import ray
@@ -22,6 +26,7 @@ from flame_llm.protocol.routing_key import Completion, RouteItem
 from router.event_feed import EventFeed
 from router.policy import RouterConfig, RouterPolicy
 
+log = logging.getLogger(__name__)
 ROUTER_NAME = "flame-router"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 
@@ -75,6 +80,18 @@ class Router:
         return {**st, **feed, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
 
+def replica_name(base: str, replica: int) -> str:
+    """Replica 0 keeps the one router's name (replicas=1 is the service as before); replica r > 0 is base-r."""
+    return base if replica == 0 else f"{base}-{replica}"
+
+
+def start_routers(num_shards: int, config: RouterConfig, *, namespace: str, lifetime: str | None = None,
+                  shard_names: Sequence[str] = ()) -> list[ray.actor.ActorHandle]:
+    """The config.replicas router replicas (start_router each), replica 0 first."""
+    return [start_router(num_shards, config, name=replica_name(ROUTER_NAME, r), namespace=namespace,
+                         lifetime=lifetime, shard_names=shard_names) for r in range(config.replicas)]
+
+
 def start_router(num_shards: int, config: RouterConfig | None = None, *, name: str = ROUTER_NAME, namespace: str,
                  lifetime: str | None = None, shard_names: Sequence[str] = ()) -> ray.actor.ActorHandle:
     """The named router, created or, when one of that name already lives in the namespace, joined.
@@ -97,3 +114,34 @@ def start_router(num_shards: int, config: RouterConfig | None = None, *, name: s
         raise ValueError(f"router {name!r} in namespace {namespace!r} already runs with a different "
                          "configuration: " + ", ".join(f"{k}={a!r} (asked {b!r})" for k, (a, b) in diff.items()))
     return handle
+
+
+def revive_routers(handles: list, num_shards: int, config: RouterConfig, *, namespace: str,
+                   lifetime: str | None = None, shard_names: Sequence[str] = (), timeout_s: float = 30.0) -> list[int]:
+    """Start again each router replica that is dead for good (ActorDiedError: killed without restart, or its
+    restarts spent), under its name, in place in `handles`; the replicas revived. A replica Ray is restarting is
+    left to Ray. The clients find a revived replica by its name (RouterReplicas probes) and give it its share back."""
+    refs = {r: h.config.remote() for r, h in enumerate(handles)}
+    revived = []
+    for r, ref in refs.items():
+        try:
+            ray.get(ref, timeout=timeout_s)
+            continue
+        except ray.exceptions.ActorDiedError:
+            pass
+        except ray.exceptions.RayError:  # restarting or slow: Ray brings it back, or the next look decides
+            continue
+        name = replica_name(ROUTER_NAME, r)
+        deadline = time.monotonic() + timeout_s
+        while True:  # the dead actor's name is released shortly after its death
+            try:
+                handles[r] = start_router(num_shards, config, name=name, namespace=namespace, lifetime=lifetime,
+                                          shard_names=shard_names)
+                break
+            except (ValueError, ray.exceptions.RayActorError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        log.warning("router replica %s was dead; started again", name)
+        revived.append(r)
+    return revived

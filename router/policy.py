@@ -27,8 +27,8 @@ A caller may name shards to avoid (draining, or lost): a prefix they own moves t
 of the others, and unseen prefixes go only to the others.
 
 Assignments are registered while routing, so a burst sharing a new prefix stays together even inside
-one batch. A spilled request does not move its prefix: the owner keeps the matched blocks, the spill
-shard gets only blocks nobody had. The chain -> shard map is an LRU bounded by max_entries.
+one batch. A spilled request does not move its prefix (unless spill_moves_prefix): the owner keeps the matched
+blocks, the spill shard gets only blocks nobody had. The chain -> shard map is an LRU bounded by max_entries.
 """
 from __future__ import annotations
 
@@ -39,11 +39,12 @@ from dataclasses import dataclass
 
 from flame_llm.protocol.kv_events import KvEventBatch
 from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
-from flame_llm.validate import check_choice, check_int, check_number
+from flame_llm.validate import check_bool, check_choice, check_int, check_number
 from router.holdings import Holdings
 from router.least import LeastLoaded
 
 POLICIES = ("cumulative", "load_guarded", "round_robin", "events")
+MAX_REPLICAS = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +56,8 @@ class RouterConfig:
     decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
     placement_ttl_s: float = 1.0  # events: how long the router's own placement of a prefix counts
     event_poll_ms: float = 20.0  # events: the router actor pulls the shards' cache events this often
+    spill_moves_prefix: bool = False  # load_guarded: a spilled request's prefix moves to the shard it spilled to
+    replicas: int = 1  # router actors; N > 1 splits prefixes among them by their first block (router/replicas.py)
 
     def __post_init__(self) -> None:
         check_choice("policy", self.policy, POLICIES, where="router field")
@@ -63,6 +66,8 @@ class RouterConfig:
         check_number("decode_cost", self.decode_cost, 0, where="router field")
         check_number("placement_ttl_s", self.placement_ttl_s, 0, where="router field")
         check_number("event_poll_ms", self.event_poll_ms, 1, where="router field")
+        check_bool("spill_moves_prefix", self.spill_moves_prefix, where="router field")
+        check_int("replicas", self.replicas, 1, MAX_REPLICAS, where="router field")
 
 
 class RouterPolicy:
@@ -120,16 +125,18 @@ class RouterPolicy:
             else:
                 known = self._longest_match(chain) if self.holdings is None else self._events_match(chain, avoid)
                 moved = known in avoid
+                move_from = avoid if moved else ()
                 if known is None or moved:
                     s = self._least(cum if self.policy == "cumulative" else out, allowed)
                     counters["moved" if moved else "new"] += 1
                 elif self.policy in ("load_guarded", "events") and self._should_spill(known, work):
                     s = self._least(out, allowed)
                     counters["spill"] += 1
+                    move_from = (known,) if self.config.spill_moves_prefix else ()
                 else:
                     s = known
                     counters["hit"] += 1
-                self._register(chain, s, avoid if moved else ())
+                self._register(chain, s, move_from)
             self._charge(s, work, dec)
             shards.append(s)
         return shards

@@ -1,5 +1,7 @@
 """Router scale-out, pure (issue 42): N router replicas share the prefix space by consistent hashing on a
-prompt's first chain key, and a client caches routes with a TTL.
+prompt's first chain key (the engine's block hash of its first routing block, flame_llm.protocol.routing_key), and a
+client caches routes with a TTL. The ring's points are that same hash function (flame_llm.prefix.hash_block) over
+(replica, point), VNODES per replica.
 
 Each replica is a RouterPolicy ('events') fed the cache events of every shard, so any replica can route any
 prefix from the engines' holdings; the ring only decides which replica's own recent placements and load counts
@@ -9,26 +11,29 @@ replica starts empty and resyncs from every shard's snapshot before it takes its
 
 RouteCache: a client's answers (deepest chain key -> shard, when), so a stream on a document routed within
 ttl_s goes to its shard without a router call; the owner replica is told after (RouterPolicy.place_batch)."""
+
 from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-import xxhash
+from flame_llm.prefix import hash_block, revision_seed
+
+VNODES = 256  # ring points per replica: with 2-4 replicas the shares stay within a few percent of even
+_RING_SEED = revision_seed("flame-router-ring")
 
 
 class ReplicaRing:
     """Consistent hashing of chain keys onto replicas 0..num_replicas-1, `vnodes` points each."""
 
-    def __init__(self, num_replicas: int, vnodes: int = 64) -> None:
+    def __init__(self, num_replicas: int, vnodes: int = VNODES) -> None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1; got {num_replicas!r}")
         if vnodes < 1:
             raise ValueError(f"vnodes must be >= 1; got {vnodes!r}")
         self.num_replicas = num_replicas
-        points = sorted((xxhash.xxh64_intdigest(f"replica-{r}-{v}".encode()), r) for r in range(num_replicas)
-                        for v in range(vnodes))
+        points = sorted((hash_block((r, v), _RING_SEED), r) for r in range(num_replicas) for v in range(vnodes))
         self._keys = [k for k, _ in points]
         self._owners = [r for _, r in points]
         self.alive = set(range(num_replicas))
@@ -43,6 +48,11 @@ class ReplicaRing:
             if r in self.alive:
                 return r
         raise AssertionError("a live replica owns points")
+
+    def owner_of(self, chain: Sequence[int]) -> int:
+        """The live replica that routes a prompt: the owner of its first routing block's key (chain[0])."""
+        assert chain, "a prompt has at least one chain key"
+        return self.owner(chain[0])
 
     def kill(self, replica: int) -> None:
         self.alive.discard(replica)

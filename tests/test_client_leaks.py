@@ -84,8 +84,8 @@ class LedgerRouter:
 
 def _ledger(client) -> LedgerRouter:
     d = client.dispatch
-    ledger = LedgerRouter(d.router)
-    d.router = d.routing.router = ledger
+    ledger = LedgerRouter(d.router.handles[0])
+    d.router.handles[0] = ledger  # one RouterReplicas: the dispatcher's, its routing's and its shard watch's
     return ledger
 
 

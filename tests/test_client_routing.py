@@ -15,6 +15,7 @@ from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
 from router.actor import start_router
 from router.policy import RouterConfig
+from router.replica_client import RouterReplicas
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_completions_go_in_one_router_call_per_loop_tick(router):
     from flame_llm.serving.dispatch import COMPLETIONS_PER_CALL, Dispatcher
 
     d = Dispatcher.__new__(Dispatcher)  # its completion buffer only
-    d.router, d.counters, d._completions = router, ClientCounters(), []
+    d.router, d.counters, d._completions, d._charged = RouterReplicas.of(router), ClientCounters(), [], []
     before = sum(s["completed"] for s in ray.get(router.stats.remote())["shards"])
 
     async def main():

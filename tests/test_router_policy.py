@@ -102,6 +102,7 @@ def _chain(*blocks):
     ({"spill_factor": 0.9}, "router field 'spill_factor' must be a number >= 1.0; got 0.9"),
     ({"max_entries": 0}, "router field 'max_entries' must be an integer >= 1; got 0"),
     ({"decode_cost": -1}, "router field 'decode_cost' must be a number >= 0"),
+    ({"spill_moves_prefix": 1}, "router field 'spill_moves_prefix' must be"),
 ])
 def test_policy_rejects_bad_config(kw, match):
     num_shards = kw.pop("num_shards", 2)
@@ -166,6 +167,19 @@ def test_load_guarded_spills_a_hot_prefix_and_returns_when_load_drops():
     p.complete_many([(s, 100.0, 0, 4096, 2048) for s in shards])
     assert p.route_batch([(_chain(5, 6), 100.0, 0)]) == [owner]  # the spill did not move the prefix
     assert p.stats()["shards"][owner]["cached_tokens"] == 2048 * shards.count(owner)
+
+
+@pytest.mark.parametrize("moves", [False, True])
+def test_spill_moves_prefix_flag(moves):
+    """router.spill_moves_prefix: off (the default), a spill leaves the prefix with its owner, as before; on, the
+    prefix follows the request to the shard it spilled to."""
+    p = RouterPolicy(2, RouterConfig("load_guarded", spill_moves_prefix=moves))
+    assert RouterConfig().spill_moves_prefix is False
+    assert p.route_batch([(_chain(1, 2), 1000.0, 0)]) == [0]
+    assert p.route_batch([(_chain(1, 2), 100.0, 0)]) == [1] and p.counters["spill"] == 1
+    p.complete(0, 1000.0, 0, 1000, 0)
+    p.complete(1, 100.0, 0, 1000, 0)
+    assert p.route_batch([(_chain(1, 2), 10.0, 0)]) == [1 if moves else 0]
 
 
 def test_load_guarded_longest_match_beats_a_shorter_one():

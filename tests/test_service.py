@@ -755,7 +755,7 @@ def test_a_router_call_lost_with_a_restarting_router_is_made_again(service):
     try:
         (res,) = client.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=2))
         assert res.error is None and len(res.output_token_ids) == 2
-        assert client.counters.route_retries == 1 and client.router.lost == 2
+        assert client.counters.route_retries == 1 and client.router.handles[0].lost == 2
     finally:
         client.close()
 

@@ -12,6 +12,7 @@ from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request, Result
 from flame_llm.protocol.wire import BATCH_OVERHEAD
+from router.replica_client import NO_CHARGE, Charge
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class Pending:
     overloads: int = 0  # of those, resends after an overloaded answer: not counted against max_retries
     est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
     deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
+    charged: Charge = NO_CHARGE  # the router replica that counts its work (router/replica_client.py)
 
 
 def set_estimates(p: Pending, model_revision: str, max_model_len: int) -> None:

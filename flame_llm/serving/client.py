@@ -62,7 +62,7 @@ class Client:
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
         self.dispatch = Dispatcher(router, dict(actors), model_revision, config, zstd_level, health,
                                    self.max_payload_bytes, self.namespace, self.client_id)
-        self.router, self.actors = router, self.dispatch.actors
+        self.router, self.actors = self.dispatch.router, self.dispatch.actors  # router: RouterReplicas
         self._thread = None
         self._loop = loop
         if loop is None:
@@ -84,7 +84,7 @@ class Client:
     @classmethod
     def for_service(cls, svc: Service, **kwargs) -> Client:
         """A client of a service this process started (closing it leaves the service running)."""
-        return make_client(svc.cfg, svc.router, svc.actors, namespace=svc.cfg.ray.namespace, **kwargs)
+        return make_client(svc.cfg, svc.routers, svc.actors, namespace=svc.cfg.ray.namespace, **kwargs)
 
     @property
     def counters(self) -> ClientCounters:
@@ -249,12 +249,12 @@ class Client:
         return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}"))
 
 
-def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors: dict,
+def make_client(cfg: ServiceConfig | None, router, actors: dict,
                 service: Service | None = None, namespace: str | None = None,
                 loop: asyncio.AbstractEventLoop | None = None, **overrides) -> Client:
-    """A client for the router and shards given, with cfg's client section (defaults without cfg) and
-    `overrides` of its fields; the shards' health gives the model revision and limits. With `service`,
-    closing the client stops that service. loop: run it on that loop (Client's `loop`)."""
+    """A client for the router (a handle, the replicas' handles, or a RouterReplicas) and shards given, with cfg's
+    client section (defaults without cfg) and `overrides` of its fields; the shards' health gives the model revision
+    and limits. With `service`, closing the client stops that service. loop: run it on that loop (Client's `loop`)."""
     health = ray.get([a.health.remote() for a in actors.values()])
     revisions = {h.model_revision for h in health}
     if len(revisions) != 1:
@@ -269,4 +269,4 @@ def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors
 def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:
     """Start a service and return a Client that stops it on close()."""
     svc = start_service(cfg)
-    return make_client(cfg, svc.router, svc.actors, service=svc, namespace=cfg.ray.namespace, **client_kwargs)
+    return make_client(cfg, svc.routers, svc.actors, service=svc, namespace=cfg.ray.namespace, **client_kwargs)

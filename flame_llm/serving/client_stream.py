@@ -100,7 +100,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered there
                 d.forget(shard, [p])
         if r is not None:
-            d.complete([completion(shard, p, r)])
+            d.complete([completion(shard, p, r)], [p])
         now_streamed = len(streamed) > before  # earlier attempts' tokens are in this attempt's prompt
         end = (stream_end(original, streamed, d.max_model_len, d.eos_token_ids)
                if lost is not None and now_streamed else None)

@@ -25,6 +25,7 @@ from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.service_config import ClientConfig
 from flame_llm.serving.shard_loss import ShardLoss
 from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
+from router.replica_client import Charge, RouterReplicas
 
 log = logging.getLogger(__name__)
 COMPLETIONS_PER_CALL = 256  # router completions buffered: sent once per loop tick, or when this many wait
@@ -35,7 +36,8 @@ class Dispatcher:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str, config: ClientConfig,
                  zstd_level: int, health: list[ShardHealth], max_payload_bytes: int, namespace: str,
                  client_id: str):
-        self.router, self.actors, self.model_revision = router, actors, model_revision
+        self.router, self.actors, self.model_revision = RouterReplicas.of(router, namespace), actors, model_revision
+        router = self.router
         self.max_retries = config.max_retries
         self.restart_timeout_s, self.flush_formed = config.restart_timeout_s, config.flush_formed
         self.as_finished, self.stream_transport = config.results_as_finished, config.stream_transport
@@ -51,7 +53,7 @@ class Dispatcher:
                                  on_conn_lost=lambda s, e: self.loss.watch_loss(s, e))  # its shard's end closed
         policy, max_entries, ttl_s = "cumulative", 100_000, 0.0
         if config.local_routing and len(actors) > 1:  # the client places a known prefix under cumulative and events
-            _, rc = ray.get(router.config.remote())
+            _, rc = router.config()
             policy, max_entries, ttl_s = rc.policy, rc.max_entries, rc.placement_ttl_s
         self.routing = ClientRouting(router, list(actors), self.shards, self.counters, config.restart_timeout_s,
                                      self.forget, config.local_routing, policy, max_entries, ttl_s)
@@ -67,6 +69,7 @@ class Dispatcher:
                                   self.credit, self.settle, self.loss.shard_lost, self.forget, self.abort_on)
         self._tasks: set[asyncio.Task] = set()
         self._completions: list[Completion] = []  # for the router's next complete call
+        self._charged: list[Charge] = []  # who charged each of them (router/replica_client.py)
         self._retrying: dict[int, tuple[asyncio.TimerHandle, Pending]] = {}  # id(p) -> its resend timer, p
 
     @property
@@ -141,9 +144,9 @@ class Dispatcher:
     def forget(self, shard: int, ps: list[Pending]) -> None:
         """Routed requests that will not be answered by the shard: their estimated work leaves the router's
         count of the shard's outstanding work."""
-        self.complete([completion(shard, p) for p in ps])
+        self.complete([completion(shard, p) for p in ps], ps)
 
-    def complete(self, cs: list[Completion]) -> None:
+    def complete(self, cs: list[Completion], ps: list[Pending]) -> None:
         """Completions for the router: sent in one call per loop tick (one per result payload before), or at
         once when COMPLETIONS_PER_CALL wait."""
         if not cs:
@@ -153,17 +156,19 @@ class Dispatcher:
                 asyncio.get_running_loop().call_soon(self.flush_completions)
             except RuntimeError:  # not on a loop: nothing would flush them later
                 self._completions.extend(cs)
+                self._charged.extend(p.charged for p in ps)
                 self.flush_completions()
                 return
         self._completions.extend(cs)
+        self._charged.extend(p.charged for p in ps)
         if len(self._completions) >= COMPLETIONS_PER_CALL:
             self.flush_completions()
 
     def flush_completions(self) -> None:
-        cs, self._completions = self._completions, []
+        cs, charged, self._completions, self._charged = self._completions, self._charged, [], []
         if cs:
             self.counters.complete_calls += 1
-            self.router.complete.remote(cs)
+            self.router.complete(cs, charged)
 
     async def settle_sends(self, timeout_s: float) -> None:
         """Wait up to timeout_s for the batches in flight to be answered (aborted requests answer at once): their
@@ -218,11 +223,12 @@ class Dispatcher:
         """Each answered request's result goes to its caller, or the request is retried as the policy says.
         `sent`: (encoding began, the payload left)."""
         t_done = time.perf_counter()
-        completions, reroute, now = [], [], time.monotonic()
+        completions, done, reroute, now = [], [], [], time.monotonic()
         for p, r in pairs:
             assert r.id in (attempt_id(p), None), "a result answers its request's attempt"
             if p.future.done():  # abandoned by its caller (and aborted on the shard)
                 completions.append(completion(shard, p))
+                done.append(p)
                 continue
             d = decide(p, self.max_retries, r, shard=shard, now=now)
             if d.action is Action.RETRY:  # the same shard, once its queue has room
@@ -231,14 +237,16 @@ class Dispatcher:
             if d.action is Action.REROUTE:  # draining: another shard serves it
                 reroute.append(p)
                 completions.append(completion(shard, p))
+                done.append(p)
                 self.shards.avoid_shard(shard, r.error)
                 continue
             r.id = p.request.id
             r.timings.update(encode_s=sent[1] - sent[0], roundtrip_s=t_done - sent[1], attempts=p.attempts + 1,
                              done_at=t_done)
             completions.append(completion(shard, p, r))
+            done.append(p)
             p.future.set_result(r)
-        self.complete(completions)
+        self.complete(completions, done)
         if reroute:
             await self.route_again(reroute)
 

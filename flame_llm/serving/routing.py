@@ -23,18 +23,20 @@ from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import RouteItem
 from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
 from flame_llm.serving.shard_watch import ShardWatch
+from router.replica_client import Charge, RouterReplicas
 from router.replicas import RouteCache
 
-ROUTE_ATTEMPTS = 3  # router calls per batch: one lost with a restarting router is made again
+REROUTE_ROUNDS = 3  # route calls again for requests answered with a shard lost during the call
+ROUTE_RETRY_MAX_S = 0.5  # a call lost with a restarting router is made again, after 0.1, 0.2, .. up to this, s
 
 
 class ClientRouting:
-    def __init__(self, router, shards: list[int], watch: ShardWatch, counters: ClientCounters,
+    def __init__(self, router: RouterReplicas, shards: list[int], watch: ShardWatch, counters: ClientCounters,
                  restart_timeout_s: float, forget, local: bool = False, policy: str = "cumulative",
                  max_entries: int = 100_000, ttl_s: float = 0.0) -> None:
         """forget(shard, pendings): routed requests that will not be sent there (their work leaves the router's
         count). local: ClientConfig.local_routing; policy, max_entries and ttl_s (placement_ttl_s): the router's."""
-        self.router, self.shards, self.watch, self.counters = router, list(shards), watch, counters
+        self.router, self.shards, self.watch, self.counters = RouterReplicas.of(router), list(shards), watch, counters
         self.restart_timeout_s, self.forget = restart_timeout_s, forget
         self.local = local and (len(self.shards) == 1 or policy in ("cumulative", "events"))
         self.cache = RouteCache(ttl_s, max_entries) if policy == "events" else None
@@ -82,19 +84,22 @@ class ClientRouting:
         """Tell the router of a stream placed here (place_stream), before its completion or forget reaches it. The
         caller does it once the stream's first token is back: submitting a Ray call is ~0.5 ms of this process's
         time, and the router's run competes for the CPUs while the shard makes that token."""
-        self.router.place.remote([RouteItem(p.chain, p.est_work, p.est_decode)], [shard])
+        (p.charged,) = self.router.place([RouteItem(p.chain, p.est_work, p.est_decode)], [shard])
 
-    async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
+    async def route_shards(self, batch: list[Pending], rounds: int = REROUTE_ROUNDS) -> list[int | ErrorInfo | None]:
         """One router call for the batch: each request's shard (p.shard is set), or None when its caller gave up
-        meanwhile, or the error it got (set as its result): the router is down, or no shard is left for it."""
+        meanwhile, or the error it got (set as its result): the router is down, or no shard is left for it. A
+        request answered with a shard lost while the call was out (avoided now, not when asked) is routed again
+        while another shard serves (up to `rounds` more calls), not failed."""
         self.counters.route_calls += 1
         t0 = time.perf_counter()
+        asked = self.avoid_now()
         call = asyncio.ensure_future(self.route_call([RouteItem(p.chain, p.est_work, p.est_decode) for p in batch],
-                                                     self.avoid_now()))
+                                                     asked))
         self.calls.add(call)
         call.add_done_callback(self.calls.discard)
         try:
-            shards = await asyncio.shield(call)
+            shards, charged = await asyncio.shield(call)
         except asyncio.CancelledError:  # the caller left: the router charges the work all the same; take it back
             call.add_done_callback(lambda c: self._forget_answer(c, batch))
             raise
@@ -107,10 +112,15 @@ class ClientRouting:
         assert len(shards) == len(batch), "the router answers every request"
         self.counters.route_s += time.perf_counter() - t0
         out: list[int | ErrorInfo | None] = []
-        for p, s in zip(batch, shards, strict=True):
-            p.shard = s
+        again: list[int] = []  # positions answered with a shard lost during the call: routed again
+        serving = any(x not in self.watch.avoid for x in self.shards)
+        for p, s, c in zip(batch, shards, charged, strict=True):
+            p.shard, p.charged = s, c
             why = self.watch.avoid.get(s)
             if p.future.done():  # abandoned while its route was asked for
+                out.append(None)
+            elif why is not None and s not in asked and serving and rounds > 0:  # lost during the call
+                again.append(len(out))
                 out.append(None)
             elif why is not None:  # no shard is left to serve it
                 p.future.set_result(failed_result(p, why))
@@ -123,26 +133,34 @@ class ClientRouting:
                     self._learn(p.chain, s)
                 continue
             self.forget(s, [p])
+        if again:
+            self.counters.route_retries += 1
+            for i, r in zip(again, await self.route_shards([batch[i] for i in again], rounds - 1), strict=True):
+                out[i] = r
         return out
 
     def _forget_answer(self, call: asyncio.Task, batch: list[Pending]) -> None:
         if call.cancelled() or call.exception() is not None:
             return
-        for p, s in zip(batch, call.result(), strict=True):
+        for p, s, c in zip(batch, *call.result(), strict=True):
+            p.charged = c
             self.forget(s, [p])
 
-    async def route_call(self, items: list[RouteItem], avoid: list[int]) -> list[int]:
-        """One routing call, made again when it was lost with a restarting router."""
+    async def route_call(self, items: list[RouteItem], avoid: list[int]) -> tuple[list[int], list[Charge]]:
+        """One routing call (each item to its router replica, router/replica_client.py), made again while the
+        routers restart: a call lost mid-call (the router died under it, or was restarting) is routed again until
+        restart_timeout_s has passed, not failed after a fixed few tries that a slow restart outlasts."""
         deadline = time.monotonic() + self.restart_timeout_s
-        for attempt in range(1, ROUTE_ATTEMPTS):
+        attempt = 0
+        while True:
             try:
-                return await self.router.route.remote(items, avoid)
+                return await self.router.route(items, avoid)
             except RayActorError:
                 if time.monotonic() >= deadline:
                     raise
+                attempt += 1
                 self.counters.route_retries += 1
-                await asyncio.sleep(0.1 * attempt)
-        return await self.router.route.remote(items, avoid)
+                await asyncio.sleep(min(ROUTE_RETRY_MAX_S, 0.1 * attempt, max(0.0, deadline - time.monotonic())))
 
     def _learn(self, chain: list[int], shard: int) -> None:
         if self.single is not None:

@@ -32,7 +32,7 @@ LIVE_CALL_GRACE_S = 10.0  # a liveness call answers within its probe's timeout p
 class Service:
     cfg: ServiceConfig
     placements: list[ShardPlacement]
-    router: ray.actor.ActorHandle
+    routers: list[ray.actor.ActorHandle]  # router.replicas of them, replica 0 first (router/actor.py)
     actors: dict[int, ray.actor.ActorHandle]
     health: list[ShardHealth] = field(default_factory=list)
     model: str = ""  # the model directory the shards load
@@ -40,10 +40,22 @@ class Service:
     strikes: dict[int, int] = field(default_factory=dict)  # shard -> failed liveness looks in a row
     judged: set[int] = field(default_factory=set)  # shards that passed a look since they (re)started
 
-    def supervise(self) -> tuple[list[int], list[int]]:
+    @property
+    def router(self) -> ray.actor.ActorHandle:
+        """Router replica 0 (the one router when router.replicas is 1)."""
+        return self.routers[0]
+
+    def supervise(self) -> tuple[list[int], list[int], list[int]]:
         """One look of `flame-llm serve`'s supervisor: (shards replaced because their node is gone, shards
-        restarted because they were unhealthy)."""
-        return self.replace_lost_shards(), self.replace_unhealthy_shards()
+        restarted because they were unhealthy, router replicas started again because they were dead)."""
+        return self.replace_lost_shards(), self.replace_unhealthy_shards(), self.replace_lost_routers()
+
+    def replace_lost_routers(self) -> list[int]:
+        """Start again each router replica that is dead for good (router/actor.py revive_routers)."""
+        from router.actor import revive_routers
+
+        return revive_routers(self.routers, len(self.placements), self.cfg.router, namespace=self.cfg.ray.namespace,
+                              lifetime=self.lifetime, shard_names=[f"{SHARD_PREFIX}{p.shard}" for p in self.placements])
 
     def replace_unhealthy_shards(self, probe_timeout_s: float = LIVE_TIMEOUT_S) -> list[int]:
         """Restart each shard whose serving loop is wedged or whose process is out of file descriptors (its `live`
@@ -83,7 +95,7 @@ class Service:
         return restarted
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        stop_actors(list(self.actors.values()), self.router, timeout_s)
+        stop_actors(list(self.actors.values()), self.routers, timeout_s)
 
     def replace_lost_shards(self, health_timeout_s: float = 120.0) -> list[int]:
         """Place a new engine actor for each shard whose node is gone (Ray cannot restart an actor held to a dead
@@ -178,9 +190,9 @@ def start_service(cfg: ServiceConfig, detached: bool = False, source: str = "the
         if name["namespace"] == ns and name["name"].startswith(SHARD_PREFIX):
             raise RuntimeError(f"namespace {ns!r} already runs a service ({name['name']}); stop it first "
                                "or choose another namespace")
-    from router.actor import start_router
-    router = start_router(len(placements), cfg.router, namespace=ns, lifetime=lifetime,
-                          shard_names=[f"{SHARD_PREFIX}{p.shard}" for p in placements])
+    from router.actor import start_routers
+    routers = start_routers(len(placements), cfg.router, namespace=ns, lifetime=lifetime,
+                            shard_names=[f"{SHARD_PREFIX}{p.shard}" for p in placements])
     actors = {}
     for k, p in enumerate(placements):
         assert p.shard == k
@@ -191,13 +203,13 @@ def start_service(cfg: ServiceConfig, detached: bool = False, source: str = "the
         try:
             health.append(ray.get(ref, timeout=cfg.ray.startup_timeout_s))
         except Exception as e:
-            stop_actors(list(actors.values()), router, 5.0)
+            stop_actors(list(actors.values()), routers, 5.0)
             p = placements[k]
             raise RuntimeError(f"shard {p.name} on node {p.node_id} ({p.gpu_uuid or 'CPU'}) failed to start: "
                                f"{e}") from e
     log.info("service up in namespace %r: %s", ns,
              ", ".join(f"{h.name}@{h.device}/{h.node[:8]}" for h in health))
-    return Service(cfg, placements, router, actors, health, model, lifetime)
+    return Service(cfg, placements, routers, actors, health, model, lifetime)
 
 
 def create_shard(cfg: ServiceConfig, p: ShardPlacement, model: str, lifetime: str | None) -> ray.actor.ActorHandle:
@@ -232,8 +244,9 @@ def resolve_namespace(namespace: str | None) -> str:
     raise RuntimeError(f"services run in several Ray namespaces ({', '.join(found)}); name one with --namespace")
 
 
-def find_service(namespace: str | None = None) -> tuple[ray.actor.ActorHandle, dict[int, ray.actor.ActorHandle]]:
-    """The router and engine actors of the service in `namespace` (None: see resolve_namespace)."""
+def find_service(namespace: str | None = None) -> tuple[list[ray.actor.ActorHandle], dict[int, ray.actor.ActorHandle]]:
+    """The router replicas (replica 0 first) and engine actors of the service in `namespace` (None: see
+    resolve_namespace)."""
     from router.actor import ROUTER_NAME
 
     namespace = resolve_namespace(namespace)
@@ -244,13 +257,16 @@ def find_service(namespace: str | None = None) -> tuple[ray.actor.ActorHandle, d
         hint = f"; services run in: {', '.join(others)}" if others else ""
         raise RuntimeError(f"no flame-llm service in Ray namespace {namespace!r} (found actors: {sorted(names)})"
                            f"{hint}")
-    return (ray.get_actor(ROUTER_NAME, namespace=namespace),
+    from router.actor import replica_name
+
+    num_routers = ray.get(ray.get_actor(ROUTER_NAME, namespace=namespace).config.remote(), timeout=60)[1].replicas
+    return ([ray.get_actor(replica_name(ROUTER_NAME, r), namespace=namespace) for r in range(num_routers)],
             {k: ray.get_actor(f"{SHARD_PREFIX}{k}", namespace=namespace) for k in shards})
 
 
 def status(namespace: str | None = None) -> dict:
     namespace = resolve_namespace(namespace)
-    router, actors = find_service(namespace)
+    routers, actors = find_service(namespace)
     shard_refs = {k: a.stats.remote() for k, a in actors.items()}
     shards = []
     for k, ref in shard_refs.items():
@@ -258,10 +274,11 @@ def status(namespace: str | None = None) -> dict:
             shards.append(ray.get(ref, timeout=30))
         except Exception as e:  # a dead or restarting shard is part of the status, not a failure of it
             shards.append({"shard": k, "error": f"{type(e).__name__}: {e}"})
-    return {"namespace": namespace, "router": ray.get(router.stats.remote(), timeout=30), "shards": shards}
+    more = {"router_replicas": [ray.get(r.stats.remote(), timeout=30) for r in routers]} if len(routers) > 1 else {}
+    return {"namespace": namespace, "router": ray.get(routers[0].stats.remote(), timeout=30), **more, "shards": shards}
 
 
-def stop_actors(actors: list, router, timeout_s: float = 30.0) -> None:
+def stop_actors(actors: list, routers: list, timeout_s: float = 30.0) -> None:
     """Drain and shut down each engine (heap unfrozen, engine thread joined), then kill the actors."""
     refs = []
     for a in actors:
@@ -275,7 +292,7 @@ def stop_actors(actors: list, router, timeout_s: float = 30.0) -> None:
             ray.get(r, timeout=max(0.1, deadline - time.monotonic()))
         except Exception as e:
             log.warning("shutdown of an engine actor failed: %s", e)
-    for a in [*actors, router]:
+    for a in [*actors, *routers]:
         try:
             ray.kill(a, no_restart=True)
         except Exception:
@@ -285,6 +302,6 @@ def stop_actors(actors: list, router, timeout_s: float = 30.0) -> None:
 def stop(namespace: str | None = None) -> int:
     """Stop the service in `namespace`; the number of engine actors stopped. The `flame-llm serve` that started
     it sees its router gone and exits (with the local Ray it started)."""
-    router, actors = find_service(namespace)
-    stop_actors(list(actors.values()), router)
+    routers, actors = find_service(namespace)
+    stop_actors(list(actors.values()), routers)
     return len(actors)

@@ -22,6 +22,7 @@ from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.batcher import ClientCounters
 from flame_llm.serving.service import SHARD_PREFIX
 from flame_llm.serving.stream_conn import StreamConns
+from router.replica_client import RouterReplicas
 
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
@@ -40,12 +41,13 @@ def shard_by_name(namespace: str) -> Callable[[int], ray.actor.ActorHandle | Non
 
 
 class ShardWatch:
-    def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: ray.actor.ActorHandle,
+    def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: RouterReplicas,
                  health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
                  lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None,
                  on_drop: Callable[[int], None] | None = None,
                  on_conn_lost: Callable[[int, BaseException], None] | None = None) -> None:
-        self.actors, self.router, self.restart_timeout_s, self.counters = actors, router, restart_timeout_s, counters
+        self.actors, self.restart_timeout_s, self.counters = actors, restart_timeout_s, counters
+        self.router = RouterReplicas.of(router)
         self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
         self.on_drop = on_drop  # shard -> None: its prefixes were dropped at the router (restarted or lost)
         self.restarting: set[int] = set()  # shards that died and are waited for: new requests go elsewhere
@@ -86,7 +88,7 @@ class ShardWatch:
         prior = self.avoid.get(shard)
         # once per loss: a shard avoided only because it was draining (as a node going down does) is lost now
         if prior is None or prior.code is not ErrorCode.SHARD_UNAVAILABLE:
-            self.router.drop_shard.remote(shard)
+            self.router.drop_shard(shard)
             if self.on_drop is not None:
                 self.on_drop(shard)
         why = "cannot be placed again (its node is gone)" if isinstance(e, ActorUnschedulableError) else \
@@ -144,7 +146,7 @@ class ShardWatch:
                 self.on_drop(shard)
             # fire and forget, as lose_shard: awaited, a restarting router's RayActorError ended the watcher and
             # left the shard avoided for good
-            self.router.drop_shard.remote(shard)
+            self.router.drop_shard(shard)
         return h
 
     async def _restart_once(self, shard: int) -> bool:
