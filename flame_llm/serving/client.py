@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -26,12 +27,16 @@ from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result
 from flame_llm.sampling_params import SamplingParams, brief
 from flame_llm.serving.batcher import ClientCounters
+from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
 from flame_llm.serving.prompts import RequestMaker
-from flame_llm.serving.service import Service, attach, find_service, resolve_namespace, start_service
-from flame_llm.serving.service_config import ClientConfig, ServiceConfig
+from flame_llm.serving.ray_attach import attach, find_service, resolve_namespace
+
+if TYPE_CHECKING:  # the service side imports the engine; the client needs only its attributes
+    from flame_llm.serving.service import Service
+    from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
 ABANDON_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
@@ -268,5 +273,7 @@ def make_client(cfg: ServiceConfig | None, router: ray.actor.ActorHandle, actors
 
 def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:
     """Start a service and return a Client that stops it on close()."""
+    from flame_llm.serving.service import start_service
+
     svc = start_service(cfg)
     return make_client(cfg, svc.router, svc.actors, service=svc, namespace=cfg.ray.namespace, **client_kwargs)

@@ -19,10 +19,10 @@ from flame_llm.protocol.types import Result, ShardHealth
 from flame_llm.serving.batch_send import BatchSender
 from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher, attempt_id
 from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.routing import ClientRouting
-from flame_llm.serving.service_config import ClientConfig
 from flame_llm.serving.shard_loss import ShardLoss
 from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
 

@@ -20,7 +20,7 @@ from ray.exceptions import ActorUnschedulableError, RayError
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.batcher import ClientCounters
-from flame_llm.serving.service import SHARD_PREFIX
+from flame_llm.serving.ray_attach import SHARD_PREFIX
 from flame_llm.serving.stream_conn import StreamConns
 
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
