@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from actors.stream_guard import StreamLimits
 from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_ZSTD_LEVEL
 from flame_llm.protocol.wire import MAX_LEVEL, MIN_LEVEL
-from flame_llm.validate import check_bool, check_int, check_number
+from flame_llm.validate import check_int, check_number
 
 
 @dataclass(slots=True)
@@ -20,7 +20,6 @@ class ShardOptions:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
     zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
     result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
-    fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
     # the stream port's bounds (actors/stream_guard.py)
     stream_hello_timeout_s: float = 5.0  # a connection presents its token within this, or is closed
     stream_max_pending: int = 256  # connections not yet past their hello (a new one past it closes the oldest)
@@ -34,7 +33,6 @@ class ShardOptions:
                                 ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", MIN_LEVEL, MAX_LEVEL)):
             check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
         check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
-        check_bool("fair_admission", self.fair_admission, where="shard field")
         for name in ("stream_hello_timeout_s", "stream_idle_timeout_s", "stream_frame_timeout_s"):
             check_number(name, getattr(self, name), 0, 86400, low_open=True, where="shard field")
         check_int("stream_max_pending", self.stream_max_pending, 1, 1 << 20, where="shard field")

@@ -1,4 +1,4 @@
-"""An engine actor's stream server (ClientConfig.stream_transport = "socket"): a TCP server on the actor's own
+"""An engine actor's stream server: a TCP server on the actor's own
 event loop, on an ephemeral port of the loopback address (a client on the actor's node) or of the node's address
 (once a client on another node asks: a multi-node cluster), carrying streams without a Ray call per request or per
 chunk (flame_llm/protocol/stream_frames.py says the framing). Each stream is served by the same async generator

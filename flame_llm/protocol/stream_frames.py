@@ -1,4 +1,4 @@
-"""The socket stream transport's framing (ClientConfig.stream_transport = "socket"): how a client and an engine
+"""The socket stream transport's framing: how a client and an engine
 actor's stream server (actors/stream_server.py, flame_llm/serving/stream_conn.py) carry many streams over one
 TCP connection. Only the framing is here: a stream's request payload and its result payload are the bytes of the
 one wire codec (flame_llm/protocol/wire.py), exactly what the Ray `stream` method takes and yields.

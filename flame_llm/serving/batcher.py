@@ -59,10 +59,10 @@ class ClientCounters:
     aborts_sent: int = 0
     route_calls: int = 0
     complete_calls: int = 0  # router `complete` calls (completions go in one call per loop tick)
-    local_routes: int = 0  # streams placed without a router call (ClientConfig.local_routing)
+    local_routes: int = 0  # streams placed without a router call (routing.py)
     route_retries: int = 0
     retries: int = 0  # requests sent again (overloaded, draining or dead shard)
-    stream_resumes: int = 0  # of those, streams that went on from their last token (ClientConfig.stream_resume)
+    stream_resumes: int = 0  # of those, streams that went on from their last token (resume.py)
     restarts_seen: int = 0
     credit_waits: int = 0
     # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds in routing calls, request

@@ -1,5 +1,5 @@
-"""Resuming a stream whose shard died after some of its tokens reached the caller (ClientConfig.stream_resume; when
-to do it is retry.decide's rule, client_stream.py carries it out). The continuation is the caller's request with
+"""Resuming a stream whose shard died after some of its tokens reached the caller (when to do it is retry.decide's
+rule, client_stream.py carries it out). The continuation is the caller's request with
 the k streamed tokens appended to its prompt and max_tokens reduced by k; everything else (stop token ids,
 ignore_eos, temperature, top-k/top-p) is unchanged, and prompt + max_tokens is the same total, so it fits the
 engine's max_model_len exactly as the original did. The caller's stream continues with the continuation's tokens.

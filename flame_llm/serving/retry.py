@@ -4,8 +4,8 @@ can cure):
 
 - an answer without error, or with one a resend cannot cure, is the request's result (DONE);
 - a request whose tokens were already streamed to its caller is not sent again as it was: its shard's error
-  is its result; its shard's death is its result too unless the client resumes streams (ClientConfig.stream_resume,
-  the default): then, once the shard is back (or given up on), its continuation is routed again (RESTART; the
+  is its result; after its shard's death, once the shard is back (or given up on), its continuation is routed
+  again (RESTART; the
   original prompt plus the streamed tokens, for the tokens still to come: resume.py), or, when the streamed tokens
   already ended it (a stop token, max_tokens, max_model_len), the streamed tokens are its result (DONE with that
   finish reason);
@@ -50,21 +50,20 @@ DONE = Decision(Action.DONE)
 
 
 def decide(p: Pending, max_retries: int, result: Result | None = None, lost: BaseException | None = None,
-           shard: int = -1, streamed: bool = False, now: float | None = None, resume: bool = False,
+           shard: int = -1, streamed: bool = False, now: float | None = None,
            complete: str | None = None) -> Decision:
     """What to do with `p` after `result` came back from `shard`, or after the shard died (`lost`, the error it
     died with). `streamed`: tokens of this attempt already reached the caller. `now`: time.monotonic().
-    `resume`: a stream that lost its shard after some tokens may be resumed (ClientConfig.stream_resume);
-    `complete`: the finish reason its streamed tokens already reached (resume.stream_end), if any."""
+    A stream that lost its shard after some tokens is resumed; `complete`: the finish reason its streamed
+    tokens already reached (resume.stream_end), if any."""
     retries = p.attempts - p.overloads  # waiting out an overloaded shard is no retry
     if lost is not None:
-        if streamed and resume and complete is not None:  # nothing is left to make: no resend
+        if streamed and complete is not None:  # nothing is left to make: no resend
             return Decision(Action.DONE, finish_reason=complete)
-        if (streamed and not resume) or retries >= max_retries:
+        if retries >= max_retries:
             why = "streaming" if streamed else "serving"
-            times = "" if streamed and not resume else f", {retries + 1} times"
-            return Decision(Action.FAIL, error=ErrorInfo(ErrorCode.SHARD_DIED, f"shard {shard} died while {why} this "
-                                                         f"request{times}: {type(lost).__name__}: {lost}"))
+            msg = f"shard {shard} died while {why} this request, {retries + 1} times: {type(lost).__name__}: {lost}"
+            return Decision(Action.FAIL, error=ErrorInfo(ErrorCode.SHARD_DIED, msg))
         return Decision(Action.RESTART)
     assert result is not None
     err = result.error

@@ -2,7 +2,7 @@
 one wait shared by everyone who saw it die; routing leaves a restarting shard out while another can serve) and
 the requests held for its credit go to the other shards; a shard that does not come back, or cannot (its node is
 gone), is routed around. A batch (or stream) that was in flight there is routed again at once when another shard
-can serve it (ClientConfig.reroute_on_loss), else after the restart, or failed, as the retry policy (retry.py)
+can serve it, else after the restart, or failed, as the retry policy (retry.py)
 says. Runs on the client's loop."""
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ class ShardLoss:
     forget: Callable[[int, list[Pending]], None]  # (shard, requests) that shard will not answer: the router is told
     route_again: Callable[[list[Pending]], Awaitable[None]]  # requests sent again: routed anew
     spawn: Callable[[Coroutine], None]  # run as a task the client awaits or cancels when it closes
-    reroute: bool = True  # ClientConfig.reroute_on_loss
 
     async def shard_lost(self, shard: int, batch: list[Pending], e: BaseException) -> None:
         """The shard died with the batch in flight: route the batch again, at once when another shard can serve
@@ -59,7 +58,7 @@ class ShardLoss:
         """After the shard died under requests that are sent again: None at once when another shard can serve
         them (reroute; the restart is watched meanwhile and routing leaves the shard out until it is back), else
         after_loss's answer once the restart is over."""
-        if self.reroute and not isinstance(e, ActorUnschedulableError) and self._others_serve(shard):
+        if not isinstance(e, ActorUnschedulableError) and self._others_serve(shard):
             self.shards.restart(shard, e)  # restarting from now on: the requests routed again go elsewhere
             self.spawn(self.after_loss(shard, e))
             return None
@@ -73,8 +72,7 @@ class ShardLoss:
         """The shard died: wait for its restart (True); when it does not come back (or cannot), route around it.
         Meanwhile the requests held for its credit go to the other shards (a restart takes an engine's startup)."""
         fut = self.shards.restart(shard, e)
-        if self.credit.enabled(shard):
-            self.credit.release(shard)
+        self.credit.release(shard)
         if fut is not None and await asyncio.shield(fut):
             return True
         self.shards.lose_shard(shard, e)
