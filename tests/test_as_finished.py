@@ -86,7 +86,7 @@ def test_draining_reroutes_while_retries_are_left():
 
 
 def test_a_lost_shard_is_waited_for_unless_retries_are_spent():
-    """A stream that had tokens out is waited for too: it is resumed (test_stream_resume.py)."""
+    """A stream that had tokens out is waited for too: it is resumed (test_stream_retry.py)."""
     lost = RuntimeError("actor died")
     assert decide(_pending(), 3, lost=lost, shard=1).action is Action.RESTART
     spent = decide(_pending(attempts=3), 3, lost=lost, shard=1)

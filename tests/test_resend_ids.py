@@ -17,8 +17,7 @@ from helpers import service_with_a_client
 from flame_llm import SamplingParams
 from flame_llm.protocol.types import EngineLimits, Request
 from flame_llm.protocol.wire import decode_requests
-from flame_llm.serving.batcher import ClientCounters, Pending, attempt_id
-from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.batcher import ClientCodec, ClientCounters, Pending, attempt_id
 
 NS = "test-resend-ids"
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}

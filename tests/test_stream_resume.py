@@ -1,5 +1,5 @@
 """Issue 18 items 6-7: a stream whose shard dies after its first token goes on from its last token: the rule in
-retry.decide, the continuation (flame_llm/serving/resume.py), and on a real local Ray with a one-shard tiny Llama
+retry.decide, the continuation (flame_llm/serving/retry.py), and on a real local Ray with a one-shard tiny Llama
 service: the stream waits for its shard's restart and resumes there with the tokens of an uninterrupted greedy run,
 a death after the last token ends the stream with what it had (no resend), and the front door's SSE stream of a
 resumed request is one stream with no duplicate. The two-shard service's cases are in test_stream_socket.py."""
@@ -22,8 +22,7 @@ from flame_llm.protocol.types import Request, prompt_digest
 from flame_llm.serving.batcher import Pending
 from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
 from flame_llm.serving.http_app import HttpConfig
-from flame_llm.serving.resume import continuation, stream_end
-from flame_llm.serving.retry import Action, decide
+from flame_llm.serving.retry import Action, continuation, decide, stream_end
 
 NS = "test-stream-resume"
 # every token id is an EOS id of this module's engine: a request that does not ignore EOS ends at its first token

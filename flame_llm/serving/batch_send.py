@@ -1,7 +1,7 @@
-"""One formed batch's trip to its shard: encoded (client_codec.py), submitted to the shard's engine actor, and its
+"""One formed batch's trip to its shard: encoded (batcher.ClientCodec), submitted to the shard's engine actor, and its
 results read as they finish (the actor's `submit_streaming`). The shard's flow-control credit comes back per
 result; the answered requests go to `settle` (their callers, or the retry policy), those of a shard that died to
-`lost` (shard_loss.py). Cancelled
+`lost` (shard_watch.ShardLoss). Cancelled
 (the client closes) or failed (a bug, an unreadable reply), the unanswered requests leave the router's count and
 are aborted on the shard, and a failure is every waiting caller's result."""
 from __future__ import annotations
@@ -18,10 +18,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import Result
-from flame_llm.serving.batcher import ClientCounters, Pending, attempt_id, failed_result
-from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.batcher import ClientCodec, ClientCounters, Pending, attempt_id, failed_result
 from flame_llm.serving.credit import Credit
-from flame_llm.serving.shard_loss import SHARD_LOST
+from flame_llm.serving.shard_watch import SHARD_LOST
 
 log = logging.getLogger(__name__)
 

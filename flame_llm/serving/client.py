@@ -144,7 +144,7 @@ class Client:
         """One request's output as it is sampled: StreamChunk(token_ids) as the shard sends them, the last one
         with `result` (its Result, as generate returns it; an error is in its `error`). Routed, encoded and
         checked like generate's requests and retried likewise; a shard's death after its first token sends the
-        rest on as a continuation (flame_llm/serving/resume.py). Leaving the loop early
+        rest on as a continuation (flame_llm/serving/retry.py). Leaving the loop early
         (break, cancel, close) aborts the request on its shard. `user`: whose turn it takes while it waits for
         a shard's credit and in its fair admission (users take turns; the front door passes its end users)."""
         check_user(user)

@@ -6,7 +6,7 @@ chunks as the engine samples them, then the result payload.
 What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out here with the
 Dispatcher's help: until its first token arrives a stream is retried as a batch request is; after that a shard's
 error ends it, and its shard's death sends its continuation once the shard is
-back or to another shard (the original prompt plus the streamed tokens, resume.py): the caller's stream goes on
+back or to another shard (the original prompt plus the streamed tokens, retry.py): the caller's stream goes on
 with no token repeated or skipped. Cancelling the task that runs it (the caller stopped reading) aborts it on its
 shard."""
 from __future__ import annotations
@@ -21,9 +21,8 @@ from flame_llm.protocol.types import Request, Result, prompt_digest
 from flame_llm.protocol.wire import request_wire_size
 from flame_llm.serving.batcher import Pending, failed_result, set_estimates
 from flame_llm.serving.dispatch import Dispatcher, completion
-from flame_llm.serving.resume import continuation, stream_end
-from flame_llm.serving.retry import Action, decide
-from flame_llm.serving.shard_loss import SHARD_LOST
+from flame_llm.serving.retry import Action, continuation, decide, stream_end
+from flame_llm.serving.shard_watch import SHARD_LOST
 
 
 @dataclass(slots=True)
@@ -51,7 +50,7 @@ TELL_AFTER_S = 0.002
 async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk], None]) -> Result:
     """Serve one prepared request `p` (not failed at entry) through dispatcher `d` on its loop, handing each token
     chunk to `push`; its Result (output_token_ids: what was streamed; prompt_tokens: the caller's prompt;
-    timings["resumed"]: how many times it went on from its last token after its shard died, resume.py)."""
+    timings["resumed"]: how many times it went on from its last token after its shard died, retry.py)."""
     rid, original, streamed = p.request.id, p.request, []
     resumed = 0
     split: dict[str, float] = {}  # the last attempt's route_s, credit_wait_s, sent_at, first_chunk_at_client

@@ -3,7 +3,7 @@
 they finish (batch_send.py), and the one retry policy of flame_llm/serving/retry.py carried out on the answers: an
 overloaded shard's request goes back to it after its hint until the request's overload deadline; a draining
 shard's requests are routed to the other shards (its ShardWatch avoids that shard until its health says it serves
-again), and so are those of a shard that died and did not come back (shard_loss.py). The router hears which
+again), and so are those of a shard that died and did not come back (shard_watch.ShardLoss). The router hears which
 routed requests are done (their completions, one call per loop tick). Runs on the client's loop."""
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import Completion
 from flame_llm.protocol.types import Result, ShardHealth
 from flame_llm.serving.batch_send import BatchSender
-from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher, attempt_id
-from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.batcher import ClientCodec, ClientCounters, Pending, ShardBatcher, attempt_id
 from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.routing import ClientRouting
-from flame_llm.serving.shard_loss import ShardLoss
-from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
+from flame_llm.serving.shard_watch import ShardLoss, ShardWatch, shard_by_name
 
 log = logging.getLogger(__name__)
 COMPLETIONS_PER_CALL = 256  # router completions buffered: sent once per loop tick, or when this many wait

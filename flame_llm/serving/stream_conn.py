@@ -141,7 +141,7 @@ class StreamConns:
 
     async def items(self, shard: int, payload: bytes, caller: str | None, client: str | None
                     ) -> AsyncIterator[list[int] | bytes]:
-        """One stream on the shard: lists of token ids, then the result payload (as the Ray `stream` yields).
+        """One stream on the shard: lists of token ids, then the result payload (as EngineActor.stream_items yields).
         RayActorError when the connection cannot be made or breaks; cancelled, the shard is told to abort it."""
         conn = await self.get(shard)
         sid, q = conn.open(payload, caller, client)
