@@ -9,16 +9,16 @@ promised the next slot after that, one slot interval later (a slot clock), so a 
 requests come back spread at the rate slots free, each jittered within its interval. Hints are bounded
 to [HINT_MIN_S, HINT_MAX_S] (those cut to the maximum spread over its last JITTER fraction).
 
-Fair (the default): callers (a client: its Ray job and client id) wait in their own FIFO queues, and each
+Fair: callers (a client: its Ray job and client id) wait in their own FIFO queues, and each
 free slot goes to the next caller in turn (round robin), so one client's burst cannot keep another's request
 out. The queue is shared and bounded by max_queued as before; once it holds max_queued requests, a caller at
 or above its fair share of it (max(1, max_queued // callers waiting)) is rejected, and a caller below its share
 may still wait, but only while the queue is past max_queued by fewer requests than there are callers waiting:
 each waiting caller may push it past by one. At most max_queued callers wait at once (each could have had one
-place in a queue of max_queued), so at most 2 x max_queued requests wait (the bound of fair=False: max_queued).
-Not fair (fair=False): one FIFO queue of at most max_queued requests for everyone, as before.
-A cancelled wait lets the next request in when it fits (in both modes; before, in one FIFO, a cancelled
-head too big for the free tokens left the smaller requests behind it waiting for the next release).
+place in a queue of max_queued), so at most 2 x max_queued requests wait (the one FIFO queue of before, held
+max_queued; retired with the shard field fair_admission, issue 38). A cancelled wait lets the next request in
+when it fits (before, in one FIFO, a cancelled head too big for the free tokens left the smaller requests
+behind it waiting for the next release).
 """
 from __future__ import annotations
 
@@ -57,10 +57,10 @@ class Overloaded(Exception):
 
 
 class Admission:
-    def __init__(self, max_tokens: int, max_requests: int, max_queued: int, *, fair: bool = True,
+    def __init__(self, max_tokens: int, max_requests: int, max_queued: int, *,
                  clock: Callable[[], float] = time.perf_counter, rng: random.Random | None = None):
         assert max_tokens >= 1 and max_requests >= 1 and max_queued >= 0
-        self.max_tokens, self.max_requests, self.max_queued, self.fair = max_tokens, max_requests, max_queued, fair
+        self.max_tokens, self.max_requests, self.max_queued = max_tokens, max_requests, max_queued
         self.tokens = 0
         self.requests = 0
         self.queued_tokens = 0
@@ -83,18 +83,12 @@ class Admission:
     def queued(self) -> int:
         return self._queued
 
-    def _key(self, caller: Hashable) -> Hashable:
-        return caller if self.fair else None
-
     def _head(self) -> tuple[Hashable, int] | None:
         """(caller, cost) of the request whose turn is next, or None with nobody waiting."""
         return (self._queues.head_user(), self._queues.head()[0]) if self._queues else None
 
     def _full_for(self, key: Hashable) -> str:
         """Why a request of `key` arriving now is rejected, or "" when it may wait."""
-        if not self.fair:
-            return "" if self._queued < self.max_queued else \
-                f"admission queue is full ({self._queued} waiting, max_queued_requests={self.max_queued})"
         waiting = self._queues.waiting(key)
         callers = self._queues.users + (waiting == 0)  # waiting callers, this one counted
         if waiting == 0 and callers > self.max_queued:
@@ -133,7 +127,7 @@ class Admission:
         """Reserve `cost` tokens and one request slot for `caller`; wait in the caller's FIFO queue (served
         in turn with the other callers') when over the bounds; raise Overloaded when the queue is full for
         this caller (see the module docstring)."""
-        key = self._key(caller)
+        key = caller
         if not self._queued and self._fits(cost):
             self._take(cost, key)
             return
@@ -162,7 +156,7 @@ class Admission:
             raise
 
     def release(self, cost: int, caller: Hashable = None) -> None:
-        key = self._key(caller)
+        key = caller
         assert self.requests >= 1 and self.tokens >= cost and self._held.get(key, 0) >= 1
         now = self._advance()
         self.tokens -= cost

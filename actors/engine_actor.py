@@ -1,8 +1,8 @@
 """The engine actor: one per GPU (or CPU shard), holding one AsyncEngine for its whole life.
 
-`submit` (a batch, its results at once), `submit_streaming` (a batch, each result as it finishes) and `stream`
-(one request, its tokens as they are sampled; also served over a TCP socket by the stream server that
-`stream_endpoint` names, actors/stream_server.py) run in the default concurrency group (its own event loop); health,
+Requests come in two ways: `submit_streaming` (a batch, each result as it finishes) and the stream server that
+`stream_endpoint` names (one request per stream, its tokens as they are sampled, over a TCP socket:
+actors/stream_server.py). Both run in the default concurrency group (its own event loop); health,
 stats, abort, drain and shutdown run in the "control" group, on another loop, so a saturated admission loop
 never starves them; `live` runs a no-op on the serving loop from there (actors/liveness.py), so a wedged serving
 loop reports unhealthy and the supervisor restarts the shard. Requests are aborted on the caller's word or when
@@ -16,7 +16,6 @@ import logging
 import os
 import time
 import uuid
-from contextlib import aclosing
 
 import ray
 
@@ -57,7 +56,7 @@ class EngineActor:
         self.limits = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len, options.max_payload_bytes)
         self.zstd_level = options.zstd_level
         self.admission = Admission(options.max_inflight_tokens, options.max_inflight_requests,
-                                   options.max_queued_requests, fair=options.fair_admission)
+                                   options.max_queued_requests)
         self.result_window_s = options.result_window_ms / 1000.0
         self.draining = False
         self.metrics = ShardMetrics()
@@ -91,26 +90,13 @@ class EngineActor:
         self.metrics.counters["result_wire_bytes"] += len(out)
         return out
 
-    async def submit(self, payload: bytes, caller: str | None = None, client: str | None = None) -> bytes:
-        """A request batch payload in, a result payload out (input order). Never raises for bad input.
-        `caller`: the Ray job id of the sender; its requests are aborted when that job dies. (caller, client)
-        is the sender's turn in admission."""
-        t0 = time.perf_counter()
-        items = self._decode(payload)
-        if isinstance(items, Result):
-            return self._encode([items])
-        t1 = time.perf_counter()
-        self.metrics.counters["decode_s"] += t1 - t0
-        results = await asyncio.gather(*(self._serve(item, t1, caller, client=client) for item in items))
-        for r in results:
-            r.timings["decode_s"] = t1 - t0
-        return self._encode(results)
-
     @ray.method(num_returns="streaming")
     async def submit_streaming(self, payload: bytes, caller: str | None = None, client: str | None = None):
-        """As submit, but a Ray streaming generator of result payloads (bytes, as submit answers), each request's
-        result sent as it finishes: results finishing within result_window_ms of a payload's first travel with
-        it (a payload leaves at once when none of the batch's other requests is still running). Every request
+        """A request batch payload in; a Ray streaming generator of result payloads out, each request's result
+        sent as it finishes (`caller`: the Ray job id of the sender, whose requests are aborted when that job dies;
+        (caller, client) is the sender's turn in admission). Never raises for bad input. Results finishing within
+        result_window_ms of a payload's first travel with it (a payload leaves at once when none of the batch's
+        other requests is still running). Every request
         of the batch gets exactly one result, in finishing order (match them by id); an unreadable batch is one
         result with id None. Cancelling the generator (ray.cancel) aborts what is still running."""
         t0 = time.perf_counter()
@@ -131,19 +117,9 @@ class EngineActor:
             for t in tasks:  # the caller went away: nobody reads the rest
                 t.cancel()
 
-    @ray.method(num_returns="streaming")
-    async def stream(self, payload: bytes, caller: str | None = None, client: str | None = None):
-        """A Ray streaming generator over a payload of one request: lists of new token ids as the engine samples
-        them, then the result payload (bytes, as `submit` answers; its timings add arrived_at and first_chunk_at,
-        time.time() when the payload arrived and the first chunk left). Aborting the request (`abort`), its
-        caller's job dying, or the caller cancelling the generator (ray.cancel) ends it in the engine."""
-        async with aclosing(self.stream_items(payload, caller, client)) as items:
-            async for item in items:
-                yield item
-
     async def stream_endpoint(self, client_node: str | None = None) -> StreamEndpoint:
         """Where this incarnation's stream server listens for a client on node `client_node` (started on the first
-        call, on the loop `stream` runs on): the socket transport of `stream` (actors/stream_server.py), and the
+        call, on the serving loop): the socket transport of streams (actors/stream_server.py), and the
         token a connection presents. A client on this node (or, unnamed, any client of a one-node cluster) gets
         the loopback address; the node's address is listened on only once a client on another node asks."""
         self.serve_loop = asyncio.get_running_loop()
@@ -154,7 +130,10 @@ class EngineActor:
 
     async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None,
                            owner: str | None = None):
-        """The items of one stream, whichever transport carries them (`stream`, the stream server). `owner`: the
+        """The items of one stream (the stream server's): lists of new token ids as the engine samples them, then
+        the result payload (its timings add arrived_at and first_chunk_at, time.time() when the payload arrived and
+        the first chunk left). Aborting the request (`abort`), its caller's job dying, or the reader leaving ends it
+        in the engine. `owner`: the
         sender's identity here (a stream connection; None: the caller), which its request id is unique within."""
         arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
         items = self._decode(payload)
@@ -181,7 +160,7 @@ class EngineActor:
                 res.timings["first_chunk_at"] = first_chunk_at
             yield self._encode([res])
         finally:
-            if not task.done():  # its reader left (a cancel, a closed connection, ray.cancel): an abort, counted
+            if not task.done():  # its reader left (a cancel, a closed connection): an abort, counted
                 self.inflight.abort([items[0].id], owner if owner is not None else caller)
 
     async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,

@@ -20,7 +20,6 @@ class ShardOptions:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
     zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
     result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
-    fair_admission: bool = True  # per-caller queues served in turn (actors/admission.py); false: one FIFO queue
     # the stream port's bounds (actors/stream_guard.py)
     stream_hello_timeout_s: float = 5.0  # a connection presents its token within this, or is closed
     stream_max_pending: int = 256  # connections not yet past their hello (a new one past it closes the oldest)
@@ -38,7 +37,6 @@ class ShardOptions:
                                 ("max_payload_bytes", 1024, 1 << 30), ("zstd_level", MIN_LEVEL, MAX_LEVEL)):
             check_int(name, getattr(self, name), low, high, where="shard field")  # zstd: the codec's own range
         check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
-        check_bool("fair_admission", self.fair_admission, where="shard field")
         check_bool("stream_coalesce", self.stream_coalesce, where="shard field")
         # at least asyncio's default write high-water mark (64 KiB): over the bound, a transport is always paused
         check_int("stream_max_unsent_bytes", self.stream_max_unsent_bytes, 1 << 16, 1 << 34, where="shard field")

@@ -1,8 +1,8 @@
-"""An engine actor's stream server (ClientConfig.stream_transport = "socket"): a TCP server on the actor's own
+"""An engine actor's stream server: a TCP server on the actor's own
 event loop, on an ephemeral port of the loopback address (a client on the actor's node) or of the node's address
 (once a client on another node asks: a multi-node cluster), carrying streams without a Ray call per request or per
-chunk (flame_llm/protocol/stream_frames.py says the framing). Each stream is served by the same async generator
-as the actor's Ray `stream` method (EngineActor.stream_items): token chunks, then the result payload.
+chunk (flame_llm/protocol/stream_frames.py says the framing). Each stream is served by the actor's async
+generator EngineActor.stream_items: token chunks, then the result payload.
 
 A connection presents the actor's secret token first, or it is closed. A stream ends on its shard when its
 client cancels it or when its connection closes (the caller is gone, as the dead-caller watcher decides for Ray

@@ -1,6 +1,6 @@
 """The paths bench/hops.py measures over one started flame (1 CPU shard) and one serve-http: each path's one
-streamed request (serve-http and the front door over HTTP + SSE, the Python client, the engine actor's own
-`stream`), the router call alone, a bare actor call, and the non-streamed one-token answers."""
+streamed request (serve-http and the front door over HTTP + SSE, the Python client, the engine actor's stream
+server over a socket of its own), the router call alone, a bare actor call, and the non-streamed one-token answers."""
 from __future__ import annotations
 
 import time
@@ -32,6 +32,7 @@ class Paths:
         self.variants = [self._variant(flame, name, fields) for name, fields in variants.items()]
         self.engine_url = http.http_replicas()[0].url
         self.actor = next(iter(flame.service.actors.values()))
+        self.conns = None  # this bench's own connection to the shard's stream server (made on its loop, first use)
         self.sp = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
         self.sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         self.n = 0
@@ -85,12 +86,15 @@ class Paths:
 
     async def actor_stream(self, prompt) -> dict:
         from flame_llm.protocol.wire import decode_results
+        from flame_llm.serving.batcher import ClientCounters
+        from flame_llm.serving.stream_conn import StreamConns
 
+        if self.conns is None:
+            self.conns = StreamConns({0: self.actor}, ClientCounters())
         payload = self._payload(prompt, self.sp)
         t0 = time.perf_counter()
         chunks, tokens, res = [], 0, None
-        async for ref in self.actor.stream.remote(payload, None):
-            item = await ref
+        async for item in self.conns.items(0, payload, None, None):
             if isinstance(item, list):
                 chunks.append(time.perf_counter() - t0)
                 tokens += len(item)
@@ -130,7 +134,8 @@ class Paths:
     async def actor_once(self, prompt) -> float:
         payload = self._payload(prompt, self.sp1)
         t0 = time.perf_counter()
-        await self.actor.submit.remote(payload, None)
+        async for ref in self.actor.submit_streaming.remote(payload, None):
+            await ref
         return time.perf_counter() - t0
 
 

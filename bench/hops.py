@@ -4,14 +4,14 @@
 One request at a time, the same prompts shape on every path, the paths interleaved request by request:
 
 - `serve-http`: HTTP + SSE straight over one AsyncEngine (the reference),
-- `door`: flame's front door (HTTP actor -> Python client -> router call -> engine actor's `stream`),
+- `door`: flame's front door (HTTP actor -> Python client -> router call -> engine actor's stream server),
 - `client`: the same Python client in this process (no front door, no HTTP),
-- `actor`: this process calls the engine actor's `stream` itself (no router call, no client loop, no credit),
+- `actor`: this process streams from the engine actor's stream server (no router call, no client loop, no credit),
 - `router`: the router's `route` call alone; `ray`: a bare actor call (`health`) for scale,
-- the non-streamed answers of one token: `serve-http` / `door` over HTTP, `client.agenerate`, `actor.submit`.
+- the non-streamed answers of one token: `serve-http` / `door` over HTTP, `client.agenerate`, `actor.submit_streaming`.
 
 The engine's own figures come back in the stream's result (queue_s: admission wait; ttft: arrival in the engine to
-its first token). Per hop (p50 of TTFT differences): engine TTFT; actor admission; the Ray streaming hop (actor
+its first token). Per hop (p50 of TTFT differences): engine TTFT; actor admission; the stream socket hop (actor
 TTFT - engine TTFT - admission); the client layer (client - actor: router call, credit, loop hand-offs); the front
 door (door - client: HTTP, the door actor, its hand-off from the client loop, SSE); total overhead (door -
 serve-http). Inter-token gaps per path (p50 / p99) and tokens per chunk (chunk merging). The client path's TTFT is
@@ -24,11 +24,9 @@ the base paths request by request, and summarised as the median of paired TTFT d
 one-flag A/B that the machine's drift cannot tilt).
 
     RAY_ADDRESS= python -m bench.hops --requests 40 --output-tokens 32 --out hops.json
-    RAY_ADDRESS= python -m bench.hops --requests 60 --ab-json '{"global": {"local_routing": false}}'
-    RAY_ADDRESS= python -m bench.hops --requests 60 --client-json '{"stream_transport": "ray"}' \
-        --ab-json '{"socket": {"stream_transport": "socket"}}'
+    RAY_ADDRESS= python -m bench.hops --requests 60 --ab-json '{"window0": {"batch_window_ms": 0}}'
 
-With ClientConfig.stream_transport "socket" the split's "Ray request hop" and "Ray return hop" are the socket's:
+The split's "Ray request hop" and "Ray return hop" are the socket's:
 the OPEN frame from the client to the shard's stream_items running, the first CHUNK frame back to the client loop.
 """
 from __future__ import annotations
@@ -116,7 +114,7 @@ def summarize(samples: dict) -> dict:
     out["hops_ttft_p50_ms"] = {
         "engine (arrival in the engine to its first token)": eng,
         "actor admission (queue_s)": adm,
-        "Ray streaming hop + payload decode (actor - engine - admission)": p50["actor"] - eng - adm,
+        "stream socket hop + payload decode (actor - engine - admission)": p50["actor"] - eng - adm,
         "client layer: router call, credit, client-loop hand-offs (client - actor)": p50["client"] - p50["actor"],
         "front door: HTTP, door actor, hand-off from the client loop, SSE (door - client)": p50["door"] - p50["client"],
         "serve-http's own HTTP + SSE (serve-http - engine)": p50["serve-http"] - eng,
@@ -207,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="experiment: sys.setswitchinterval in every process started here (serve-http, Ray workers) "
                         "through a sitecustomize on PYTHONPATH; default: Python's 5 ms")
     p.add_argument("--client-json", default="{}",
-                   help='ClientConfig fields of the door\'s and the Python path\'s client, e.g. \'{"local_routing": '
-                        'false}\'')
+                   help='ClientConfig fields of the door\'s and the Python path\'s client, e.g. \'{"max_retries": '
+                        '3}\'')
     p.add_argument("--ab-json", default="{}",
                    help='variants measured in the same run, interleaved with the base paths: {"name": {ClientConfig '
                         'fields}}; each gets its own door, client and actor path (door[name], ...)')

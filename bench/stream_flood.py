@@ -185,7 +185,7 @@ def _service(args) -> dict:
         actor = svc.actors[0]
         ep = ray.get(actor.stream_endpoint.remote(ray.get_runtime_context().get_node_id()))
         assert ep.host == LOOPBACK, ep
-        client = Client.for_service(svc, stream_transport="socket")
+        client = Client.for_service(svc)
         sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         door = _door(cfg) if args.door else None
 

@@ -5,35 +5,30 @@
 - engine: one `flame_llm.serving.http_server` process per device, driven by the sticky-prefix HTTP client.
 - vllm: one `vllm serve` process per device, same client; config "default" or "seed" (eager, Triton attention).
 Every system uses the same device list: shard k <-> device k (GPU UUID, or cpu-k without GPUs). A label ending in "-rr"
-places requests round-robin instead of by prefix (the affinity A/B); "flame-batch" is flame with each shard batch's
-results returned at once (ClientConfig.results_as_finished off: the A/B of issue 18 item 1); "flame-nomix" and
-"engine-nomix" run steps with prefill tokens eagerly (cuda_graph_mixed_tokens 0: the A/B of the mixed-step graphs),
-"flame-mix2k" and "engine-mix2k" replay them from graphs up to 2,048 tokens (512 by default: the A/B of medium steps
-whose eager launch may outlast their GPU time); "flame-noprune" and "engine-noprune" run eager steps' last layer on
-every row (prune_last_layer off: the A/B of issue 19's pruning, on by default); "flame-raystream" streams over the
-engine actors' Ray method instead of their stream servers (ClientConfig.stream_transport "ray": the transport A/B of
-load mode); "flame-noresume" fails a stream whose shard dies after its first token instead of resuming it
-(ClientConfig.stream_resume off: the A/B of load mode's --kill-shard-at); "flame-noreroute" sends the requests a dying
-shard had in flight on only after its restart (ClientConfig.reroute_on_loss off: the same A/B on 2+ shards);
-"flame-noearly" and "engine-noearly" enqueue an eager step of 2,048+ tokens right behind the step before it, whose
-tokens then wait for that launch (emit_before_long_launch 0; by default 2,048: the step before is read and its tokens
-handed out first; the A/B of the inter-token gap before a long prefill, bench/launch_cost.py). "flame-gil" and
-"engine-gil" set the engine process's GIL switch interval to 0.5 ms (gil_switch_interval_ms; Python's is 5 ms: the
-A/B of the engine thread waiting for the GIL behind its callers' loop after each step, issue 39). The labels of retired
-levers (-split, -ropestore, -shared, -lt) went with them (bench/KERNELS.md, "Tried and retired").
-"flame-fp8" and "engine-fp8" run W8A8 FP8 projections (quantization "fp8": e4m3 weights quantized at load,
-per-token activation scales; issue 40), "flame-fp8kv" and "engine-fp8kv" add e4m3 K/V (kv_cache_dtype "fp8": our
-Triton attention for every step, FA4 takes no FP8 K/V), "vllm-fp8" is `vllm serve --quantization fp8` (the same
-scheme: dynamic per-token activations; its KV cache stays bf16).
+places requests round-robin instead of by prefix (the affinity A/B); "flame-nomix" and "engine-nomix" run steps with
+prefill tokens eagerly (cuda_graph_mixed_tokens 0: the A/B of the mixed-step graphs), "flame-mix2k" and "engine-mix2k"
+replay them from graphs up to 2,048 tokens (512 by default: the A/B of medium steps whose eager launch may outlast their
+GPU time); "flame-noprune" and "engine-noprune" run eager steps' last layer on every row (prune_last_layer off: the A/B
+of issue 19's pruning, on by default); "flame-noearly" and "engine-noearly" enqueue an eager step of 2,048+ tokens right
+behind the step before it, whose tokens then wait for that launch (emit_before_long_launch 0; by default 2,048: the step
+before is read and its tokens handed out first; the A/B of the inter-token gap before a long prefill,
+bench/launch_cost.py). "flame-gil" and "engine-gil" set the engine process's GIL switch interval to 0.5 ms
+(gil_switch_interval_ms; Python's is 5 ms: the A/B of the engine thread waiting for the GIL behind its callers' loop
+after each step, issue 39). The labels of retired levers (-split, -ropestore, -shared, -lt) went with them
+(bench/KERNELS.md, "Tried and retired"), and so did those of the client's retired switches (flame-batch, -raystream,
+-noresume, -noreroute: issue 38). "flame-fp8" and "engine-fp8" run W8A8 FP8 projections (quantization "fp8": e4m3
+weights quantized at load, per-token activation scales; issue 40), "flame-fp8kv" and "engine-fp8kv" add e4m3 K/V
+(kv_cache_dtype "fp8": our Triton attention for every step, FA4 takes no FP8 K/V), "vllm-fp8" is `vllm serve
+--quantization fp8` (the same scheme: dynamic per-token activations; its KV cache stays bf16).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("flame", "flame-batch", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-noearly", "flame-raystream",
-         "flame-noresume", "flame-noreroute", "engine", "engine-nomix", "engine-mix2k", "engine-noprune",
-         "engine-noearly", "flame-gil", "engine-gil",
-         "vllm", "vllm-seed", "flame-fp8", "engine-fp8", "vllm-fp8", "flame-fp8kv", "engine-fp8kv")
+KINDS = ("flame", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-noearly", "engine", "engine-nomix",
+         "engine-mix2k", "engine-noprune",
+         "engine-noearly", "flame-gil", "engine-gil", "vllm", "vllm-seed",
+         "flame-fp8", "engine-fp8", "vllm-fp8", "flame-fp8kv", "engine-fp8kv")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
@@ -43,9 +38,9 @@ LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {
                 "flame-fp8": {"quantization": "fp8"}, "engine-fp8": {"quantization": "fp8"},
                 "flame-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
                 "engine-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
-# client fields (ClientConfig) a flame label sets: its Python client's and its front door's
-LABEL_CLIENT = {"flame-batch": {"results_as_finished": False}, "flame-raystream": {"stream_transport": "ray"},
-                "flame-noresume": {"stream_resume": False}, "flame-noreroute": {"reroute_on_loss": False}}
+# client fields (ClientConfig) a flame label sets: its Python client's and its front door's (none now: issue 38
+# retired the client switches the labels selected)
+LABEL_CLIENT: dict[str, dict] = {}
 VLLM_SEED_FLAGS = ("--enforce-eager", "--attention-backend", "TRITON_ATTN")
 # `vllm serve` flags of each vllm config (SystemConfig.vllm_config)
 VLLM_CONFIG_FLAGS = {"default": (), "seed": VLLM_SEED_FLAGS, "fp8": ("--quantization", "fp8")}

@@ -68,7 +68,7 @@ def stop_reason(token_id: int, sp: SamplingParams, eos_token_ids: frozenset[int]
     """Whether appending token_id, the request's num_completion_tokens-th output token (num_tokens in all with the
     prompt), ends it: "stop" (an EOS id of the model unless ignore_eos, or one of its stop token ids), "length"
     (max_tokens or max_model_len reached), or None. The one stop rule: the engine's (engine/commit.py) and a
-    resuming client's (serving/resume.py)."""
+    resuming client's (serving/retry.py)."""
     if (not sp.ignore_eos and token_id in eos_token_ids) or token_id in sp.stop_token_ids:
         return "stop"
     if num_completion_tokens >= sp.max_tokens or num_tokens >= max_model_len:

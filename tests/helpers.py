@@ -278,9 +278,9 @@ def kill_mid_burst(client, victim, prompts, sp):
     return burst, out
 
 
-def service_with_both_transports(model: str, engine: dict, num_shards: int, namespace: str):
-    """A service on a fresh local Ray (killed shards restart without limit) and a client per stream transport
-    ({"ray": ..., "socket": ...}): yields (service, clients), then stops them and Ray. For module fixtures."""
+def service_with_a_client(model: str, engine: dict, num_shards: int, namespace: str):
+    """A service on a fresh local Ray (killed shards restart without limit) and a client of it: yields (service,
+    client), then stops them and Ray. For module fixtures."""
     import ray
 
     from flame_llm.serving.client import Client
@@ -290,9 +290,26 @@ def service_with_both_transports(model: str, engine: dict, num_shards: int, name
     cfg = ServiceConfig.from_kwargs(model=model, engine=engine, num_shards=num_shards, cpu_per_shard=0.5,
                                     namespace=namespace, restart_timeout_s=120.0, max_restarts=-1)
     svc = start_service(cfg)
-    clients = {t: Client.for_service(svc, stream_transport=t) for t in ("ray", "socket")}
-    yield svc, clients
-    for c in clients.values():
-        c.close()
+    client = Client.for_service(svc)
+    yield svc, client
+    client.close()
     svc.stop(timeout_s=10)
     ray.shutdown()
+
+
+def submitted(actor, payload: bytes) -> list:
+    """A request batch through the engine actor's `submit_streaming` (its one batch entry point): the results of
+    every result payload, in finishing order."""
+    import ray
+
+    from flame_llm.protocol.wire import decode_results
+    return [r for ref in actor.submit_streaming.remote(payload) for r in decode_results(ray.get(ref))]
+
+
+def unbounded_credit(client) -> None:
+    """Let the client send past what its shards admit (as when other clients share them): its requests then meet
+    the shards' rejections and the overloaded retry path."""
+    credit = client.dispatch.credit
+    for s in credit.capacity:
+        credit.capacity[s] = 1 << 30
+        credit.chunk[s] = 1 << 29

@@ -183,9 +183,6 @@ def test_overloaded_message_and_fields():
     assert ("admission queue is full (0 callers waiting, the most at once: max_queued_requests=0); retry after"
             in str(e))
     assert e.position == 0 and HINT_MIN_S <= e.retry_after_s <= HINT_MAX_S
-    gate.fair = False  # one queue for everyone: the message of the shared bound
-    e = _rejections(gate, 1)[0]
-    assert "admission queue is full (0 waiting, max_queued_requests=0); retry after" in str(e)
 
 
 # ---- a 10x burst on a simulated clock ----
@@ -303,18 +300,3 @@ def test_round_robin_interleaves_callers_whatever_their_backlog():
             await _settle()
         return granted
     assert asyncio.run(main()) == ["A", "B", "C", "A", "B", "C", "A", "A", "A", "A"]
-
-
-def test_unfair_gate_rejects_a_second_caller_as_before():
-    async def main():
-        gate = Admission(10**6, 2, 2, fair=False)
-        a = _fill_caller(gate, "A", 4)
-        await _settle()
-        with pytest.raises(Overloaded, match=r"admission queue is full \(2 waiting, max_queued_requests=2\)"):
-            await gate.acquire(10, "B")
-        for _ in range(4):
-            gate.release(10, "A")
-            await _settle()
-        await asyncio.gather(*a)
-
-    asyncio.run(main())

@@ -1,8 +1,8 @@
 """Fair admission keeps the shared queue bound (review of issue 18 item 4): once max_queued requests wait,
 only a caller below its fair share of the queue gets in, each waiting caller passing the bound by one at
 most, and at most max_queued callers wait; so at most 2 x max_queued requests wait, where per-caller
-capacities let 256 callers queue 256 x (max_requests + max_queued). fair=False: one FIFO, and a cancelled
-wait lets the next request in when it fits. No Ray."""
+capacities let 256 callers queue 256 x (max_requests + max_queued). A cancelled wait lets the next request in
+when it fits. (The one-FIFO gate, fair=False, was retired with the shard field fair_admission: issue 38.) No Ray."""
 import asyncio
 import random
 
@@ -109,11 +109,11 @@ def test_random_traffic_keeps_the_bounds_and_never_rejects_a_caller_below_its_sh
     assert asyncio.run(main()) > 100  # the bounds were reached often
 
 
-def test_unfair_gate_cancelled_head_lets_the_next_in():
-    """fair=False is the old single FIFO, but a cancelled head too big for the free tokens lets a smaller
-    request behind it in at once (before, it waited for the next release): a fix in both modes."""
+def test_a_cancelled_head_lets_the_next_in():
+    """A cancelled head too big for the free tokens lets a smaller request behind it in at once (before, it waited
+    for the next release)."""
     async def main():
-        gate = Admission(100, 4, 4, fair=False)
+        gate = Admission(100, 4, 4)
         await gate.acquire(60, "A")
         big = _try(gate, "A", 50)
         small = _try(gate, "B", 10)
@@ -122,21 +122,6 @@ def test_unfair_gate_cancelled_head_lets_the_next_in():
         big.cancel()
         await _settle()
         assert small.done() and small.exception() is None and gate.queued == 0 and gate.tokens == 70
-
-    asyncio.run(main())
-
-
-def test_unfair_gate_rejects_everyone_at_max_queued():
-    async def main():
-        gate = Admission(10**6, 1, 2, fair=False)
-        tasks = [_try(gate, c) for c in "ABC"]
-        await _settle()
-        for c in "ADE":
-            with pytest.raises(Overloaded, match=r"\(2 waiting, max_queued_requests=2\)"):
-                await gate.acquire(10, c)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
 

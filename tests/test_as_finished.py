@@ -47,7 +47,7 @@ def test_zero_window_sends_each_result_alone():
 
 
 @pytest.mark.parametrize("field, value", [("result_window_ms", -1.0), ("result_window_ms", True),
-                                          ("result_window_ms", 1e9), ("fair_admission", 1)])
+                                          ("result_window_ms", 1e9)])
 def test_shard_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=f"shard field '{field}'"):
         ShardOptions(**{field: value})
@@ -85,12 +85,14 @@ def test_draining_reroutes_while_retries_are_left():
     assert decide(_pending(attempts=3), 3, _answer(ErrorCode.DRAINING)).action is Action.DONE
 
 
-def test_a_lost_shard_is_waited_for_unless_tokens_were_streamed_or_retries_are_spent():
+def test_a_lost_shard_is_waited_for_unless_retries_are_spent():
+    """A stream that had tokens out is waited for too: it is resumed (test_stream_retry.py)."""
     lost = RuntimeError("actor died")
     assert decide(_pending(), 3, lost=lost, shard=1).action is Action.RESTART
     spent = decide(_pending(attempts=3), 3, lost=lost, shard=1)
     assert spent.action is Action.FAIL and spent.error.code is ErrorCode.SHARD_DIED and "4 times" in spent.error.message
-    streamed = decide(_pending(), 3, lost=lost, shard=1, streamed=True)
+    assert decide(_pending(), 3, lost=lost, shard=1, streamed=True).action is Action.RESTART
+    streamed = decide(_pending(attempts=3), 3, lost=lost, shard=1, streamed=True)
     assert streamed.action is Action.FAIL and "while streaming" in streamed.error.message
 
 

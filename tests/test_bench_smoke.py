@@ -52,19 +52,17 @@ def test_system_labels():
     assert parse_system("flame-fp8kv").engine == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
-    with pytest.raises(ValueError, match="system must be one of flame, flame-batch, flame-nomix, flame-mix2k, "
-                                         "flame-noprune, flame-noearly, flame-raystream, flame-noresume, "
-                                         "flame-noreroute, engine, engine-nomix, engine-mix2k, engine-noprune, "
-                                         "engine-noearly, vllm, vllm-seed, flame-fp8, engine-fp8, vllm-fp8, "
-                                         "flame-fp8kv, engine-fp8kv"):
+    with pytest.raises(ValueError, match="system must be one of flame, flame-nomix, flame-mix2k, "
+                                         "flame-noprune, flame-noearly, engine, engine-nomix, engine-mix2k, "
+                                         "engine-noprune, engine-noearly, vllm, vllm-seed, flame-fp8, engine-fp8, "
+                                         "vllm-fp8, flame-fp8kv, engine-fp8kv"):
         parse_system("sglang")
-    batch = parse_system("flame-batch-rr")  # flame with each batch's results at once (the A/B of issue 18 item 1)
-    assert (batch.kind, batch.client, batch.policy) == ("flame", {"results_as_finished": False}, "round_robin")
-    assert parse_system("flame").client == {}  # the ClientConfig defaults: results as they finish, socket streams
-    # the stream transport's A/B: the old Ray streaming path, for the client and the front door alike
-    assert parse_system("flame-raystream").client == {"stream_transport": "ray"}
-    assert parse_system("flame-noresume").client == {"stream_resume": False}
-    assert parse_system("flame-noreroute").client == {"reroute_on_loss": False}
+    rr = parse_system("flame-rr")
+    assert (rr.kind, rr.client, rr.policy) == ("flame", {}, "round_robin")
+    assert parse_system("flame").client == {}  # the ClientConfig defaults
+    for retired in ("flame-batch", "flame-raystream", "flame-noresume", "flame-noreroute"):  # issue 38
+        with pytest.raises(ValueError, match="system must be one of"):
+            parse_system(retired)
     # the mixed-step graphs' one-flag A/B: the label sets the engine field, nothing else
     nomix = parse_system("flame-nomix")
     assert (nomix.kind, nomix.engine, nomix.client) == ("flame", {"cuda_graph_mixed_tokens": 0}, {})

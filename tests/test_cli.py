@@ -246,7 +246,7 @@ def test_serve_submit_status_stop(tmp_path, tiny_llama):
     cfg = tmp_path / "svc.yaml"
     cfg.write_text(yaml.safe_dump({"model": tiny_llama, "placement": {"num_shards": 2},
                                    "ray": {"namespace": "cli-test", "num_cpus": 2},
-                                   "client": {"stream_transport": "ray", "batch_window_ms": 7.0},
+                                   "client": {"max_retries": 7, "batch_window_ms": 7.0},
                                    "engine": {"max_model_len": 512, "max_num_batched_tokens": 512,
                                               "cpu_kvcache_gib": 0.03125}}))
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
@@ -295,12 +295,12 @@ def test_serve_submit_status_stop(tmp_path, tiny_llama):
         # the front door's client runs with the config file's `client` section (it once ran with the defaults)
         door_cfg = (f"import ray\nfrom flame_llm.serving.ray_attach import join\njoin({address!r}, 'cli-test')\n"
                     "c = ray.get(ray.get_actor('flame-frontdoor').client_config.remote())\n"
-                    "print('== door', c.stream_transport, c.batch_window_ms, flush=True)\nray.shutdown()\n")
+                    "print('== door', c.max_retries, c.batch_window_ms, flush=True)\nray.shutdown()\n")
         script = ("import sys\nfrom flame_llm.cli import main\n" + door_cfg +
                   f"for argv in {steps!r}:\n    print('== rc', main(argv), flush=True)\n")
         out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                              timeout=240, env={**env, "PYTHONPATH": REPO})
-        assert "== door ray 7.0" in out.stdout, out.stdout + out.stderr[-3000:]
+        assert "== door 7 7.0" in out.stdout, out.stdout + out.stderr[-3000:]
         parts = out.stdout.split("== rc ")
         assert [p.split()[0] for p in parts[1:]] == ["0", "0", "0"], out.stdout + out.stderr[-3000:]
         assert "4/4 ok" in parts[0] and len(out_file.read_text().splitlines()) == 4

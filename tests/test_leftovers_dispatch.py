@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import ray
-from helpers import answering, kill_mid_burst
+from helpers import answering, kill_mid_burst, unbounded_credit
 
 from flame_llm import SamplingParams
 from flame_llm.serving.client import Client
@@ -105,8 +105,11 @@ def test_requests_aborted_in_the_batch_window_are_never_sent(service):
     the window's flush sent them anyway, and an abort to each shard to refuse them there), their work leaves the
     router's count, and no payload or abort goes to a shard."""
     svc = service
-    client = Client.for_service(svc, flow_control=False, flush_formed=False, batch_window_ms=1500.0)
+    client = Client.for_service(svc, batch_window_ms=1500.0)
     d = client.dispatch
+    for b in d.batchers.values():  # the requests wait out the window, as resent ones do (a call's formed batch
+        real = b.flush  # leaves at once)
+        b.flush = lambda why, real=real: None if why == "formed" else real(why)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     try:
         before, shard_batches = _router_open(svc), _shard_batches(svc)
@@ -160,11 +163,13 @@ def test_requests_aborted_while_held_for_credit_leave_at_once(service):
 
 
 def test_requests_aborted_while_waiting_to_resend_leave_at_once(service):
-    """Without flow control a burst meets full admission queues and its overloaded requests wait out their shards'
-    retry hints at the client. Cancelled then, they leave at once: their resend timers are cancelled and their work
-    leaves the router's count (before, each stayed until its timer fired, and an abort went to its shard)."""
+    """With credit past what the shards admit (as when other clients share them) a burst meets full admission
+    queues and its overloaded requests wait out their shards' retry hints at the client. Cancelled then, they leave
+    at once: their resend timers are cancelled and their work leaves the router's count (before, each stayed
+    until its timer fired, and an abort went to its shard)."""
     svc = service
-    client = Client.for_service(svc, flow_control=False)
+    client = Client.for_service(svc)
+    unbounded_credit(client)
     d = client.dispatch
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     try:

@@ -12,13 +12,12 @@ import time
 import numpy as np
 import pytest
 import ray
-from helpers import service_with_both_transports
+from helpers import service_with_a_client
 
 from flame_llm import SamplingParams
 from flame_llm.protocol.types import EngineLimits, Request
 from flame_llm.protocol.wire import decode_requests
-from flame_llm.serving.batcher import ClientCounters, Pending, attempt_id
-from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.batcher import ClientCodec, ClientCounters, Pending, attempt_id
 
 NS = "test-resend-ids"
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
@@ -44,7 +43,7 @@ def test_each_send_after_the_first_goes_under_its_own_id():
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):
-    yield from service_with_both_transports(tiny_llama, ENGINE, 1, NS)
+    yield from service_with_a_client(tiny_llama, ENGINE, 1, NS)
 
 
 def _prompt(seed, n=12):
@@ -82,8 +81,8 @@ def test_a_stream_sent_again_while_its_abandoned_attempt_is_still_in_the_engine_
     thread is away in a step and takes the abort up after the client's resend has arrived. The resend is served
     (its own id), the stream has the tokens of an uninterrupted run, and the abandoned attempt leaves the engine
     (aborted, its KV blocks back)."""
-    svc, clients = service
-    client, actor = clients["socket"], svc.actors[0]
+    svc, client = service
+    actor = svc.actors[0]
     prompt = _prompt(1)
     (want,) = client.generate([prompt], SP)
     aborted = ray.get(actor.stats.remote())["aborted"]
@@ -111,8 +110,8 @@ async def _hear_restart_late(watch) -> bool:
 def test_a_restart_heard_late_keeps_the_connection_made_to_the_new_incarnation(service):
     """The restart wait hears the shard's new incarnation after a stream has connected to it (as in the H200 run):
     the connection to the dead incarnation goes, that one stays, and the stream on it goes on untouched."""
-    svc, clients = service
-    client, actor = clients["socket"], svc.actors[0]
+    svc, client = service
+    actor = svc.actors[0]
     watch = client.dispatch.shards
     _wait(lambda: 0 in watch.streams.conns and watch.streams.conns[0].broken is None, what="not connected")
     conn, seen, heard = watch.streams.conns[0], client.counters.restarts_seen, []

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 import zstandard
-from helpers import answering, kill_mid_burst
+from helpers import answering, kill_mid_burst, submitted, unbounded_credit
 from ray.exceptions import RayActorError
 
 from actors.admission import Admission, Overloaded
@@ -160,12 +160,13 @@ def test_shared_prefix_sticks_and_unseen_prefixes_balance(service):
 
 
 def test_overloaded_requests_are_retried(service):
-    """Without flow control (the flag off: the behaviour before it) a burst past a shard's 8 + 8 is rejected
-    in part and the rejected requests are retried until they complete."""
+    """A client whose credit is past what the shards admit (as when other clients share them) sends a burst past
+    a shard's 8 + 8: it is rejected in part and the rejected requests are retried until they complete."""
     from flame_llm.serving.client import Client
 
     svc, _ = service
-    client = Client.for_service(svc, flow_control=False)
+    client = Client.for_service(svc)
+    unbounded_credit(client)
     try:
         before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
         prompts = _prompts(48, 16, seed=11)  # 24 per shard against 8 in flight + 8 queued
@@ -181,10 +182,7 @@ def test_overloaded_requests_are_retried(service):
 
 def test_flow_control_keeps_a_burst_within_the_shards_capacity(service):
     """With flow control (the default) the same burst waits at the client: no shard ever holds more of this
-    client's requests than it admits (8 in flight + 8 queued), nothing is rejected, every result is the one
-    the flag-off client gets."""
-    from flame_llm.serving.client import Client
-
+    client's requests than it admits (8 in flight + 8 queued), nothing is rejected, one attempt each."""
     svc, client = service
     assert {h.admission_capacity for h in svc.health} == {16}
     before = sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values())
@@ -208,11 +206,6 @@ def test_flow_control_keeps_a_burst_within_the_shards_capacity(service):
     assert max(r.timings["attempts"] for r in res) == 1
     assert 0 < max(peak.values()) <= 16 and client.counters.credit_waits > 0
     assert client.dispatch.outstanding == dict.fromkeys(peak, 0) and not any(client.dispatch.credit.held.values())
-    off = Client.for_service(svc, flow_control=False)
-    try:
-        assert [r.output_token_ids for r in off.generate(prompts, sp)] == [r.output_token_ids for r in res]
-    finally:
-        off.close()
 
 
 def test_streams_take_flow_control_credit_too(service):
@@ -271,13 +264,10 @@ def test_streams_take_flow_control_credit_too(service):
     assert client.generate(prompts[:2], sp)[0].error is None and d.outstanding == dict.fromkeys(peak, 0)
 
 
-def test_results_land_as_they_finish_flag_on_and_off(service):
-    """Issue 18 item 1: with results_as_finished (the default) each request's result reaches the caller when its
-    shard finishes it: as_completed yields the short requests of a batch before the long ones, generate still
-    answers in input order. Flag off: a shard's batch lands at once, one result payload per batch. Both flags
-    give the same outputs."""
-    from flame_llm.serving.client import Client
-
+def test_results_land_as_they_finish(service):
+    """Issue 18 item 1: each request's result reaches the caller when its shard finishes it: as_completed yields
+    the short requests of a batch before the long ones, generate still answers in input order, with the same
+    outputs."""
     svc, client = service
     prompts = _prompts(8, 16, seed=50)
     sps = [SamplingParams(temperature=0.0, max_tokens=2 if i % 2 == 0 else 160, ignore_eos=True) for i in range(8)]
@@ -292,17 +282,6 @@ def test_results_land_as_they_finish_flag_on_and_off(service):
     assert c.result_payloads - before["result_payloads"] > c.batches - before["batches"]  # several per batch
     res = client.generate(prompts, sps)
     assert [r.output_token_ids for r in res] == [by[i].output_token_ids for i in range(8)]
-    off = Client.for_service(svc, results_as_finished=False)
-    try:
-        got = list(off.as_completed(prompts, sps))
-        res_off = off.generate(prompts, sps)
-        assert [r.output_token_ids for r in res_off] == [r.output_token_ids for r in res]
-        for s in {r.shard for r in res_off}:  # a shard's batch (4 + 4 or 8: one credit part) lands at once
-            assert len({r.timings["done_at"] for r in res_off if r.shard == s}) == 1
-        assert off.counters.result_payloads == off.counters.batches
-        assert sorted(i for i, _ in got) == list(range(8))
-    finally:
-        off.close()
     it = client.as_completed(prompts, sps)  # left early: what is unanswered is aborted
     next(it)
     it.close()
@@ -360,14 +339,15 @@ def test_a_busy_client_cannot_starve_another(service):
 
 
 def test_overloaded_reaches_the_caller_only_past_its_deadline(service):
-    """Without flow control a burst past a shard's 8 + 8 is rejected in part: with a deadline of 0 the rejected
-    requests get `overloaded` at once (one attempt); a bad deadline is refused. (With the default deadline they
-    are retried and complete: test_overloaded_requests_are_retried.)"""
+    """With credit past what the shards admit a burst past a shard's 8 + 8 is rejected in part: with a deadline of
+    0 the rejected requests get `overloaded` at once (one attempt); a bad deadline is refused. (With the default
+    deadline they are retried and complete: test_overloaded_requests_are_retried.)"""
     from flame_llm.serving.client import Client
 
     svc, _ = service
     sp = SamplingParams(temperature=0.0, max_tokens=4)
-    client = Client.for_service(svc, flow_control=False)
+    client = Client.for_service(svc)
+    unbounded_credit(client)
     try:
         with pytest.raises(ValueError, match="overload_deadline_s must be a number >= 0"):
             client.generate([[1, 2, 3]], sp, overload_deadline_s=-1.0)
@@ -411,33 +391,32 @@ def _router_idle(svc, timeout_s: float) -> None:
 def test_a_stream_with_a_known_prefix_goes_without_a_router_call(service):
     """Issue 18 item 2 (local routing): a stream whose prefix the router placed before goes to that shard at once,
     the router told without waiting (its outstanding work comes back to zero, its `placed` count grows); an
-    unseen prefix still asks the router. With ClientConfig.local_routing off every stream asks, as before."""
+    unseen prefix still asks the router."""
     svc, _ = service
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     async def stream(client, prompt):
         return [c async for c in client.stream_chunks(prompt, sp)][-1].result
 
-    for local, seed in ((True, 51), (False, 52)):
-        doc = _prompts(1, 300, seed=seed)[0]
-        client = make_client(svc.cfg, svc.router, svc.actors, local_routing=local)
-        try:
-            (first,) = client.generate([doc + [5, 6]], sp)  # the router places the document
-            calls = client.counters.route_calls
-            placed = ray.get(svc.router.stats.remote())["counters"]["placed"]
-            r = asyncio.run(stream(client, doc + [7, 8, 9]))
-            assert r.error is None and len(r.output_token_ids) == 4
-            assert r.shard == first.shard and r.cached_tokens >= 256  # on the document's shard, its cache used
-            t = r.timings  # the hop split's stamps (bench/hops.py), one host clock: in the order they happen
-            assert t["route_s"] >= 0 and t["credit_wait_s"] >= 0
-            assert t["sent_at"] <= t["arrived_at"] <= t["first_chunk_at"] <= t["first_chunk_at_client"]
-            c = client.counters
-            assert (c.route_calls - calls, c.local_routes) == ((0, 1) if local else (1, 0))
-            assert ray.get(svc.router.stats.remote())["counters"]["placed"] - placed == (1 if local else 0)
-            r = asyncio.run(stream(client, _prompts(1, 300, seed=seed + 10)[0]))  # unseen: the router places it
-            assert r.error is None and c.route_calls - calls == (1 if local else 2)
-        finally:
-            client.close()
+    doc = _prompts(1, 300, seed=51)[0]
+    client = make_client(svc.cfg, svc.router, svc.actors)
+    try:
+        (first,) = client.generate([doc + [5, 6]], sp)  # the router places the document
+        calls = client.counters.route_calls
+        placed = ray.get(svc.router.stats.remote())["counters"]["placed"]
+        r = asyncio.run(stream(client, doc + [7, 8, 9]))
+        assert r.error is None and len(r.output_token_ids) == 4
+        assert r.shard == first.shard and r.cached_tokens >= 256  # on the document's shard, its cache used
+        t = r.timings  # the hop split's stamps (bench/hops.py), one host clock: in the order they happen
+        assert t["route_s"] >= 0 and t["credit_wait_s"] >= 0
+        assert t["sent_at"] <= t["arrived_at"] <= t["first_chunk_at"] <= t["first_chunk_at_client"]
+        c = client.counters
+        assert (c.route_calls - calls, c.local_routes) == (0, 1)
+        assert ray.get(svc.router.stats.remote())["counters"]["placed"] - placed == 1
+        r = asyncio.run(stream(client, _prompts(1, 300, seed=61)[0]))  # unseen: the router places it
+        assert r.error is None and c.route_calls - calls == 1
+    finally:
+        client.close()
     _router_idle(svc, 10.0)
 
 
@@ -493,17 +472,16 @@ def test_bad_inputs_get_their_errors_while_good_batch_completes(service):
                                                                                            max_tokens=8))))
     t.start()
     actor = svc.actors[1]
-    refs = {code: actor.submit.remote(p) for code, p in batch_errors.items()}
-    per_req = decode_results(ray.get(actor.submit.remote(request_errors)))
-    for code, ref in refs.items():
-        (rec,) = decode_results(ray.get(ref))
+    for code, p in batch_errors.items():
+        (rec,) = submitted(actor, p)
         assert rec.id is None and rec.error.code == code, rec
+    per_req = submitted(actor, request_errors)
     codes = {r.id: r.error.code if r.error else None for r in per_req}
     # a prompt must leave room for one output token: the protocol's prompt_too_long, not the engine's error
     assert codes == {"oov": "token_out_of_range", "empty": "empty_prompt", "long": "prompt_too_long",
                      "sampling": "bad_sampling", "ok": None, "full": "prompt_too_long"}
-    assert "top_p" in per_req[3].error.message
-    assert "the limit is 1023 (max_model_len 1024" in per_req[5].error.message
+    assert "top_p" in next(r for r in per_req if r.id == "sampling").error.message
+    assert "the limit is 1023 (max_model_len 1024" in next(r for r in per_req if r.id == "full").error.message
     t.join(timeout=120)
     assert [r.error for r in out["res"]] == [None] * 12
 
@@ -697,7 +675,7 @@ def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
         assert [r.error for r in during + [streamed]] == [None] * 4
         assert {r.shard for r in during + [streamed]} == {live}
         burst.join(timeout=180)
-        assert [r.error for r in out["res"]] == [None] * 4  # went on elsewhere (reroute_on_loss)
+        assert [r.error for r in out["res"]] == [None] * 4  # went on elsewhere
         deadline = time.monotonic() + 120
         while dead in watch.restarting:  # the restart was watched all along
             assert time.monotonic() < deadline
@@ -706,29 +684,23 @@ def test_requests_sent_while_a_shard_restarts_go_to_the_live_shard(service):
         client.close()
 
 
-@pytest.mark.parametrize("reroute", [True, False])
-def test_a_batch_in_flight_on_a_dying_shard_goes_on_at_once_on_the_live_one(service, reroute):
-    """ClientConfig.reroute_on_loss: the requests a shard had in flight when it died go to the live shard at once
-    (the dead shard's cache is gone anyway) instead of waiting out its restart (~20 s for an 8B engine on an H200,
-    seconds here); off: they wait for the restart, as before."""
+def test_a_batch_in_flight_on_a_dying_shard_goes_on_at_once_on_the_live_one(service):
+    """The requests a shard had in flight when it died go to the live shard at once (the dead shard's cache is
+    gone anyway) instead of waiting out its restart (~20 s for an 8B engine on an H200, seconds here)."""
     svc, _ = service
-    client = make_client(svc.cfg, svc.router, svc.actors, reroute_on_loss=reroute)
+    client = make_client(svc.cfg, svc.router, svc.actors)
     try:
-        doc = _prompts(1, 300, seed=81 + reroute)[0]
+        doc = _prompts(1, 300, seed=82)[0]
         (first,) = client.generate([doc + [1, 2]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         dead, live = first.shard, 1 - first.shard
         victim, watch = svc.actors[dead], client.dispatch.shards
-        old = ray.get(victim.health.remote()).incarnation
         burst, out = kill_mid_burst(client, victim, _prompts(4, 8, seed=82, prefix=doc),
                                      SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         burst.join(timeout=180)
         assert [r.error for r in out["res"]] == [None] * 4
-        if reroute:  # done on the live shard while the dead one was still coming back
-            assert {r.shard for r in out["res"]} == {live}
-            assert dead in watch.restarting, "the requests waited for the restart"
-        else:  # waited for the restart: served after it, on the new incarnation or the live shard
-            assert dead not in watch.restarting
-            assert ray.get(victim.health.remote()).incarnation != old
+        # done on the live shard while the dead one was still coming back
+        assert {r.shard for r in out["res"]} == {live}
+        assert dead in watch.restarting, "the requests waited for the restart"
         deadline = time.monotonic() + 120
         while dead in watch.restarting:
             assert time.monotonic() < deadline
@@ -779,16 +751,14 @@ def test_draining_shard_requests_go_to_the_other_shard_then_shutdown(service):
     assert again.error is None and (again.shard, again.timings["attempts"]) == (0, 1)
     rev = svc.health[0].model_revision
     payload = encode_requests([Request("d", [1, 2, 3], SamplingParams(max_tokens=2))], rev)
-    (rec,) = decode_results(ray.get(actor.submit.remote(payload)))
+    (rec,) = submitted(actor, payload)
     assert rec.error.code == "draining" and rec.error.code.retryable
     assert ray.get(actor.shutdown.remote(5.0)) is True
 
 
 def test_formed_batch_is_sent_without_waiting_out_the_window(service):
-    """A generate() call hands over a formed batch: by default its per-shard batches leave at once;
-    with flush_formed=False (the seed's rule) they wait for the 10 ms formation window."""
-    from flame_llm.serving.client import Client
-
+    """A generate() call hands over a formed batch: its per-shard batches leave at once, without waiting for the
+    10 ms formation window."""
     _, default_client = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)
     before = {s: dict(b.flushes) for s, b in default_client.dispatch.batchers.items()}
@@ -796,13 +766,6 @@ def test_formed_batch_is_sent_without_waiting_out_the_window(service):
     formed = sum(b.flushes["formed"] - before[s]["formed"] for s, b in default_client.dispatch.batchers.items())
     window = sum(b.flushes["window"] - before[s]["window"] for s, b in default_client.dispatch.batchers.items())
     assert formed >= 1 and window == 0
-    seed_rule = Client.connect(namespace="test-service", flush_formed=False)
-    try:
-        seed_rule.generate(_prompts(3, 20, seed=8), sp)
-        assert sum(b.flushes["window"] for b in seed_rule.dispatch.batchers.values()) >= 1
-        assert sum(b.flushes["formed"] for b in seed_rule.dispatch.batchers.values()) == 0
-    finally:
-        seed_rule.close()
 
 
 def _busy(svc) -> int:
@@ -864,23 +827,32 @@ def test_a_cancelled_agenerate_and_a_killed_client_process_abort_their_requests(
     assert res.error is None
 
 
-def test_abort_before_arrival_and_the_stream_method_on_the_wire(service):
+def test_abort_before_arrival_and_the_stream_server_on_the_wire(service):
     """The actor's abort remembers an id that has not arrived (that request answers 'abort' without running);
-    its stream method yields token lists, then the result payload."""
+    its stream server yields token lists, then the result payload."""
+    from flame_llm.serving.batcher import ClientCounters
+    from flame_llm.serving.stream_conn import StreamConns
+
+    async def over_socket(payload):
+        conns = StreamConns({0: actor}, ClientCounters())
+        try:
+            return [item async for item in conns.items(0, payload, None, None)]
+        finally:
+            await conns.close()
+
     svc, _ = service
     actor = svc.actors[0]
     rev = svc.health[0].model_revision
     assert ray.get(actor.abort.remote(["early"])) == 0
-    (rec,) = decode_results(ray.get(actor.submit.remote(encode_requests(
-        [Request("early", [1, 2, 3], SamplingParams(max_tokens=4))], rev))))
+    (rec,) = submitted(actor, encode_requests([Request("early", [1, 2, 3], SamplingParams(max_tokens=4))], rev))
     assert rec.finish_reason == "abort" and rec.error is None and rec.output_token_ids == []
-    items = [ray.get(ref) for ref in actor.stream.remote(encode_requests(
-        [Request("s1", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))], rev))]
+    items = asyncio.run(over_socket(encode_requests(
+        [Request("s1", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))], rev)))
     tokens = [t for x in items[:-1] for t in x]
     (final,) = decode_results(items[-1])
     assert len(tokens) == 5 and final.output_token_ids == tokens and final.finish_reason == "length"
     two = encode_requests([Request("a", [1], SamplingParams()), Request("b", [2], SamplingParams())], rev)
-    (bad,) = decode_results(ray.get(list(actor.stream.remote(two))[0]))
+    (bad,) = decode_results(asyncio.run(over_socket(two))[0])
     assert bad.error.code == "bad_request" and "exactly one request" in bad.error.message
 
 
@@ -893,7 +865,8 @@ def test_close_leaves_no_task_timer_or_router_work_behind(service):
     svc, _ = service
     for s in svc.actors:  # work earlier tests left counted (a killed shard's, ...): from zero here
         ray.get(svc.router.drop_shard.remote(s))
-    client = Client.for_service(svc, flow_control=False)
+    client = Client.for_service(svc)
+    unbounded_credit(client)  # some of its requests wait out overloaded hints
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     done = threading.Event()
 
@@ -956,8 +929,7 @@ def test_an_unreadable_result_payload_aborts_the_rest_of_its_batch_on_the_shard(
     _wait_idle(svc, 30.0)
     for s in svc.actors:
         ray.get(svc.router.drop_shard.remote(s))
-    client = Client.for_service(svc, flush_formed=True)
-    assert client.config.results_as_finished
+    client = Client.for_service(svc)
 
     def unreadable(reply):
         raise ValueError("unreadable result payload")

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import ray
-from helpers import answering, service_with_both_transports
+from helpers import answering, service_with_a_client
 from test_stream_socket import _payload, _raw
 
 from flame_llm import SamplingParams
@@ -25,7 +25,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):
-    yield from service_with_both_transports(tiny_llama, ENGINE, 1, "test-stream-owners")
+    yield from service_with_a_client(tiny_llama, ENGINE, 1, "test-stream-owners")
 
 
 def _prompt(seed, n=12):
@@ -105,8 +105,8 @@ def test_the_stream_port_is_on_loopback_for_a_client_on_the_shards_node(service)
 
 
 def test_a_wedged_shard_reports_unhealthy_and_is_restarted_with_its_stream_finished(service):
-    svc, clients = service
-    client, actor = clients["socket"], svc.actors[0]
+    svc, client = service
+    actor = svc.actors[0]
     assert svc.replace_unhealthy_shards(probe_timeout_s=1.0) == [] and 0 in svc.judged
     before = answering(actor).incarnation
     prompt = _prompt(7, 20)

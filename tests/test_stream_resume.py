@@ -1,9 +1,8 @@
-"""Issue 18 items 6-7: a stream whose shard dies after its first token goes on from its last token
-(ClientConfig.stream_resume): the rule in retry.decide, the continuation (flame_llm/serving/resume.py), and on a
-real local Ray with a one-shard tiny Llama service: the stream waits for its shard's restart and resumes there on
-either transport with the tokens of an uninterrupted greedy run, a death after the last token ends the stream with
-what it had (no resend), and the front door's SSE stream of a resumed request is one stream with no duplicate.
-The two-shard service's cases (and the flag off) are in test_stream_socket.py."""
+"""Issue 18 items 6-7: a stream whose shard dies after its first token goes on from its last token: the rule in
+retry.decide, the continuation (flame_llm/serving/retry.py), and on a real local Ray with a one-shard tiny Llama
+service: the stream waits for its shard's restart and resumes there with the tokens of an uninterrupted greedy run,
+a death after the last token ends the stream with what it had (no resend), and the front door's SSE stream of a
+resumed request is one stream with no duplicate. The two-shard service's cases are in test_stream_socket.py."""
 import asyncio
 import json
 import math
@@ -13,20 +12,17 @@ import urllib.request
 import numpy as np
 import pytest
 import ray
-from helpers import answering, service_with_both_transports
+from helpers import answering, service_with_a_client
 from ray.exceptions import RayActorError
 
 from flame_llm import SamplingParams
 from flame_llm.models.tiny import TINY_VOCAB_SIZE
 from flame_llm.protocol.errors import ErrorCode
 from flame_llm.protocol.types import Request, prompt_digest
-from flame_llm.serving import client_stream
 from flame_llm.serving.batcher import Pending
 from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
 from flame_llm.serving.http_app import HttpConfig
-from flame_llm.serving.resume import continuation, stream_end
-from flame_llm.serving.retry import Action, decide
-from flame_llm.serving.service_config import ClientConfig, config_from_dict
+from flame_llm.serving.retry import Action, continuation, decide, stream_end
 
 NS = "test-stream-resume"
 # every token id is an EOS id of this module's engine: a request that does not ignore EOS ends at its first token
@@ -48,24 +44,20 @@ def _pending(attempts=0):
     return p
 
 
-def test_a_lost_stream_is_restarted_when_resume_is_on_within_max_retries():
-    d = decide(_pending(), 3, lost=LOST, shard=1, streamed=True, resume=True)
+def test_a_lost_stream_is_restarted_within_max_retries():
+    d = decide(_pending(), 3, lost=LOST, shard=1, streamed=True)
     assert d.action is Action.RESTART
-    spent = decide(_pending(attempts=3), 3, lost=LOST, shard=1, streamed=True, resume=True)
+    spent = decide(_pending(attempts=3), 3, lost=LOST, shard=1, streamed=True)
     assert spent.action is Action.FAIL and spent.error.code is ErrorCode.SHARD_DIED
     assert spent.error.message.startswith("shard 1 died while streaming this request, 4 times: RayActorError")
-    off = decide(_pending(), 3, lost=LOST, shard=1, streamed=True, resume=False)
-    assert off.action is Action.FAIL and off.error.message.startswith("shard 1 died while streaming this request: ")
-    # resume changes nothing for a request that streamed nothing, nor for a shard's answer after tokens
-    assert decide(_pending(), 3, lost=LOST, shard=1, resume=True).action is Action.RESTART
-    assert decide(_pending(attempts=3), 3, lost=LOST, shard=1, resume=True).action is Action.FAIL
+    # as for a request that streamed nothing
+    assert decide(_pending(), 3, lost=LOST, shard=1).action is Action.RESTART
+    assert decide(_pending(attempts=3), 3, lost=LOST, shard=1).action is Action.FAIL
 
 
 def test_a_lost_stream_that_had_all_its_tokens_is_done_without_a_resend():
-    d = decide(_pending(attempts=3), 3, lost=LOST, shard=0, streamed=True, resume=True, complete="length")
+    d = decide(_pending(attempts=3), 3, lost=LOST, shard=0, streamed=True, complete="length")
     assert d.action is Action.DONE and d.finish_reason == "length"  # even with its retries spent: no resend
-    off = decide(_pending(), 3, lost=LOST, shard=0, streamed=True, resume=False, complete="stop")
-    assert off.action is Action.FAIL  # the flag off: today's behaviour
 
 
 def test_the_continuation_appends_the_streamed_tokens_and_leaves_the_callers_request_alone():
@@ -96,18 +88,11 @@ def test_stream_end_says_when_the_streamed_tokens_already_ended_the_request():
     assert stream_end(ignoring, [1, 7], 100, eos_token_ids=frozenset({7})) is None
 
 
-def test_the_flag_is_checked_and_read_from_the_config():
-    with pytest.raises(ValueError, match="client field 'stream_resume'"):
-        ClientConfig(stream_resume=1)
-    assert ClientConfig().stream_resume is True
-    assert config_from_dict({"client": {"stream_resume": False}}).client.stream_resume is False
-
-
 # ---- a one-shard service on a real local Ray ----
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):  # this module kills the shard often: restarts without limit
-    yield from service_with_both_transports(tiny_llama, ENGINE, 1, NS)
+    yield from service_with_a_client(tiny_llama, ENGINE, 1, NS)
 
 
 def _restarted(actor, old: str, timeout_s=120.0) -> None:
@@ -122,12 +107,11 @@ def _prompt(seed, n=12):
     return np.random.default_rng(seed).integers(3, 512, size=n).tolist()
 
 
-@pytest.mark.parametrize("transport", ["ray", "socket"])
-def test_a_stream_waits_for_its_restarted_shard_and_resumes_there(service, transport):
-    svc, clients = service
-    client, actor = clients[transport], svc.actors[0]
-    prompt = _prompt(1 + len(transport))
-    (want,) = clients["ray"].generate([prompt], LONG)
+def test_a_stream_waits_for_its_restarted_shard_and_resumes_there(service):
+    svc, client = service
+    actor = svc.actors[0]
+    prompt = _prompt(7)
+    (want,) = client.generate([prompt], LONG)
     old = answering(actor).incarnation
     retries, resumes = client.counters.retries, client.counters.stream_resumes
 
@@ -154,13 +138,15 @@ def test_a_stream_waits_for_its_restarted_shard_and_resumes_there(service, trans
     assert want.timings.get("resumed") is None  # a batch request is no stream
 
 
-def _dies_before_the_result(real):
-    """The Ray transport's items, with the shard killed as its result arrives: the client sees the death after the
+def _dies_before_the_result(streams, actors):
+    """The socket's items, with the shard killed as its result arrives: the client sees the death after the
     stream's last token and before its result (the window a real death can hit)."""
-    async def items(d, shard, payload, rid):
-        async for item in real(d, shard, payload, rid):
+    real = streams.items
+
+    async def items(shard, payload, caller, client):
+        async for item in real(shard, payload, caller, client):
             if isinstance(item, bytes):
-                ray.kill(d.actors[shard], no_restart=False)
+                ray.kill(actors[shard], no_restart=False)
                 raise RayActorError()
             yield item
     return items
@@ -168,8 +154,7 @@ def _dies_before_the_result(real):
 
 @pytest.mark.parametrize("how", ["length", "stop", "eos"])
 def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, monkeypatch, how):
-    svc, clients = service
-    client = clients["ray"]
+    svc, client = service
     prompt = _prompt(5)
     sp = SHORT
     if how == "stop":
@@ -184,7 +169,8 @@ def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, 
         assert len(want.output_token_ids) == 1
     assert want.finish_reason == how
     old, retries = answering(svc.actors[0]).incarnation, client.counters.retries
-    monkeypatch.setattr(client_stream, "_ray_items", _dies_before_the_result(client_stream._ray_items))
+    streams = client.dispatch.shards.streams
+    monkeypatch.setattr(streams, "items", _dies_before_the_result(streams, svc.actors))
 
     async def main():
         return [c async for c in client.stream_chunks(prompt, sp)]
@@ -199,12 +185,12 @@ def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, 
 
 
 def test_the_front_doors_sse_stream_goes_on_after_the_shard_dies(service, tmp_path):
-    svc, clients = service
+    svc, client = service
     answering(svc.actors[0])
     handle, url = start_frontdoor(NS, HttpConfig(port=0))
     try:
         prompt = _prompt(7)
-        (want,) = clients["ray"].generate([prompt], LONG)
+        (want,) = client.generate([prompt], LONG)
         body = json.dumps({"model": "x", "prompt": prompt, "max_tokens": LONG.max_tokens, "temperature": 0,
                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
         models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())

@@ -1,23 +1,21 @@
-"""Issue 18 item 2: streams over a direct socket to the shard (ClientConfig.stream_transport = "socket") beside the
-Ray streaming generator ("ray"): the same tokens as the Ray transport and the batch path, a cancelled stream or a
-closed connection aborted on its shard, a connection without the shard's token refused, and a shard that dies
-under a stream handled by the one retry policy exactly as on the Ray path (resumed from its last token, or with
-ClientConfig.stream_resume off, failed once a token was out). Real local Ray, real tiny Llama
-shards, real TCP; the raw-connection tests speak the framing of flame_llm/protocol/stream_frames.py."""
+"""Issue 18 item 2: streams over a direct socket to the shard (the one stream transport since issue 38 retired the
+Ray streaming generator): the same tokens as the batch path, a cancelled stream or a closed connection aborted on
+its shard, a connection without the shard's token refused, and a shard that dies under a stream handled by the
+one retry policy (resumed from its last token). Real local Ray, real tiny Llama shards, real TCP; the
+raw-connection tests speak the framing of flame_llm/protocol/stream_frames.py."""
 import asyncio
 import time
 
 import numpy as np
 import pytest
 import ray
-from helpers import answering, service_with_both_transports
+from helpers import answering, service_with_a_client, submitted
 
 from flame_llm import SamplingParams
 from flame_llm.protocol.stream_frames import Frame, StreamEndpoint, encode_frame, read_frame
 from flame_llm.protocol.types import Request
 from flame_llm.protocol.wire import decode_results, encode_requests
 from flame_llm.serving.client import Client
-from flame_llm.serving.service_config import ClientConfig, config_from_dict
 
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -26,7 +24,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):  # this module kills shards four times: restarts without limit
-    yield from service_with_both_transports(tiny_llama, ENGINE, 2, "test-stream-socket")
+    yield from service_with_a_client(tiny_llama, ENGINE, 2, "test-stream-socket")
 
 
 def _prompts(n, length, seed, prefix=None):
@@ -58,35 +56,25 @@ def _idle(svc):
                for s in _stats(svc))
 
 
-def test_a_bad_transport_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="client field 'stream_transport' must be 'ray' or 'socket'; got 'zmq'"):
-        ClientConfig(stream_transport="zmq")
-    with pytest.raises(ValueError, match="stream_transport"):
-        config_from_dict({"client": {"stream_transport": None}})
-    assert config_from_dict({"client": {"stream_transport": "socket"}}).client.stream_transport == "socket"
-
-
-def test_socket_streams_equal_ray_streams_and_the_batch_path(service):
-    svc, clients = service
+def test_socket_streams_equal_the_batch_path(service):
+    svc, client = service
     prompts = _prompts(6, 20, seed=1)
     before = sum(s.get("socket_streams", 0) for s in _stats(svc))
 
-    async def both():
-        return {t: await asyncio.gather(*(_chunks(c, p, GREEDY) for p in prompts)) for t, c in clients.items()}
+    async def streams():
+        return await asyncio.gather(*(_chunks(client, p, GREEDY) for p in prompts))
 
-    got = asyncio.run(both())
-    batch = clients["ray"].generate(prompts, GREEDY)
+    got = asyncio.run(streams())
+    batch = client.generate(prompts, GREEDY)
     want = [r.output_token_ids for r in batch]
-    for t in ("ray", "socket"):
-        toks, results = zip(*(_tokens_and_result(cs) for cs in got[t]))
-        assert list(toks) == want, t
-        assert [r.error for r in results] == [None] * 6 and [r.output_token_ids for r in results] == want
-        assert all(r.finish_reason == "length" and r.timings["attempts"] == 1 for r in results)
-        assert all({"arrived_at", "first_chunk_at", "sent_at", "first_chunk_at_client"} <= r.timings.keys()
-                   for r in results)
-    assert sum(s.get("socket_streams", 0) for s in _stats(svc)) - before == 6  # the socket client's went over TCP
-    assert clients["ray"].dispatch.shards.streams.conns == {}  # the Ray transport opens no connection
-    conns = clients["socket"].dispatch.shards.streams.conns
+    toks, results = zip(*(_tokens_and_result(cs) for cs in got))
+    assert list(toks) == want
+    assert [r.error for r in results] == [None] * 6 and [r.output_token_ids for r in results] == want
+    assert all(r.finish_reason == "length" and r.timings["attempts"] == 1 for r in results)
+    assert all({"arrived_at", "first_chunk_at", "sent_at", "first_chunk_at_client"} <= r.timings.keys()
+               for r in results)
+    assert sum(s.get("socket_streams", 0) for s in _stats(svc)) - before == 6  # over TCP
+    conns = client.dispatch.shards.streams.conns
     assert conns and all(c.broken is None for c in conns.values())  # one persistent connection per shard used
     assert client_conn_count(svc) == len(conns)
 
@@ -95,24 +83,23 @@ def client_conn_count(svc):
     return sum(s.get("socket_connections", 0) for s in _stats(svc))
 
 
-@pytest.mark.parametrize("transport", ["socket", "ray"])
-def test_a_cancelled_stream_is_aborted_on_its_shard(service, transport):
-    """A stream its reader leaves mid-way is aborted on its shard and counted there once, in the shard's "aborted"
-    (what the metrics export), on either transport: a socket CANCEL frame or the Ray transport's abort call."""
-    svc, clients = service
+def test_a_cancelled_stream_is_aborted_on_its_shard(service):
+    """A stream its reader leaves mid-way is aborted on its shard (a socket CANCEL frame) and counted there once, in
+    the shard's "aborted" (what the metrics export)."""
+    svc, client = service
     cancels = sum(s.get("socket_cancels", 0) for s in _stats(svc))
     done = sum(s["requests"] for s in _stats(svc))  # requests served to their end
     aborted = sum(s["aborted"] for s in _stats(svc))
 
     async def left_early(prompt):
-        async for chunk in clients[transport].stream_chunks(prompt, LONG):
+        async for chunk in client.stream_chunks(prompt, LONG):
             if chunk.token_ids:
                 return chunk.token_ids
 
     got = asyncio.run(left_early(_prompts(1, 16, seed=2)[0]))
     assert got
     _wait(lambda: _idle(svc), what="the cancelled stream still runs on its shard")
-    assert sum(s.get("socket_cancels", 0) for s in _stats(svc)) - cancels == (transport == "socket")
+    assert sum(s.get("socket_cancels", 0) for s in _stats(svc)) - cancels == 1
     assert sum(s["requests"] for s in _stats(svc)) == done  # aborted, not run to its 400 tokens
     assert sum(s["aborted"] for s in _stats(svc)) - aborted == 1
     _wait(lambda: all(s["outstanding_work"] == 0 for s in ray.get(svc.router.stats.remote())["shards"]),
@@ -123,8 +110,7 @@ def test_a_stream_closed_before_its_result_is_aborted_on_its_shard(service):
     """The socket transport's item generator closed (aclose) after a token but before its result, without a
     cancel: the shard is told to abort it (it once sent CANCEL only on CancelledError, so a close left the shard
     making the stream's 400 tokens for nobody)."""
-    svc, clients = service
-    client = clients["socket"]
+    svc, client = service
     done = sum(s["requests"] for s in _stats(svc))
     aborted = sum(s["aborted"] for s in _stats(svc))
     d = client.dispatch
@@ -209,13 +195,13 @@ def test_a_connection_closed_by_the_client_aborts_its_streams(service):
     assert _stats(svc)[0]["aborted"] - aborted == 2  # a gone connection's streams count, as a dead caller's do
 
 
-def test_a_raw_stream_ends_with_the_result_payload_of_the_ray_method(service):
-    """The socket carries what the Ray method yields: token lists, then the result payload (wire codec)."""
+def test_a_raw_stream_ends_with_the_result_payload_of_the_batch_path(service):
+    """The socket carries token lists, then the result payload (wire codec) a batch of one gets."""
     svc, _ = service
     actor = svc.actors[0]
     ep = ray.get(actor.stream_endpoint.remote())
     prompt = _prompts(1, 10, seed=5)[0]
-    via_ray = [ray.get(r) for r in actor.stream.remote(_payload(svc, "r1", prompt, GREEDY))]
+    (a,) = submitted(actor, _payload(svc, "r1", prompt, GREEDY))
 
     async def main():
         reader, writer = await _raw(ep, ep.token)
@@ -230,28 +216,26 @@ def test_a_raw_stream_ends_with_the_result_payload_of_the_ray_method(service):
                 return items
 
     via_socket = asyncio.run(main())
-    (a,), (b,) = decode_results(via_ray[-1]), decode_results(via_socket[-1])
-    assert [t for x in via_ray[:-1] for t in x] == [t for x in via_socket[:-1] for t in x] == a.output_token_ids
+    (b,) = decode_results(via_socket[-1])
+    assert [t for x in via_socket[:-1] for t in x] == a.output_token_ids
     assert b.output_token_ids == a.output_token_ids and (a.id, b.id) == ("r1", "r2")
 
 
-@pytest.mark.parametrize("transport", ["ray", "socket"])
-def test_a_shard_dying_before_the_first_token_is_retried_after_its_restart(service, transport):
+def test_a_shard_dying_before_the_first_token_is_retried_after_its_restart(service):
     """The stream's shard fails its next engine step (and exits) before the stream's first token: the stream is
-    sent again once the shard is back (or to the other one) and completes, on either transport alike."""
-    svc, clients = service
-    client = clients[transport]
-    doc = _prompts(1, 300, seed=10 + len(transport))[0]  # a full KV block: the router knows its shard
+    sent again once the shard is back (or to the other one) and completes."""
+    svc, client = service
+    doc = _prompts(1, 300, seed=16)[0]  # a full KV block: the router knows its shard
     (first,) = client.generate([doc + [1]], GREEDY)
     shard = first.shard
     old = ray.get(svc.actors[shard].health.remote())
     ray.get(svc.actors[shard].debug_break_engine.remote())
     toks, res = _tokens_and_result(asyncio.run(_chunks(client, doc + [2, 3], GREEDY)))
     assert res.error is None and res.timings["attempts"] >= 2, res
-    (want,) = clients["ray"].generate([doc + [2, 3]], GREEDY)
+    (want,) = client.generate([doc + [2, 3]], GREEDY)
     assert toks == want.output_token_ids == res.output_token_ids
     assert answering(svc.actors[shard]).incarnation != old.incarnation
-    if transport == "socket" and res.shard == shard:  # the new incarnation's server, over a new connection
+    if res.shard == shard:  # the new incarnation's server, over a new connection
         assert client.dispatch.shards.streams.conns[shard].endpoint.incarnation != old.incarnation
     _wait(lambda: _idle(svc), what="work left on the shards")
 
@@ -272,30 +256,12 @@ def _died_after_first_token(svc, client):
     return toks, res, victim
 
 
-def test_a_shard_dying_after_the_first_token_fails_the_stream_without_stream_resume(service):
-    svc, _ = service
-    clients = {t: Client.for_service(svc, stream_transport=t, stream_resume=False) for t in ("ray", "socket")}
-    try:
-        out = {t: _died_after_first_token(svc, clients[t]) for t in ("ray", "socket")}
-        for t, (toks, res, victim) in out.items():
-            assert res.error is not None and res.error.code == "shard_died", (t, res)
-            assert res.error.message.startswith(f"shard {victim} died while streaming this request: "), t
-            assert toks and res.output_token_ids == toks and res.timings["attempts"] == 1
-            assert res.timings["resumed"] == 0
-        after = asyncio.run(_chunks(clients["socket"], [9, 8, 7], GREEDY))
-        assert after[-1].result.error is None  # the client reconnects to the restarted shard
-    finally:
-        for c in clients.values():
-            c.close()
-
-
-@pytest.mark.parametrize("transport", ["ray", "socket"])
-def test_a_shard_dying_after_the_first_token_resumes_the_stream(service, transport):
-    """ClientConfig.stream_resume (the default): the stream goes on from its last token once its shard is back
-    (or on the other shard), with the tokens of an uninterrupted run and none repeated."""
-    svc, clients = service
-    (want,) = clients["ray"].generate(_prompts(1, 12, seed=20), LONG)
-    toks, res, victim = _died_after_first_token(svc, clients[transport])
+def test_a_shard_dying_after_the_first_token_resumes_the_stream(service):
+    """The stream goes on from its last token once its shard is back (or on the other shard), with the tokens of
+    an uninterrupted run and none repeated."""
+    svc, client = service
+    (want,) = client.generate(_prompts(1, 12, seed=20), LONG)
+    toks, res, victim = _died_after_first_token(svc, client)
     assert res.error is None and res.finish_reason == "length", res
     assert toks == res.output_token_ids == want.output_token_ids
     assert res.timings["resumed"] == 1 and res.timings["attempts"] == 2 and res.prompt_tokens == 12
@@ -306,10 +272,9 @@ def test_a_shard_dying_after_the_first_token_resumes_the_stream(service, transpo
 
 def test_a_shard_that_dies_idle_is_routed_around_at_once_not_waited_for(service):
     """No request in flight when shard k dies: the client's idle stream connection to it ends, so the client
-    knows at once and new streams go to the other shard while k restarts (on the Ray path, and before this, a
+    knows at once and new streams go to the other shard while k restarts (on the retired Ray path, and before, a
     stream whose prefix lived on k waited out k's restart: 4.2 s in the CPU shard-kill run of 2026-12-02)."""
-    svc, clients = service
-    client = clients["socket"]
+    svc, client = service
     doc = _prompts(1, 300, seed=30)[0]  # a full KV block: its shard is remembered
     (first,) = client.generate([doc + [1]], GREEDY)
     victim = first.shard
@@ -329,11 +294,11 @@ def test_a_shard_that_dies_idle_is_routed_around_at_once_not_waited_for(service)
 
 
 def test_a_batch_only_client_sees_an_idle_shard_die_and_routes_its_batches_around_it(service):
-    """A socket-transport client keeps a connection to every shard from its start, streams or not: a shard that
+    """A client keeps a connection to every shard from its start, streams or not: a shard that
     dies with nothing in flight is seen at once, and a batch whose prefix lived there goes to the other shard
     while it restarts; after the restart the client is connected to the new incarnation again."""
     svc, _ = service
-    client = Client.for_service(svc)  # the default transport: socket
+    client = Client.for_service(svc)
     try:
         _wait(lambda: len(client.dispatch.shards.streams.conns) == len(svc.actors), timeout_s=30.0,
               what="the client did not connect to every shard at its start")

@@ -1,4 +1,4 @@
-"""Issue 18 item 2 (streaming hops): a stream the client placed itself (ClientConfig.local_routing) is told to the
+"""Issue 18 item 2 (streaming hops): a stream the client placed itself is told to the
 router TELL_AFTER_S after its first token, off the token's way to the caller, and exactly once: by the timer
 while the stream runs, or before its completion when it ends first. Real local Ray, a one-shard service of the
 tiny Llama (every stream is placed by the client there)."""

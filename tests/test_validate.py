@@ -88,7 +88,7 @@ def test_the_callers_error_class_carries_the_field():
 @pytest.mark.parametrize("make, words", [
     (lambda: ShardOptions(max_payload_bytes=10), "shard field 'max_payload_bytes' must be an integer in [1024, "),
     (lambda: RouterConfig(max_entries=0), "router field 'max_entries' must be an integer >= 1; got 0"),
-    (lambda: ClientConfig(flush_formed=1), "client field 'flush_formed' must be true or false; got 1"),
+    (lambda: ClientConfig(max_retries=-1), "client field 'max_retries' must be an integer >= 0; got -1"),
     (lambda: RayConfig(num_cpus=0), "ray field 'num_cpus' must be null or an integer >= 1; got 0"),
     (lambda: HttpConfig(host=""), "http field 'host' must be a non-empty host name or address; got ''"),
     (lambda: EngineConfig.from_kwargs(max_num_seqs=0), "engine field 'max_num_seqs' must be an integer >= 1; got 0"),
@@ -181,3 +181,22 @@ def test_service_config_from_kwargs_passes_an_engine_config_through():
     assert cfg.placement.num_shards == 2
     with pytest.raises(ValueError, match=r"\['max_num_seqs'\] are given beside an EngineConfig"):
         ServiceConfig.from_kwargs(engine=engine, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("section, field", [("client", "flush_formed"), ("client", "flow_control"),
+                                            ("client", "results_as_finished"), ("client", "local_routing"),
+                                            ("client", "stream_transport"), ("client", "reroute_on_loss"),
+                                            ("client", "stream_resume"), ("shard", "fair_admission")])
+def test_a_retired_switch_is_refused_naming_it(section, field):
+    """Issue 38 retired the switches that kept older paths: a config that still sets one (a YAML section, flat
+    keywords, a client override) is told which field is retired and what is now the only behaviour."""
+    words = f"{section} field '{field}' is retired"
+    with pytest.raises(ValueError, match=words):
+        config_from_dict({section: {field: True}}, source="svc.yaml")
+    with pytest.raises(ValueError, match=words):
+        ServiceConfig.from_kwargs(**{field: True})
+    if section == "client":
+        from flame_llm.serving.client import make_client
+
+        with pytest.raises(ValueError, match=words):
+            make_client(ServiceConfig(), None, {}, **{field: True})

@@ -1,7 +1,7 @@
-"""The socket stream transport's framing (ClientConfig.stream_transport = "socket"): how a client and an engine
+"""The socket stream transport's framing: how a client and an engine
 actor's stream server (actors/stream_server.py, flame_llm/serving/stream_conn.py) carry many streams over one
 TCP connection. Only the framing is here: a stream's request payload and its result payload are the bytes of the
-one wire codec (flame_llm/protocol/wire.py), exactly what the Ray `stream` method takes and yields.
+one wire codec (flame_llm/protocol/wire.py), exactly what EngineActor.stream_items takes and yields.
 
 A frame is a 4-byte big-endian length, then a msgpack array whose first element is its kind:
 

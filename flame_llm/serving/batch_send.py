@@ -1,7 +1,7 @@
-"""One formed batch's trip to its shard: encoded (client_codec.py), submitted to the shard's engine actor, and its
-results read as they finish (the actor's `submit_streaming`; with ClientConfig.results_as_finished off, `submit`:
-the batch's results at once). The shard's flow-control credit comes back per result; the answered requests go to
-`settle` (their callers, or the retry policy), those of a shard that died to `lost` (shard_loss.py). Cancelled
+"""One formed batch's trip to its shard: encoded (batcher.ClientCodec), submitted to the shard's engine actor, and its
+results read as they finish (the actor's `submit_streaming`). The shard's flow-control credit comes back per
+result; the answered requests go to `settle` (their callers, or the retry policy), those of a shard that died to
+`lost` (shard_watch.ShardLoss). Cancelled
 (the client closes) or failed (a bug, an unreadable reply), the unanswered requests leave the router's count and
 are aborted on the shard, and a failure is every waiting caller's result."""
 from __future__ import annotations
@@ -18,10 +18,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import Result
-from flame_llm.serving.batcher import ClientCounters, Pending, attempt_id, failed_result
-from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.batcher import ClientCodec, ClientCounters, Pending, attempt_id, failed_result
 from flame_llm.serving.credit import Credit
-from flame_llm.serving.shard_loss import SHARD_LOST
+from flame_llm.serving.shard_watch import SHARD_LOST
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,6 @@ class BatchSender:
     actors: dict[int, ray.actor.ActorHandle]  # shard -> its engine actor (ShardWatch puts a replacement's here)
     caller: str  # this client's Ray job (the shards abort its requests when it dies) and id (its turn there)
     client_id: str
-    as_finished: bool  # ClientConfig.results_as_finished
     counters: ClientCounters
     codec: ClientCodec
     credit: Credit
@@ -75,20 +73,6 @@ class BatchSender:
         payload = self.codec.encode(batch)
         t1 = time.perf_counter()
         sent = (t0, t1)
-        if not self.as_finished:
-            try:
-                reply = await self.actors[shard].submit.remote(payload, self.caller, self.client_id)
-                results = self.codec.decode(reply)
-            except SHARD_LOST as e:
-                waiting.clear()
-                await self._lost(shard, batch, e)
-                return
-            waiting.clear()
-            if len(results) != len(batch):  # the actor could not read the batch: one record for all
-                assert len(results) == 1 and results[0].id is None, "one result per request or one batch error"
-                results = [_for(p, results[0]) for p in batch]
-            await self.settle(shard, list(zip(batch, results, strict=True)), sent)
-            return
         gen = self.actors[shard].submit_streaming.remote(payload, self.caller, self.client_id)
         try:
             async for ref in gen:

@@ -1,17 +1,23 @@
 """The client's request state (Pending, ClientCounters) and its per-shard request queues: a formed batch leaves
 when it reaches max_prompts, its window runs out, the next request would pass the decoded payload budget, or
-the client says the batch is formed."""
+the client says the batch is formed.
+
+ClientCodec: the client's use of the one wire codec (flame_llm/protocol/wire.py): request payloads encoded for the
+service's model revision and zstd level, result payloads decoded, their sizes and times added to the client's
+counters. Batches (batch_send.py) and streams (client_stream.py) alike."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import time
 from dataclasses import asdict, dataclass
 
 from flame_llm.limits import max_output_tokens
 from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request, Result
-from flame_llm.protocol.wire import BATCH_OVERHEAD
+from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, decoded_size, encode_requests
 from router.replica_client import NO_CHARGE, Charge
 
 
@@ -61,10 +67,10 @@ class ClientCounters:
     aborts_sent: int = 0
     route_calls: int = 0
     complete_calls: int = 0  # router `complete` calls (completions go in one call per loop tick)
-    local_routes: int = 0  # streams placed without a router call (ClientConfig.local_routing)
+    local_routes: int = 0  # streams placed without a router call (routing.py)
     route_retries: int = 0
     retries: int = 0  # requests sent again (overloaded, draining or dead shard)
-    stream_resumes: int = 0  # of those, streams that went on from their last token (ClientConfig.stream_resume)
+    stream_resumes: int = 0  # of those, streams that went on from their last token (retry.py)
     restarts_seen: int = 0
     credit_waits: int = 0
     # per-batch costs, summed: decoded (raw) vs compressed payload bytes, seconds in routing calls, request
@@ -127,3 +133,26 @@ class ShardBatcher:
             task = asyncio.get_running_loop().create_task(self.send(self.shard, batch))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+
+
+class ClientCodec:
+    def __init__(self, model_revision: str, zstd_level: int, counters: ClientCounters) -> None:
+        self.model_revision, self.zstd_level, self.counters = model_revision, zstd_level, counters
+
+    def encode(self, batch: list[Pending]) -> bytes:
+        """The batch's payload; a request sent again goes under its attempt's id (batcher.attempt_id)."""
+        t0 = time.perf_counter()
+        reqs = [p.request if not p.attempts else dataclasses.replace(p.request, id=attempt_id(p)) for p in batch]
+        payload = encode_requests(reqs, self.model_revision, self.zstd_level)
+        c = self.counters
+        c.encode_s += time.perf_counter() - t0
+        c.payload_wire_bytes += len(payload)
+        c.payload_raw_bytes += decoded_size(payload)  # the msgpack size, from the header
+        return payload
+
+    def decode(self, reply: bytes) -> list[Result]:
+        t0 = time.perf_counter()
+        results = decode_results(reply)
+        self.counters.result_decode_s += time.perf_counter() - t0
+        self.counters.result_payloads += 1
+        return results

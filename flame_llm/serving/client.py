@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -26,12 +27,16 @@ from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result
 from flame_llm.sampling_params import SamplingParams, brief
 from flame_llm.serving.batcher import ClientCounters
+from flame_llm.serving.client_config import ClientConfig, check_retired
 from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
 from flame_llm.serving.prompts import RequestMaker
-from flame_llm.serving.service import Service, attach, find_service, resolve_namespace, start_service
-from flame_llm.serving.service_config import ClientConfig, ServiceConfig
+from flame_llm.serving.ray_attach import attach, find_service, resolve_namespace
+
+if TYPE_CHECKING:  # the service side imports the engine; the client needs only its attributes
+    from flame_llm.serving.service import Service
+    from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
 ABANDON_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
@@ -69,8 +74,8 @@ class Client:
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
             self._thread.start()
-        if config.stream_transport == "socket":  # a connection per shard from now on: a shard's death is seen at once
-            self._loop.call_soon_threadsafe(self.dispatch.shards.keep_connected)
+        # a connection per shard from now on: a shard's death is seen at once
+        self._loop.call_soon_threadsafe(self.dispatch.shards.keep_connected)
 
     @classmethod
     def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:
@@ -139,7 +144,7 @@ class Client:
         """One request's output as it is sampled: StreamChunk(token_ids) as the shard sends them, the last one
         with `result` (its Result, as generate returns it; an error is in its `error`). Routed, encoded and
         checked like generate's requests and retried likewise; a shard's death after its first token sends the
-        rest on as a continuation (ClientConfig.stream_resume, flame_llm/serving/resume.py). Leaving the loop early
+        rest on as a continuation (flame_llm/serving/retry.py). Leaving the loop early
         (break, cancel, close) aborts the request on its shard. `user`: whose turn it takes while it waits for
         a shard's credit and in its fair admission (users take turns; the front door passes its end users)."""
         check_user(user)
@@ -255,6 +260,7 @@ def make_client(cfg: ServiceConfig | None, router, actors: dict,
     """A client for the router (a handle, the replicas' handles, or a RouterReplicas) and shards given, with cfg's
     client section (defaults without cfg) and `overrides` of its fields; the shards' health gives the model revision
     and limits. With `service`, closing the client stops that service. loop: run it on that loop (Client's `loop`)."""
+    check_retired("client", overrides)
     health = ray.get([a.health.remote() for a in actors.values()])
     revisions = {h.model_revision for h in health}
     if len(revisions) != 1:
@@ -268,5 +274,7 @@ def make_client(cfg: ServiceConfig | None, router, actors: dict,
 
 def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:
     """Start a service and return a Client that stops it on close()."""
+    from flame_llm.serving.service import start_service
+
     svc = start_service(cfg)
     return make_client(cfg, svc.routers, svc.actors, service=svc, namespace=cfg.ray.namespace, **client_kwargs)

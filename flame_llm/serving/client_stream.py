@@ -1,33 +1,28 @@
 """One streamed request of the client (Client.stream, Client.stream_chunks): placed at once when the client knows
-its prefix's shard (routing.py, ClientConfig.local_routing), else routed by the router's `route` call like a batch;
-encoded by the wire codec as a batch of one, served by the shard's `stream` method (a Ray streaming generator:
-token chunks as the engine samples them, then the result payload), or with ClientConfig.stream_transport "socket"
-by the same items over the client's TCP connection to the shard's stream server (stream_conn.py).
+its prefix's shard (routing.py), else routed by the router's `route` call like a batch; encoded by the wire codec
+as a batch of one, served over the client's TCP connection to the shard's stream server (stream_conn.py): token
+chunks as the engine samples them, then the result payload.
 
 What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out here with the
 Dispatcher's help: until its first token arrives a stream is retried as a batch request is; after that a shard's
-error ends it, and its shard's death (with ClientConfig.stream_resume) sends its continuation once the shard is
-back or to another shard (the original prompt plus the streamed tokens, resume.py): the caller's stream goes on
+error ends it, and its shard's death sends its continuation once the shard is
+back or to another shard (the original prompt plus the streamed tokens, retry.py): the caller's stream goes on
 with no token repeated or skipped. Cancelling the task that runs it (the caller stopped reading) aborts it on its
 shard."""
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
-import ray
-from ray.exceptions import ActorUnavailableError
-
 from flame_llm.protocol.types import Request, Result, prompt_digest
 from flame_llm.protocol.wire import request_wire_size
-from flame_llm.serving.batcher import Pending, attempt_id, failed_result, set_estimates
+from flame_llm.serving.batcher import Pending, failed_result, set_estimates
 from flame_llm.serving.dispatch import Dispatcher, completion
-from flame_llm.serving.resume import continuation, stream_end
-from flame_llm.serving.retry import Action, decide
-from flame_llm.serving.shard_loss import SHARD_LOST
+from flame_llm.serving.retry import Action, continuation, decide, stream_end
+from flame_llm.serving.shard_watch import SHARD_LOST
 
 
 @dataclass(slots=True)
@@ -46,27 +41,16 @@ class StreamError(RuntimeError):
         self.result = result
 
 
-_NOT_HERE = object()
 # the router hears of a stream placed here (place_stream) this long after its first token, once that token has
 # reached the caller: the call takes ~0.5 ms of this loop, which a front door shares with the stream's SSE writer
 # (told at once, it held the first token back ~0.5 ms at the door; bench/results/2026-12-01-cpu-hops-session3)
 TELL_AFTER_S = 0.002
 
 
-def _ready_value(ref: ray.ObjectRef):
-    """The value of a streamed item that the generator's __anext__ saw arrive, read at once (`await ref` would take
-    two more thread switches, Ray's io thread and then this loop: ~0.15 ms a chunk on an idle CPU, more on a busy
-    one); _NOT_HERE when it cannot be read without waiting (a large object on another node)."""
-    try:
-        return ray.get(ref, timeout=0)
-    except ray.exceptions.GetTimeoutError:
-        return _NOT_HERE
-
-
 async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk], None]) -> Result:
     """Serve one prepared request `p` (not failed at entry) through dispatcher `d` on its loop, handing each token
     chunk to `push`; its Result (output_token_ids: what was streamed; prompt_tokens: the caller's prompt;
-    timings["resumed"]: how many times it went on from its last token after its shard died, resume.py)."""
+    timings["resumed"]: how many times it went on from its last token after its shard died, retry.py)."""
     rid, original, streamed = p.request.id, p.request, []
     resumed = 0
     split: dict[str, float] = {}  # the last attempt's route_s, credit_wait_s, sent_at, first_chunk_at_client
@@ -85,13 +69,12 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         split.pop("first_chunk_at_client", None)  # this attempt's
         try:
             t0 = time.perf_counter()
-            took = await d.take_credit(shard, p.request.user)  # in its user's turn, as batches are
+            await d.take_credit(shard, p.request.user)  # in its user's turn, as batches are
             split["credit_wait_s"] = time.perf_counter() - t0
             try:
-                r = await _one_stream(d, shard, payload, attempt_id(p), streamed, push, split, untold)
+                r = await _one_stream(d, shard, payload, streamed, push, split, untold)
             finally:
-                if took:
-                    d.give_credit(shard)
+                d.give_credit(shard)
         except SHARD_LOST as e:
             lost = e
         finally:
@@ -104,8 +87,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         now_streamed = len(streamed) > before  # earlier attempts' tokens are in this attempt's prompt
         end = (stream_end(original, streamed, d.max_model_len, d.eos_token_ids)
                if lost is not None and now_streamed else None)
-        decision = decide(p, d.max_retries, r, lost, shard, streamed=now_streamed, resume=d.stream_resume,
-                          complete=end)
+        decision = decide(p, d.max_retries, r, lost, shard, streamed=now_streamed, complete=end)
         if decision.action is Action.DONE and r is None:  # the shard died after the stream's last token
             d.loss.watch_loss(shard, lost)
             result = Result(rid, finish_reason=decision.finish_reason, shard=shard)
@@ -147,20 +129,16 @@ def _tell(d: Dispatcher, untold: list[Pending], shard: int) -> None:
         d.routing.tell(untold.pop(), shard)
 
 
-async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, streamed: list[int],
+async def _one_stream(d: Dispatcher, shard: int, payload: bytes, streamed: list[int],
                       push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
-    """One attempt on one shard (`rid`: the id it went under, batcher.attempt_id), over the configured transport
-    (ClientConfig.stream_transport): push its token chunks, return its result. Cancelled: abort it on the shard. A
-    lost shard (or connection) raises SHARD_LOST; the attempt does not outlive it there (a closed connection ends
-    its streams on the shard; an unavailable actor is told to abort it), and the next attempt has its own id.
+    """One attempt on one shard, over the client's connection to its stream server: push its token chunks, return
+    its result. Cancelled: abort it on the shard. A lost shard (or connection) raises SHARD_LOST; the attempt does
+    not outlive it there (a closed connection ends its streams on the shard), and the next attempt has its own id.
     split gets sent_at and first_chunk_at_client (time.time(): the hop's ends, beside the actor's own).
     untold: the request when the router is still to be told of its placement (done TELL_AFTER_S after the first
     chunk, or by stream_request when the stream ends first)."""
     split["sent_at"] = time.time()
-    if d.stream_transport == "socket":
-        items = d.shards.streams.items(shard, payload, d.caller, d.client_id)
-    else:
-        items = _ray_items(d, shard, payload, rid)
+    items = d.shards.streams.items(shard, payload, d.caller, d.client_id)
     telling = None
     async with aclosing(items):
         async for item in items:
@@ -176,19 +154,3 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, rid: str, strea
             return r
     raise SHARD_LOST[0]()  # the generator ended without its result: the actor died under it
 
-
-async def _ray_items(d: Dispatcher, shard: int, payload: bytes, rid: str) -> AsyncIterator[list[int] | bytes]:
-    """The items of one stream over the shard's Ray `stream` generator; cancelled, closed before its result, or
-    lost with an actor that is unavailable but may still serve it: the shard aborts it."""
-    gen = d.actors[shard].stream.remote(payload, d.caller, d.client_id)
-    item = None
-    try:
-        async for ref in gen:
-            item = _ready_value(ref)
-            if item is _NOT_HERE:
-                item = await ref
-            yield item
-    except (asyncio.CancelledError, GeneratorExit, ActorUnavailableError):
-        if not isinstance(item, bytes):
-            d.abort_on(shard, [rid])
-        raise

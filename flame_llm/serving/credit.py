@@ -19,25 +19,22 @@ CREDIT_PARTS = 2  # a shard's credit leaves in halves: one answered half frees r
 
 
 class Credit:
-    def __init__(self, capacity: dict[int, int | None], max_batch_prompts: int, max_payload_bytes: int,
+    def __init__(self, capacity: dict[int, int], max_batch_prompts: int, max_payload_bytes: int,
                  avoid: dict, counters: ClientCounters, send_part: Callable[[int, list[Pending]], None],
                  held_back: Callable[[int, list[Pending], list[Pending]], None], restarting: set | None = None
                  ) -> None:
-        """capacity: per shard, its credit (None: no flow control there). avoid, restarting: the shards routed
+        """capacity: per shard, its credit (its admission capacity). avoid, restarting: the shards routed
         around now (ShardWatch.avoid, ShardWatch.restarting). send_part(shard, part) sends requests that got their
         credit; held_back(shard, gone, again) takes those that leave unsent (abandoned; an avoided shard's, to be
         routed again)."""
         self.capacity, self.avoid, self.counters = capacity, avoid, counters
         self.restarting = restarting if restarting is not None else set()
-        self.chunk = {s: max(1, c // CREDIT_PARTS) for s, c in capacity.items() if c}
+        self.chunk = {s: max(1, c // CREDIT_PARTS) for s, c in capacity.items()}
         self.max_batch_prompts, self.max_payload_bytes = max_batch_prompts, max_payload_bytes
         self.send_part, self.held_back = send_part, held_back
         self.outstanding = dict.fromkeys(capacity, 0)
         # per shard, in turn for its credit (by user): held requests, and futures of streams waiting for a unit
         self.held: dict[int, FairQueue] = {s: FairQueue() for s in capacity}
-
-    def enabled(self, shard: int) -> bool:
-        return self.capacity.get(shard) is not None
 
     def hold(self, shard: int, batch: list[Pending]) -> None:
         self.held[shard].extend(batch, _user)
@@ -88,15 +85,11 @@ class Credit:
         self.outstanding[shard] += len(part)
         self.send_part(shard, part)
 
-    async def take(self, shard: int, user: str = "") -> bool:
-        """One unit of the shard's credit for a stream, in `user`'s turn with the requests held before it; False
-        without flow control."""
-        cap = self.capacity.get(shard)
-        if cap is None:
-            return False
-        if self.outstanding[shard] < cap and not self.held[shard]:
+    async def take(self, shard: int, user: str = "") -> None:
+        """One unit of the shard's credit for a stream, in `user`'s turn with the requests held before it."""
+        if self.outstanding[shard] < self.capacity[shard] and not self.held[shard]:
             self.outstanding[shard] += 1
-            return True
+            return
         fut = asyncio.get_running_loop().create_future()
         self.held[shard].append(fut, user)
         self.counters.credit_waits += 1
@@ -108,7 +101,6 @@ class Credit:
             elif fut in self.held[shard]:  # still in turn: it leaves the queue now
                 self.held[shard].remove(fut)
             raise
-        return True
 
     def give(self, shard: int, n: int = 1) -> None:
         """n units come back (answered requests): held ones may leave."""

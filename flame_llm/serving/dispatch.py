@@ -3,7 +3,7 @@
 they finish (batch_send.py), and the one retry policy of flame_llm/serving/retry.py carried out on the answers: an
 overloaded shard's request goes back to it after its hint until the request's overload deadline; a draining
 shard's requests are routed to the other shards (its ShardWatch avoids that shard until its health says it serves
-again), and so are those of a shard that died and did not come back (shard_loss.py). The router hears which
+again), and so are those of a shard that died and did not come back (shard_watch.ShardLoss). The router hears which
 routed requests are done (their completions, one call per loop tick). Runs on the client's loop."""
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import Completion
 from flame_llm.protocol.types import Result, ShardHealth
 from flame_llm.serving.batch_send import BatchSender
-from flame_llm.serving.batcher import ClientCounters, Pending, ShardBatcher, attempt_id
-from flame_llm.serving.client_codec import ClientCodec
+from flame_llm.serving.batcher import ClientCodec, ClientCounters, Pending, ShardBatcher, attempt_id
+from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.credit import Credit
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.routing import ClientRouting
-from flame_llm.serving.service_config import ClientConfig
-from flame_llm.serving.shard_loss import ShardLoss
-from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
+from flame_llm.serving.shard_watch import ShardLoss, ShardWatch, shard_by_name
 from router.replica_client import Charge, RouterReplicas
 
 log = logging.getLogger(__name__)
@@ -39,9 +37,8 @@ class Dispatcher:
         self.router, self.actors, self.model_revision = RouterReplicas.of(router, namespace), actors, model_revision
         router = self.router
         self.max_retries = config.max_retries
-        self.restart_timeout_s, self.flush_formed = config.restart_timeout_s, config.flush_formed
-        self.as_finished, self.stream_transport = config.results_as_finished, config.stream_transport
-        self.stream_resume, self.max_model_len = config.stream_resume, min(h.limits.max_model_len for h in health)
+        self.restart_timeout_s = config.restart_timeout_s
+        self.max_model_len = min(h.limits.max_model_len for h in health)
         self.eos_token_ids = frozenset(t for h in health for t in h.eos_token_ids)  # one model revision: one set
         self.namespace, self.counters = namespace, ClientCounters()
         self.codec = ClientCodec(model_revision, zstd_level, self.counters)
@@ -52,20 +49,18 @@ class Dispatcher:
                                  lookup=shard_by_name(namespace), on_drop=lambda s: self.routing.drop_shard(s),
                                  on_conn_lost=lambda s, e: self.loss.watch_loss(s, e))  # its shard's end closed
         policy, max_entries, ttl_s = "cumulative", 100_000, 0.0
-        if config.local_routing and len(actors) > 1:  # the client places a known prefix under cumulative and events
+        if len(actors) > 1:  # the client places a known prefix under cumulative and events
             _, rc = router.config()
             policy, max_entries, ttl_s = rc.policy, rc.max_entries, rc.placement_ttl_s
         self.routing = ClientRouting(router, list(actors), self.shards, self.counters, config.restart_timeout_s,
-                                     self.forget, config.local_routing, policy, max_entries, ttl_s)
+                                     self.forget, policy, max_entries, ttl_s)
         self.batchers = {s: ShardBatcher(s, self.send, config.max_batch_prompts, config.batch_window_ms / 1000.0,
                                          max_payload_bytes) for s in actors}
-        capacity = {s: h.admission_capacity if config.flow_control else None
-                    for s, h in zip(actors, health, strict=True)}
+        capacity = {s: h.admission_capacity for s, h in zip(actors, health, strict=True)}
         self.credit = Credit(capacity, config.max_batch_prompts, max_payload_bytes, self.shards.avoid,
                              self.counters, self._send_part, self._held_back, self.shards.restarting)
-        self.loss = ShardLoss(self.shards, self.credit, self.max_retries, self.forget, self.route_again, self._spawn,
-                              config.reroute_on_loss)
-        self.sender = BatchSender(actors, self.caller, self.client_id, self.as_finished, self.counters, self.codec,
+        self.loss = ShardLoss(self.shards, self.credit, self.max_retries, self.forget, self.route_again, self._spawn)
+        self.sender = BatchSender(actors, self.caller, self.client_id, self.counters, self.codec,
                                   self.credit, self.settle, self.loss.shard_lost, self.forget, self.abort_on)
         self._tasks: set[asyncio.Task] = set()
         self._completions: list[Completion] = []  # for the router's next complete call
@@ -109,9 +104,8 @@ class Dispatcher:
         for p, s in zip(batch, shards, strict=True):
             if isinstance(s, int):
                 self.batchers[s].add(p)
-        if self.flush_formed:
-            for s in {s for s in shards if isinstance(s, int)}:
-                self.batchers[s].flush("formed")
+        for s in {s for s in shards if isinstance(s, int)}:
+            self.batchers[s].flush("formed")
 
     async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
         return await self.routing.route_shards(batch)
@@ -119,11 +113,8 @@ class Dispatcher:
     # --- credit: the shard's flow control (credit.py) ---
 
     async def send(self, shard: int, batch: list[Pending]) -> None:
-        """A formed batch of the shard's batcher: sent within the shard's credit (at once without flow control)."""
-        if not self.credit.enabled(shard):
-            await self.sender.send(shard, batch, 0)
-        else:
-            self.credit.hold(shard, batch)
+        """A formed batch of the shard's batcher: sent within the shard's credit."""
+        self.credit.hold(shard, batch)
 
     def _send_part(self, shard: int, part: list[Pending]) -> None:
         self._spawn(self.sender.send(shard, part, len(part)))
@@ -135,8 +126,8 @@ class Dispatcher:
         if again:
             self._spawn(self.route_again(again))
 
-    async def take_credit(self, shard: int, user: str = "") -> bool:
-        return await self.credit.take(shard, user)
+    async def take_credit(self, shard: int, user: str = "") -> None:
+        await self.credit.take(shard, user)
 
     def give_credit(self, shard: int, n: int = 1) -> None:
         self.credit.give(shard, n)

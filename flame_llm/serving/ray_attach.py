@@ -1,4 +1,5 @@
-"""Joining Ray: start a local Ray for a service, or attach to a running cluster, with the errors a user can act on.
+"""Joining Ray: start a local Ray for a service, or attach to a running cluster, with the errors a user can act on;
+finding a running service's actors by name.
 
 Ray (2.52 and newer) starts clusters with token authentication: a process joining one needs RAY_AUTH_MODE=token
 and the token (~/.ray/auth_token on the machine that started it, or RAY_AUTH_TOKEN). When RAY_AUTH_MODE is not
@@ -11,12 +12,17 @@ import logging
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import ray
 
-from flame_llm.serving.service_config import ServiceConfig
+from flame_llm.serving.client_config import DEFAULT_NAMESPACE
+
+if TYPE_CHECKING:
+    from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
+SHARD_PREFIX = "flame-shard-"  # an engine actor's name: this and its shard number
 TOKEN_PATH = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
 
 
@@ -107,3 +113,43 @@ def attach(namespace: str, address: str | None = "auto") -> None:
     """Join the Ray cluster at `address` (no-op when this process already is attached)."""
     if not ray.is_initialized():
         join(address or "auto", namespace)
+
+
+def service_namespaces() -> list[str]:
+    """The Ray namespaces that run a flame-llm service (a router), in the attached cluster."""
+    from router.actor import ROUTER_NAME
+
+    return sorted({n["namespace"] for n in ray.util.list_named_actors(all_namespaces=True)
+                   if n["name"] == ROUTER_NAME})
+
+
+def resolve_namespace(namespace: str | None) -> str:
+    """`namespace`, or when None: the default namespace if it runs a service, else the one namespace that does."""
+    if namespace is not None:
+        return namespace
+    found = service_namespaces()
+    if DEFAULT_NAMESPACE in found or not found:
+        return DEFAULT_NAMESPACE
+    if len(found) == 1:
+        return found[0]
+    raise RuntimeError(f"services run in several Ray namespaces ({', '.join(found)}); name one with --namespace")
+
+
+def find_service(namespace: str | None = None) -> tuple[list[ray.actor.ActorHandle], dict[int, ray.actor.ActorHandle]]:
+    """The router replicas (replica 0 first) and engine actors of the service in `namespace` (None: see
+    resolve_namespace)."""
+    from router.actor import ROUTER_NAME
+
+    namespace = resolve_namespace(namespace)
+    names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["namespace"] == namespace]
+    shards = sorted(int(n[len(SHARD_PREFIX):]) for n in names if n.startswith(SHARD_PREFIX))
+    if not shards or ROUTER_NAME not in names:
+        others = [ns for ns in service_namespaces() if ns != namespace]
+        hint = f"; services run in: {', '.join(others)}" if others else ""
+        raise RuntimeError(f"no flame-llm service in Ray namespace {namespace!r} (found actors: {sorted(names)})"
+                           f"{hint}")
+    from router.actor import replica_name
+
+    num_routers = ray.get(ray.get_actor(ROUTER_NAME, namespace=namespace).config.remote(), timeout=60)[1].replicas
+    return ([ray.get_actor(replica_name(ROUTER_NAME, r), namespace=namespace) for r in range(num_routers)],
+            {k: ray.get_actor(f"{SHARD_PREFIX}{k}", namespace=namespace) for k in shards})

@@ -2,7 +2,7 @@
 with a restarting router, leaving out the shards the client's ShardWatch routes around (draining, lost, and while
 others serve: restarting).
 
-With ClientConfig.local_routing a stream need not wait for the router: on a one-shard service it goes to that
+A stream need not wait for the router: on a one-shard service it goes to that
 shard, and otherwise, when its prefix is one the router placed before (the client remembers the router's answers:
 prefix block hash -> shard, an LRU), to that shard at once. The router is told without waiting (its `place`), so
 its outstanding-work counts and prefix map stay as if it had routed the stream. Only the `cumulative` policy
@@ -32,13 +32,13 @@ ROUTE_RETRY_MAX_S = 0.5  # a call lost with a restarting router is made again, a
 
 class ClientRouting:
     def __init__(self, router: RouterReplicas, shards: list[int], watch: ShardWatch, counters: ClientCounters,
-                 restart_timeout_s: float, forget, local: bool = False, policy: str = "cumulative",
+                 restart_timeout_s: float, forget, policy: str = "cumulative",
                  max_entries: int = 100_000, ttl_s: float = 0.0) -> None:
         """forget(shard, pendings): routed requests that will not be sent there (their work leaves the router's
-        count). local: ClientConfig.local_routing; policy, max_entries and ttl_s (placement_ttl_s): the router's."""
+        count). policy, max_entries and ttl_s (placement_ttl_s): the router's."""
         self.router, self.shards, self.watch, self.counters = RouterReplicas.of(router), list(shards), watch, counters
         self.restart_timeout_s, self.forget = restart_timeout_s, forget
-        self.local = local and (len(self.shards) == 1 or policy in ("cumulative", "events"))
+        self.local = len(self.shards) == 1 or policy in ("cumulative", "events")  # streams placed here
         self.cache = RouteCache(ttl_s, max_entries) if policy == "events" else None
         self.single = self.shards[0] if len(self.shards) == 1 else None
         self.max_entries = max_entries

@@ -16,13 +16,21 @@ from actors.liveness import LIVE_TIMEOUT_S
 from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards, replacement_placement
 from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.preflight import check_cpu_memory
-from flame_llm.serving.ray_attach import attach, init_ray, running_local_address
-from flame_llm.serving.service_config import DEFAULT_NAMESPACE, ServiceConfig
+from flame_llm.serving.ray_attach import (
+    SHARD_PREFIX,
+    attach,
+    find_service,
+    init_ray,
+    resolve_namespace,
+    running_local_address,
+    service_namespaces,
+)
+from flame_llm.serving.service_config import ServiceConfig
 
-__all__ = ["Service", "attach", "find_service", "init_ray", "start_service", "status", "stop"]
+__all__ = ["SHARD_PREFIX", "Service", "attach", "find_service", "init_ray", "resolve_namespace", "service_namespaces",
+           "start_service", "status", "stop"]
 
 log = logging.getLogger(__name__)
-SHARD_PREFIX = "flame-shard-"
 MAX_CONCURRENCY = 1024  # concurrent submit calls (batches) per engine actor
 UNHEALTHY_STRIKES = 2  # failed liveness looks in a row before a shard is restarted
 LIVE_CALL_GRACE_S = 10.0  # a liveness call answers within its probe's timeout plus this, or counts as failed
@@ -222,46 +230,6 @@ def create_shard(cfg: ServiceConfig, p: ShardPlacement, model: str, lifetime: st
         max_restarts=pc.max_restarts, max_task_retries=0, max_concurrency=MAX_CONCURRENCY,
         scheduling_strategy=NodeAffinitySchedulingStrategy(p.node_id, soft=False), **res,
     ).remote(p, model, cfg.engine_kwargs(), cfg.shard)
-
-
-def service_namespaces() -> list[str]:
-    """The Ray namespaces that run a flame-llm service (a router), in the attached cluster."""
-    from router.actor import ROUTER_NAME
-
-    return sorted({n["namespace"] for n in ray.util.list_named_actors(all_namespaces=True)
-                   if n["name"] == ROUTER_NAME})
-
-
-def resolve_namespace(namespace: str | None) -> str:
-    """`namespace`, or when None: the default namespace if it runs a service, else the one namespace that does."""
-    if namespace is not None:
-        return namespace
-    found = service_namespaces()
-    if DEFAULT_NAMESPACE in found or not found:
-        return DEFAULT_NAMESPACE
-    if len(found) == 1:
-        return found[0]
-    raise RuntimeError(f"services run in several Ray namespaces ({', '.join(found)}); name one with --namespace")
-
-
-def find_service(namespace: str | None = None) -> tuple[list[ray.actor.ActorHandle], dict[int, ray.actor.ActorHandle]]:
-    """The router replicas (replica 0 first) and engine actors of the service in `namespace` (None: see
-    resolve_namespace)."""
-    from router.actor import ROUTER_NAME
-
-    namespace = resolve_namespace(namespace)
-    names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["namespace"] == namespace]
-    shards = sorted(int(n[len(SHARD_PREFIX):]) for n in names if n.startswith(SHARD_PREFIX))
-    if not shards or ROUTER_NAME not in names:
-        others = [ns for ns in service_namespaces() if ns != namespace]
-        hint = f"; services run in: {', '.join(others)}" if others else ""
-        raise RuntimeError(f"no flame-llm service in Ray namespace {namespace!r} (found actors: {sorted(names)})"
-                           f"{hint}")
-    from router.actor import replica_name
-
-    num_routers = ray.get(ray.get_actor(ROUTER_NAME, namespace=namespace).config.remote(), timeout=60)[1].replicas
-    return ([ray.get_actor(replica_name(ROUTER_NAME, r), namespace=namespace) for r in range(num_routers)],
-            {k: ray.get_actor(f"{SHARD_PREFIX}{k}", namespace=namespace) for k in shards})
 
 
 def status(namespace: str | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The client's end of the socket stream transport (ClientConfig.stream_transport = "socket"): one persistent TCP
+"""The client's end of the socket stream transport: one persistent TCP
 connection per shard incarnation to its engine actor's stream server (actors/stream_server.py; framing in
 flame_llm/protocol/stream_frames.py), opened on first use from the endpoint the actor's `stream_endpoint` call
 gives, and again from a fresh endpoint once the connection broke (the shard died or restarted). A reader task
@@ -141,7 +141,7 @@ class StreamConns:
 
     async def items(self, shard: int, payload: bytes, caller: str | None, client: str | None
                     ) -> AsyncIterator[list[int] | bytes]:
-        """One stream on the shard: lists of token ids, then the result payload (as the Ray `stream` yields).
+        """One stream on the shard: lists of token ids, then the result payload (as EngineActor.stream_items yields).
         RayActorError when the connection cannot be made or breaks; cancelled, the shard is told to abort it."""
         conn = await self.get(shard)
         sid, q = conn.open(payload, caller, client)
