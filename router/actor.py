@@ -25,9 +25,9 @@ import ray
 from flame_llm.protocol.routing_key import Completion, RouteItem
 from router.event_feed import EventFeed
 from router.policy import RouterConfig, RouterPolicy
+from router.replicas import ROUTER_NAME, replica_name  # noqa: F401 - the router's names, imported from here too
 
 log = logging.getLogger(__name__)
-ROUTER_NAME = "flame-router"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 
 
@@ -78,11 +78,6 @@ class Router:
             st = self._policy.stats()
         feed = {"event_feed": dict(self._feed.counters)} if self._feed is not None else {}
         return {**st, **feed, "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
-
-
-def replica_name(base: str, replica: int) -> str:
-    """Replica 0 keeps the one router's name (replicas=1 is the service as before); replica r > 0 is base-r."""
-    return base if replica == 0 else f"{base}-{replica}"
 
 
 def start_routers(num_shards: int, config: RouterConfig, *, namespace: str, lifetime: str | None = None,

@@ -25,8 +25,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from flame_llm.protocol.routing_key import Completion, RouteItem
-from router.actor import ROUTER_NAME, replica_name
-from router.replicas import ReplicaRing
+from router.replicas import ROUTER_NAME, ReplicaRing, replica_name
 
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 0.5  # a dead replica is looked for again this often (on the next call after it)

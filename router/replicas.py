@@ -20,6 +20,13 @@ from collections.abc import Collection, Sequence
 
 from flame_llm.prefix import hash_block, revision_seed
 
+ROUTER_NAME = "flame-router"
+
+
+def replica_name(base: str, replica: int) -> str:
+    """Replica 0 keeps the one router's name (replicas=1 is the service as before); replica r > 0 is base-r."""
+    return base if replica == 0 else f"{base}-{replica}"
+
 VNODES = 256  # ring points per replica: with 2-4 replicas the shares stay within a few percent of even
 _RING_SEED = revision_seed("flame-router-ring")
 

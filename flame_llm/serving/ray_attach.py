@@ -117,7 +117,7 @@ def attach(namespace: str, address: str | None = "auto") -> None:
 
 def service_namespaces() -> list[str]:
     """The Ray namespaces that run a flame-llm service (a router), in the attached cluster."""
-    from router.actor import ROUTER_NAME
+    from router.replicas import ROUTER_NAME
 
     return sorted({n["namespace"] for n in ray.util.list_named_actors(all_namespaces=True)
                    if n["name"] == ROUTER_NAME})
@@ -138,7 +138,7 @@ def resolve_namespace(namespace: str | None) -> str:
 def find_service(namespace: str | None = None) -> tuple[list[ray.actor.ActorHandle], dict[int, ray.actor.ActorHandle]]:
     """The router replicas (replica 0 first) and engine actors of the service in `namespace` (None: see
     resolve_namespace)."""
-    from router.actor import ROUTER_NAME
+    from router.replicas import ROUTER_NAME
 
     namespace = resolve_namespace(namespace)
     names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["namespace"] == namespace]
@@ -148,7 +148,7 @@ def find_service(namespace: str | None = None) -> tuple[list[ray.actor.ActorHand
         hint = f"; services run in: {', '.join(others)}" if others else ""
         raise RuntimeError(f"no flame-llm service in Ray namespace {namespace!r} (found actors: {sorted(names)})"
                            f"{hint}")
-    from router.actor import replica_name
+    from router.replicas import replica_name
 
     num_routers = ray.get(ray.get_actor(ROUTER_NAME, namespace=namespace).config.remote(), timeout=60)[1].replicas
     return ([ray.get_actor(replica_name(ROUTER_NAME, r), namespace=namespace) for r in range(num_routers)],

@@ -148,7 +148,7 @@ class Service:
                      if n["namespace"] == self.cfg.ray.namespace}
         except Exception:  # noqa: BLE001 - the cluster itself is gone
             return False
-        from router.actor import ROUTER_NAME
+        from router.replicas import ROUTER_NAME
 
         return ROUTER_NAME in names
 
