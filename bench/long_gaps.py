@@ -2,6 +2,7 @@
 long prefill step every decoding stream waited through) and the median of the gap just before and just after
 each in the same stream. Where the ITL p99 falls among them says which step sets it.
 
+    bash bench/records.sh restore bench/results/2026-12-02b-h200-workloads  # raw records: on the results branch
     python -m bench.long_gaps bench/results/2026-12-02b-h200-workloads/hot-prefixes/raw/load-*.json
 """
 from __future__ import annotations

@@ -264,9 +264,11 @@ def write_report(raw_dir: str, out_dir: str | None = None, order: list[str] | No
 
 # (flags, add_argument kwargs): the `flame-llm report` options
 ARGUMENTS = [
-    (("raw_dir",), {"help": "a bench results dir (holds raw/), or any dir with raw run JSON below it"}),
+    (("raw_dir",), {"help": "a bench or load results dir (holds raw/; `bash bench/records.sh restore DIR` brings it "
+                             "back from the results branch), or any dir with raw run JSON below it"}),
     (("--out",), {"default": None, "help": "where report.md/.json/.png go (default: raw_dir)"}),
-    (("--systems",), {"default": "", "help": "comma-separated order; the first is the subject of the ratios"}),
+    (("--systems",), {"default": "", "help": "comma-separated order; the first is the subject of the ratios "
+                                          "(of a load report: the first only, default flame)"}),
 ]
 
 

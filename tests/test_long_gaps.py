@@ -1,4 +1,5 @@
-"""bench.long_gaps on the committed H200 hot-prefix records (the figures bench/RESULTS.md quotes) and on a record
+"""bench.long_gaps on the H200 hot-prefix records (the figures bench/RESULTS.md quotes; a copy in tests/fixtures, the
+run's raw records being on the `results` branch) and on a record
 built here: long gaps, their neighbours, the ITL p99, and streams with a single chunk (no gaps)."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from bench import long_gaps
 from bench.provenance import read_json
 
-RAW = Path(__file__).parent.parent / "bench/results/2026-12-02b-h200-workloads/hot-prefixes/raw"
+RAW = Path(__file__).parent / "fixtures/hot-prefixes/raw"  # of bench/results/2026-12-02b-h200-workloads/hot-prefixes
 
 
 def test_the_hot_prefix_records_give_the_figures_results_quotes():
