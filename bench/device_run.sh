@@ -139,7 +139,7 @@ case $stage in
     timeout ${LOAD_TIMEOUT:-560} python3 -m bench.pairs --mode load "${VLLM[@]}" --out /tmp/load "$@" 2>&1 \
       | grep -v -e INFO -e WARNING | tail -45
     tar czf "$OUT/load.tgz" -C /tmp load ;;
-  py)  # any module or script with the bundles' packages, e.g. `py -m bench.prune_ab --out \$OUT/prune.json`
+  py)  # any module or script with the bundles' packages, e.g. `py -m bench.flag_ab --flag prune_last_layer --out \$OUT/prune.json`
     timeout ${PY_TIMEOUT:-540} python3 "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -60 ;;
   bg)  # any stage in a process session of its own, so it runs on after this call returns (the device tool ends a
     # call's leftover processes, except a new session's, and keeps them while the machine stays warm): e.g.

@@ -12,7 +12,7 @@ flag-off warmup round's. The end-to-end one-flag A/B is `bash bench/device_run.s
 Printed per mode: median req/s of its rounds, median ms of a step with prefill tokens (steps with more tokens than
 the burst has requests), and whether every round's tokens equal the flag off's.
 
-    python -m bench.flag_ab --flag prune_last_layer --out prune.json                 # = python -m bench.prune_ab
+    python -m bench.flag_ab --flag prune_last_layer --out prune.json
     python -m bench.flag_ab --model tiny --prompts 4 --prompt-tokens 300 --max-num-batched-tokens 256  # CPU
 """
 from __future__ import annotations
