@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 import sys
 
-from bench.pairs import ARGUMENTS as BENCH_ARGS
-from bench.report import ARGUMENTS as REPORT_ARGS
+from bench.burst.pairs import ARGUMENTS as BENCH_ARGS
+from bench.burst.report import ARGUMENTS as REPORT_ARGS
 from bench.run_options import BENCH_EPILOG
 from flame_llm import cli
 
 
 def bench(args) -> int:
-    from bench.pairs import run
+    from bench.burst.pairs import run
     from bench.run_options import check_bench_memory
 
     check_bench_memory(args)  # with the machine's defaults filled in (the tiny model without a GPU)
@@ -22,10 +22,10 @@ def bench(args) -> int:
 
 def report(args) -> int:
     """The paired burst report of a bench run, or the load report of a load run (raw/load-*.json[.gz])."""
-    from bench.load_report import load_records
+    from bench.load.load_report import load_records
 
     if recs := load_records(args.raw_dir):
-        from bench.load_report import write_load_report
+        from bench.load.load_report import write_load_report
 
         subject = next((s for s in args.systems.split(",") if s), "flame")
         recs.sort(key=lambda r: r["system"] != subject)
@@ -33,7 +33,7 @@ def report(args) -> int:
         os.makedirs(out, exist_ok=True)
         print(write_load_report(out, recs))
         return 0
-    from bench.report import run
+    from bench.burst.report import run
 
     return run(args)
 

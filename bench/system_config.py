@@ -17,7 +17,8 @@ load mode); "flame-noresume" fails a stream whose shard dies after its first tok
 shard had in flight on only after its restart (ClientConfig.reroute_on_loss off: the same A/B on 2+ shards);
 "flame-noearly" and "engine-noearly" enqueue an eager step of 2,048+ tokens right behind the step before it, whose
 tokens then wait for that launch (emit_before_long_launch 0; by default 2,048: the step before is read and its tokens
-handed out first; the A/B of the inter-token gap before a long prefill, bench/launch_cost.py). The labels of retired
+handed out first; the A/B of the inter-token gap before a long prefill, bench/engine/launch_cost.py). The labels of
+retired
 levers (-split, -ropestore, -shared, -lt) went with them (bench/KERNELS.md, "Tried and retired").
 "flame-fp8" and "engine-fp8" run W8A8 FP8 projections (quantization "fp8": e4m3 weights quantized at load,
 per-token activation scales; issue 40), "flame-fp8kv" and "engine-fp8kv" add e4m3 K/V (kv_cache_dtype "fp8": our

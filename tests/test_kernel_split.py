@@ -1,12 +1,13 @@
-"""bench.kernel_split's CPU parts: the A-B-B-A order, FLOP counting, the roofline and the tables."""
+"""bench.engine.kernel_split's CPU parts: the A-B-B-A order, FLOP counting, the roofline and the tables."""
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from bench import kernel_split
-from bench.split_report import (
+from bench.burst.traces import TraceConfig, make_trace
+from bench.engine import kernel_split
+from bench.engine.split_report import (
     ModelShape,
     abba,
     computed_starts,
@@ -17,7 +18,6 @@ from bench.split_report import (
     roofline,
     trace_flops,
 )
-from bench.traces import TraceConfig, make_trace
 
 LLAMA = "configs/models/llama-3.1-8b"
 
