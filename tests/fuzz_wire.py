@@ -1,6 +1,6 @@
 """Wire fuzzer: decode_requests and decode_results against hostile payloads.
 
-    python -m tests.fuzz_wire --inputs 100000 --out /tmp/fuzz_wire.json
+    python tests/fuzz_wire.py --inputs 100000 --out /tmp/fuzz_wire.json
 
 Kinds of input (each for both decoders): valid frames, mutated frames (compressed bytes flipped, cut,
 spliced), mutated msgpack (raw bytes changed, then compressed), mutated objects (one node of a valid
