@@ -101,8 +101,9 @@ def test_reports_show_both_orders_and_kernels_side_by_side():
 def test_vllm_process_gets_its_own_pythonpath(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/ours:/tmp/fa4/site")
     env = kernel_split.system_env("vllm", "/tmp/vsite/site")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(kernel_split.__file__)))
-    assert env["PYTHONPATH"].split(os.pathsep) == [here, "/tmp/vsite/site"]
+    from bench import REPO
+
+    assert env["PYTHONPATH"].split(os.pathsep) == [REPO, "/tmp/vsite/site"]  # the repository root: bench imports
     assert kernel_split.system_env("engine", "/tmp/vsite/site")["PYTHONPATH"] == "/ours:/tmp/fa4/site"
 
 
