@@ -3,7 +3,8 @@
 #   bash bench/records.sh commit DIR     add the raw records under DIR (a run dir below bench/results) to `results`
 #   bash bench/records.sh restore [PATH] check them back out under PATH (default bench/results) for `flame-llm report`
 #   bash bench/records.sh list [PATH]    run dirs with record counts and bytes; with PATH below a run, its files
-# Raw records are what .gitignore keeps out of main: files under raw/ or logs/, *.gz and *.log below bench/results.
+# Raw records are what .gitignore keeps out of main: files under raw/ or logs/, *.gz, *.xz, *.zst and *.log below
+# bench/results.
 # `commit` writes the branch through a private index (git commit-tree), so the checkout, its index and HEAD are
 # untouched; the first commit makes the orphan branch. After a clone: `git fetch origin results:results`.
 set -euo pipefail
@@ -14,7 +15,8 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 
 raw_files() {  # the raw records under $1, relative to the repo root (the .gitignore patterns, once)
-  find "$1" -type f \( -path '*/raw/*' -o -path '*/logs/*' -o -name '*.gz' -o -name '*.log' \) | sort
+  find "$1" -type f \( -path '*/raw/*' -o -path '*/logs/*' -o -name '*.gz' -o -name '*.xz' -o -name '*.zst' \
+    -o -name '*.log' \) | sort
 }
 
 has_branch() { git rev-parse -q --verify "refs/heads/$BRANCH^{commit}" > /dev/null; }
@@ -29,9 +31,11 @@ case $cmd in
   commit)
     dir=$(rel "${1:?usage: records.sh commit DIR}")
     [[ -d $dir ]] || { echo "records.sh: no directory $dir" >&2; exit 2; }
-    [[ $dir == bench/results || $dir == bench/results/* ]] || { echo "records.sh: $dir is not below bench/results" >&2; exit 2; }
+    [[ $dir == bench/results || $dir == bench/results/* ]] \
+      || { echo "records.sh: $dir is not below bench/results" >&2; exit 2; }
     mapfile -t files < <(raw_files "$dir")
-    [[ ${#files[@]} -gt 0 ]] || { echo "records.sh: no raw records under $dir (raw/, logs/, *.gz, *.log)" >&2; exit 2; }
+    [[ ${#files[@]} -gt 0 ]] \
+      || { echo "records.sh: no raw records under $dir (raw/, logs/, *.gz, *.xz, *.zst, *.log)" >&2; exit 2; }
     idx=$(mktemp)
     trap 'rm -f "$idx"' EXIT
     parent=()

@@ -65,6 +65,7 @@ def test_main_ignores_raw_records_and_keeps_reports(repo):
     assert not [p for p in tracked if "/raw/" in p or "/logs/" in p]
     (repo / "bench/results/x.json.gz").write_bytes(b"")
     (repo / "bench/results/x.log").write_text("")
+    (repo / "bench/results/load/logs.tar.xz").write_bytes(b"")
     assert git(repo, "status", "--porcelain") == ""  # new raw records are not even candidates
 
 
