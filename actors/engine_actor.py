@@ -135,7 +135,7 @@ class EngineActor:
         the first chunk left). Aborting the request (`abort`), its caller's job dying, or the reader leaving ends it
         in the engine. `owner`: the
         sender's identity here (a stream connection; None: the caller), which its request id is unique within."""
-        arrived_at = time.time()  # the hop split (bench/hops.py): one host clock with the client's sent_at
+        arrived_at = time.time()  # the hop split (bench/service/hops.py): one host clock with the client's sent_at
         items = self._decode(payload)
         if not isinstance(items, Result) and len(items) != 1:
             items = self._result(None, error=ErrorInfo(ErrorCode.BAD_REQUEST, "a stream payload holds exactly one "

@@ -3,16 +3,17 @@ registers COMMANDS in the entry point group flame_llm.commands, which flame_llm.
 never imports the bench. `python -m bench.cli` runs flame-llm with them without an installed entry point."""
 from __future__ import annotations
 
+import os
 import sys
 
-from bench.pairs import ARGUMENTS as BENCH_ARGS
-from bench.report import ARGUMENTS as REPORT_ARGS
+from bench.burst.pairs import ARGUMENTS as BENCH_ARGS
+from bench.burst.report import ARGUMENTS as REPORT_ARGS
 from bench.run_options import BENCH_EPILOG
 from flame_llm import cli
 
 
 def bench(args) -> int:
-    from bench.pairs import run
+    from bench.burst.pairs import run
     from bench.run_options import check_bench_memory
 
     check_bench_memory(args)  # with the machine's defaults filled in (the tiny model without a GPU)
@@ -20,7 +21,20 @@ def bench(args) -> int:
 
 
 def report(args) -> int:
-    from bench.report import run
+    """The paired burst report of a bench run, or the load report of a load run (raw/load-*.json[.gz])."""
+    from bench.load.load_report import load_records
+
+    if recs := load_records(args.raw_dir):
+        from bench.load.load_report import write_load_report
+
+        subject = next((s for s in args.systems.split(",") if s), "flame")
+        recs.sort(key=lambda r: r["system"] != subject)
+        out = args.out or args.raw_dir
+        os.makedirs(out, exist_ok=True)
+        print(write_load_report(out, recs))
+        return 0
+    from bench.burst.report import run
+
     return run(args)
 
 
@@ -28,7 +42,7 @@ def report(args) -> int:
 COMMANDS = {
     "bench": (bench, "burst benchmark: fresh interleaved pairs of systems, then the paired report", BENCH_ARGS,
               BENCH_EPILOG),
-    "report": (report, "paired report (Markdown, JSON, PNG) from a bench run's raw records", REPORT_ARGS),
+    "report": (report, "report (Markdown, JSON, PNG) from a run's raw records: paired bursts or load", REPORT_ARGS),
 }
 
 

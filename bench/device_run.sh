@@ -63,55 +63,55 @@ case $stage in
   smoke)
     python3 -m pytest tests/test_gpu_engine.py tests/test_fused_kernels.py tests/test_triton_attention.py -q -x \
       2>&1 | tail -30 | tee "$OUT/smoke.log"
-    timeout 420 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
+    timeout 420 python3 -m bench.engine.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
   smoke-engine)
     python3 -m pytest tests/test_gpu_engine.py tests/test_fused_kernels.py -q -x 2>&1 | tail -15 | tee "$OUT/smoke.log"
-    timeout 480 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -40 ;;
+    timeout 480 python3 -m bench.engine.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -40 ;;
   debug-kernels)
     python3 -m pytest tests/test_gpu_engine.py tests/test_triton_attention.py -q -m gpu 2>&1 | tail -25 | tee "$OUT/smoke.log"
-    timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -45 ;;
+    timeout 300 python3 bench/engine/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -45 ;;
   final)
     python3 -m pytest tests/test_gpu_engine.py -q 2>&1 | tail -6 | tee "$OUT/smoke.log"
-    timeout 235 python3 -m bench.gpu_engine --out "$OUT/engine.json" --parts ceilings,prefill,decode,traces,graphs \
+    timeout 235 python3 -m bench.engine.gpu_engine --out "$OUT/engine.json" --parts ceilings,prefill,decode,traces,graphs \
       --max-batched 8192 --chunked 1 > "$OUT/engine.log" 2>&1; tail -3 "$OUT/engine.log"
-    timeout 130 python3 -m bench.spec_bench --out "$OUT/spec.json" --batches 1,4,16 --ks 2,3 --agreements 0.76 \
+    timeout 130 python3 -m bench.engine.spec_bench --out "$OUT/spec.json" --batches 1,4,16 --ks 2,3 --agreements 0.76 \
       --max-tokens 96 > "$OUT/spec.log" 2>&1; tail -25 "$OUT/spec.log"
     for s in prefix starvation; do
-      timeout 70 python3 -m bench.scenarios --scenario $s --out "$OUT/scen_$s.json" > "$OUT/scen_$s.log" 2>&1
+      timeout 70 python3 -m bench.load.scenarios --scenario $s --out "$OUT/scen_$s.json" > "$OUT/scen_$s.log" 2>&1
       tail -8 "$OUT/scen_$s.log"
     done ;;
   pairs)  # e.g. `pairs --systems flame,engine --traces reuse --pairs 2` (vLLM flags added)
     export RAY_ADDRESS=
     timeout 120 python3 -m pytest tests/test_gpu_service.py -q -x 2>&1 | tail -8  # pinning + service on the GPUs
-    timeout 440 python3 -m bench.pairs "${VLLM[@]}" "$@" --out /tmp/r 2>&1 | grep -v -e INFO -e WARNING | tail -40
+    timeout 440 python3 -m bench.burst.pairs "${VLLM[@]}" "$@" --out /tmp/r 2>&1 | grep -v -e INFO -e WARNING | tail -40
     tar czf "$OUT/pairs.tgz" -C /tmp r ;;
   kernels)
-    timeout 300 python3 bench/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -60 ;;
+    timeout 300 python3 bench/engine/gpu_kernels.py --out "$OUT/kernels.json" 2>&1 | tail -60 ;;
   engine)
-    timeout 540 python3 -m bench.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
+    timeout 540 python3 -m bench.engine.gpu_engine --out "$OUT/engine.json" "$@" 2>&1 | grep -v INFO | tail -60 ;;
   check)  # issue 11: the new backend and scheduling on the GPU, then the decode figures
     timeout 300 python3 -m pytest tests/test_gpu_fa4.py tests/test_gpu_engine.py tests/test_fused_kernels.py -q \
       -p no:warnings > "$OUT/check.log" 2>&1
     grep -E "passed|failed|Error|assert|^E " "$OUT/check.log" | tail -30
-    timeout 240 python3 -m bench.gpu_engine --out "$OUT/decode.json" --parts decode > "$OUT/decode.log" 2>&1
+    timeout 240 python3 -m bench.engine.gpu_engine --out "$OUT/decode.json" --parts decode > "$OUT/decode.log" 2>&1
     grep -v INFO "$OUT/decode.log" | grep -E "decode|tok_per_s|error|Error" | tail -8 ;;
   ab)  # e.g. `ab reuse '{}' '{"block_size": 128}'`: the offline split of one trace per engine config
     trace=$1
     shift
     k=0
     for cfg in "$@"; do
-      timeout 200 python3 -m bench.kernel_split --systems engine --traces "$trace" --warmup-rounds 1 \
+      timeout 200 python3 -m bench.engine.kernel_split --systems engine --traces "$trace" --warmup-rounds 1 \
         --engine-json "$cfg" --label "$cfg" --out "$OUT/ab$k-$trace.json" 2>&1 | grep -E "^engine|\|" | tail -9
       k=$((k + 1))
     done ;;
   split)  # e.g. `split --systems vllm,engine --traces no-reuse --warmup-rounds 1`: the kernel split, A-B-B-A,
     # vLLM in its own process with only its bundle's site beside this checkout (its pins differ from FA4's);
     # each run's record stays in $OUT (split.json.K-system.json) if the whole does not finish in SPLIT_TIMEOUT
-    timeout ${SPLIT_TIMEOUT:-520} python3 -m bench.kernel_split --vllm-pythonpath /tmp/vsite/site --measure-ceiling \
+    timeout ${SPLIT_TIMEOUT:-520} python3 -m bench.engine.kernel_split --vllm-pythonpath /tmp/vsite/site --measure-ceiling \
       --out "$OUT/split.json" "$@" > "$OUT/split.log" 2>&1
     grep -v -e INFO -e WARNING -e '^run ' "$OUT/split.log" | grep -e '^|' -e 'not measured' -e failed | tail -60 ;;
   burst)  # one trace's pairs in one call, e.g. `burst reuse flame,engine,vllm --pair-start 2` (flags after the
-    # systems go to bench.pairs; --pairs 1 unless given); SPLIT=1 first runs the offline engine on the same trace
+    # systems go to bench.burst.pairs; --pairs 1 unless given); SPLIT=1 first runs the offline engine on the same trace
     # (kernel split + the offline req/s that serve-http is held to). RDIR: the results dir (default /tmp/r; a
     # comparison of its own, e.g. the affinity A/B, takes another: pair indices are unique per dir and trace)
     trace=$1 systems=$2
@@ -119,27 +119,27 @@ case $stage in
     # the archive is named by RDIR and trace: two stages of one `bg seq` with other RDIRs must not overwrite it
     rdir=${RDIR:-/tmp/r}
     if [[ ${SPLIT:-0} == 1 ]]; then
-      timeout 200 python3 -m bench.kernel_split --systems engine --traces "$trace" --out "$OUT/split-$trace.json" \
+      timeout 200 python3 -m bench.engine.kernel_split --systems engine --traces "$trace" --out "$OUT/split-$trace.json" \
         2>&1 | grep -v -e INFO -e WARNING | tail -12
     fi
-    timeout ${PAIRS_TIMEOUT:-540} python3 -m bench.pairs --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" \
+    timeout ${PAIRS_TIMEOUT:-540} python3 -m bench.burst.pairs --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" \
       --out "$rdir" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -30
     tar czf "$OUT/pairs-$(basename "$rdir")-$trace.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")" ;;
   jobpairs)  # burst's pairs as users run them, e.g. `jobpairs reuse flame,engine,vllm --pair-start 0`: a Ray head
-    # started here (all GPUs), bench.pairs through `ray job submit --working-dir .`, the job's logs fetched into
-    # RDIR/jobs/, the head stopped (bench/jobpairs.py); every raw record and the report say "ray job submit"
+    # started here (all GPUs), bench.burst.pairs through `ray job submit --working-dir .`, the job's logs fetched into
+    # RDIR/jobs/, the head stopped (bench/burst/jobpairs.py); every raw record and the report say "ray job submit"
     trace=$1 systems=$2
     shift 2
     rdir=${RDIR:-/tmp/r} limit=${PAIRS_TIMEOUT:-480}  # the job's; the head's start and stop take ~1 minute more
-    timeout $((limit + 60)) python3 -m bench.jobpairs --out "$rdir" --timeout-s "$limit" \
+    timeout $((limit + 60)) python3 -m bench.burst.jobpairs --out "$rdir" --timeout-s "$limit" \
       -- --systems "$systems" --traces "$trace" --pairs 1 "${VLLM[@]}" "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -40
     tar czf "$OUT/pairs-$(basename "$rdir")-$trace.tgz" -C "$(dirname "$rdir")" "$(basename "$rdir")" ;;
   load)  # sustained load through each system's OpenAI endpoint, e.g. `load --systems flame,vllm --rates 2,4,8
-    # --duration-s 30` (one system after another; bench.load_report DIR merges calls into one report)
-    timeout ${LOAD_TIMEOUT:-560} python3 -m bench.pairs --mode load "${VLLM[@]}" --out /tmp/load "$@" 2>&1 \
+    # --duration-s 30` (one system after another; bench.load.load_report DIR merges calls into one report)
+    timeout ${LOAD_TIMEOUT:-560} python3 -m bench.burst.pairs --mode load "${VLLM[@]}" --out /tmp/load "$@" 2>&1 \
       | grep -v -e INFO -e WARNING | tail -45
     tar czf "$OUT/load.tgz" -C /tmp load ;;
-  mlperf)  # MLPerf LoadGen (bench/mlperf.py; MLPerf-style, not a submission), e.g. `mlperf --systems flame,vllm
+  mlperf)  # MLPerf LoadGen (bench/load/mlperf.py; MLPerf-style, not a submission), e.g. `mlperf --systems flame,vllm
     # --scenario offline,server --find-qps --mlperf-samples 1000` (one system after another; calls into one --out
     # merge: MLPERF_DIR). LoadGen travels as its wheel: .whl/mlcommons_loadgen-*.whl in the bundles (unpacked to
     # /tmp/wheels) or carried in .whl/ with the call (bg's copy of the tree leaves .whl/ out: there LoadGen imports
@@ -152,13 +152,13 @@ case $stage in
       echo "no MLPerf LoadGen here: pip download mlcommons-loadgen==6.0.17 --no-deps -d .whl (this machine's Python)"
       exit 5; }
     mdir=${MLPERF_DIR:-/tmp/mlperf}
-    timeout ${MLPERF_TIMEOUT:-560} python3 -m bench.pairs --mode loadgen "${VLLM[@]}" --out "$mdir" "$@" 2>&1 \
+    timeout ${MLPERF_TIMEOUT:-560} python3 -m bench.burst.pairs --mode loadgen "${VLLM[@]}" --out "$mdir" "$@" 2>&1 \
       | grep -v -e INFO -e WARNING | tail -45
     st=${PIPESTATUS[0]}
     cp "$mdir/loadgen.md" "$OUT/" 2>/dev/null
     tar czf "$OUT/mlperf.tgz" -C "$(dirname "$mdir")" "$(basename "$mdir")"
     (exit "$st") ;;
-  py)  # any module or script with the bundles' packages, e.g. `py -m bench.prune_ab --out \$OUT/prune.json`
+  py)  # any module or script with the bundles' packages, e.g. `py -m bench.engine.flag_ab --flag prune_last_layer --out \$OUT/prune.json`
     timeout ${PY_TIMEOUT:-540} python3 "$@" 2>&1 | grep -v -e INFO -e WARNING | tail -60 ;;
   bg)  # any stage in a process session of its own, so it runs on after this call returns (the device tool ends a
     # call's leftover processes, except a new session's, and keeps them while the machine stays warm): e.g.

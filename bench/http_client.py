@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.traces import TraceRequest
+from bench.burst.traces import TraceRequest
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Result

@@ -13,10 +13,11 @@ import sys
 import time
 import urllib.request
 
+from bench import REPO
+from bench.burst.traces import TraceRequest
 from bench.gpus import gpu_index, verify_processes, wait_gpus_idle
 from bench.http_client import SERVED_MODEL_NAME, Replica, StickyHttpClient
 from bench.system_config import VLLM_CONFIG_FLAGS, Setup, SystemConfig
-from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class HttpSystem:
                    "--served-model-name", SERVED_MODEL_NAME, "--load-format", s.load_format,
                    "--engine-json", json.dumps(engine), "--torch-threads", str(s.torch_threads)]
             cmd += ["--gpu-uuid", device] if s.on_gpu else ["--device-name", device]
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            root = REPO
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
             return cmd, env
         e = s.engine

@@ -1,7 +1,8 @@
 """Where and from what a raw run record came: the machine (GPU UUIDs and names, host), the code (commit, a digest
-of the sources), and the call (one `bench.pairs` invocation: its id, how it was launched, its pair range). A paired
+of the sources), and the call (one `bench.burst.pairs` invocation: its id, how it was launched, its pair range). A
+paired
 report may merge records of several device calls on several machines; a pair is only ever formed inside one call
-(bench/report_merge.py), so these fields are what it checks."""
+(bench/burst/report_merge.py), so these fields are what it checks."""
 from __future__ import annotations
 
 import datetime as dt
@@ -13,12 +14,12 @@ import platform
 import subprocess
 import uuid
 
+from bench import REPO
 from bench.gpus import _smi
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_DIRS = ("flame_llm", "actors", "router", "bench")
 NOT_SOURCES = ("bench/results",)  # records (and the odd table script beside them): not code a run runs, and not
-# uploaded by `ray job submit` (bench.jobpairs excludes it), so a job and a direct call of one tree digest alike
+# uploaded by `ray job submit` (bench.burst.jobpairs excludes it), so a job and a direct call of one tree digest alike
 COMMIT_ENV = "FLAME_BENCH_COMMIT"  # set where the tree has no .git (a device machine's copy of the checkout)
 JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in a `ray job submit` entrypoint's env
 
@@ -86,7 +87,7 @@ def launch() -> dict:
 
 
 def call_info(pair_start: int, pairs: int, argv: list[str]) -> dict:
-    """One `bench.pairs` invocation: every raw record it writes carries this, and calls/<id>.json keeps it."""
+    """One `bench.burst.pairs` invocation: every raw record it writes carries this, and calls/<id>.json keeps it."""
     now = dt.datetime.now(dt.timezone.utc)
     return {"id": f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}", "started_at": now.isoformat(),
             "pair_start": pair_start, "pairs": pairs, "argv": argv, "commit": commit(),

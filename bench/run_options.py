@@ -1,4 +1,5 @@
-"""The options of one bench run (RunOptions) and their flags, shared by bench.runner, bench.pairs and `flame-llm
+"""The options of one bench run (RunOptions) and their flags, shared by bench.burst.runner, bench.burst.pairs and
+`flame-llm
 bench`: defaults that depend on the machine (CPU_DEFAULTS without a GPU: the tiny model), serve's memory preflight
 for the shards a run starts, and the help's examples."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ import os
 import shlex
 from dataclasses import dataclass, field
 
-from bench.traces import SEED_LIMITS, TraceConfig
+from bench.burst.traces import SEED_LIMITS, TraceConfig
 
 _T = TraceConfig()  # the trace defaults
 
@@ -62,7 +63,7 @@ class RunOptions:
 _D = RunOptions()
 # Without a GPU on this machine these flags default to a CPU-sized run of the tiny model (`flame-llm bench` once
 # hit 14.6 GB of RAM in 33 s loading Llama-3.1-8B shapes on a 2-core laptop); explicit flags win either way.
-# The CPU trace is sized so a burst lasts a few seconds on 2 cores (see bench/report.py: MIN_BURST_S).
+# The CPU trace is sized so a burst lasts a few seconds on 2 cores (see bench/burst/report.py: MIN_BURST_S).
 CPU_DEFAULTS = {"model": "tiny", "load_format": "auto", "docs": 16, "doc_tokens": 1024,
                 "question_tokens": 16, "max_model_len": 2048, "max_num_seqs": 32, "max_num_batched_tokens": 2048,
                 "decode_prompts": 32, "decode_prompt_tokens": "128-256", "decode_output_tokens": "32-128",
@@ -85,7 +86,8 @@ def _profiled(name: str, **kwargs) -> tuple:
                                                "help": f"{_HELP[name]} (default: {gpu} with a GPU, {cpu} without)"})
 
 
-# (flags, add_argument kwargs): the options of one run, shared by bench.runner, bench.pairs and `flame-llm bench`
+# (flags, add_argument kwargs): the options of one run, shared by bench.burst.runner, bench.burst.pairs and `flame-llm
+# bench`
 RUN_ARGUMENTS = [
     _profiled("model"),
     _profiled("load_format", choices=("dummy", "auto")),

@@ -12,7 +12,7 @@ GPU time); "flame-noprune" and "engine-noprune" run eager steps' last layer on e
 of issue 19's pruning, on by default); "flame-noearly" and "engine-noearly" enqueue an eager step of 2,048+ tokens right
 behind the step before it, whose tokens then wait for that launch (emit_before_long_launch 0; by default 2,048: the step
 before is read and its tokens handed out first; the A/B of the inter-token gap before a long prefill,
-bench/launch_cost.py). "flame-gil" and "engine-gil" set the engine process's GIL switch interval to 0.5 ms
+bench/engine/launch_cost.py). "flame-gil" and "engine-gil" set the engine process's GIL switch interval to 0.5 ms
 (gil_switch_interval_ms; Python's is 5 ms: the A/B of the engine thread waiting for the GIL behind its callers' loop
 after each step, issue 39). The labels of retired levers (-split, -ropestore, -shared, -lt) went with them
 (bench/KERNELS.md, "Tried and retired"), and so did those of the client's retired switches (flame-batch, -raystream,

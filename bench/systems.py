@@ -9,11 +9,11 @@ import logging
 import time
 import uuid
 
+from bench.burst.traces import TraceRequest
 from bench.gpus import verify_processes, wait_gpus_idle
 from bench.http_client import SERVED_MODEL_NAME, Replica
 from bench.http_system import HttpSystem, free_port
 from bench.system_config import Setup, SystemConfig
-from bench.traces import TraceRequest
 
 log = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ def test_numpy_prompt_equals_list_prompt(engine):
 
 def test_a_steps_tokens_wake_each_callers_loop_once_not_once_per_stream(tiny_llama):
     """Issue 39: every call_soon_threadsafe writes the loop's self-pipe and wakes it; one per stream per token was
-    ~14% of the engine actor's samples under streaming load (bench.stream_cpu). A step's tokens for 6 streams on
+    ~14% of the engine actor's samples under streaming load (bench.service.stream_cpu). A step's tokens for 6 streams on
     one loop now travel in one call per step, in order, and every stream still gets exactly its tokens."""
     eng = AsyncEngine.from_args(tiny_llama, block_size=16, handoff_wait_ms=0)  # no hand-off waits: their calls
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -7,10 +7,11 @@ import sys
 import numpy as np
 import pytest
 
-from bench import cli, http_system, pairs, report, system_config
-from bench.runner import check_run
+from bench import cli, http_system, system_config
+from bench.burst import pairs, report
+from bench.burst.runner import check_run
+from bench.burst.traces import TraceConfig, make_trace, warmup_traces
 from bench.system_config import parse_system
-from bench.traces import TraceConfig, make_trace, warmup_traces
 
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
          "--question-tokens", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512",
@@ -337,7 +338,7 @@ def test_gpu_process_placement_is_verified_by_pid_or_session(monkeypatch):
 
 
 def test_host_step_times_only_full_decode_steps(tiny_llama, tmp_path):
-    from bench import host_step
+    from bench.engine import host_step
 
     rows = host_step.main(["--model", tiny_llama, "--batches", "1,3", "--context", "40", "--block-size", "16",
                            "--steps", "4", "--out", str(tmp_path / "h.json")])

@@ -1,11 +1,12 @@
-"""bench/decode_profile.py on CPU, our engine on the tiny model: the grid's points are measured (wall and host time,
+"""bench/engine/decode_profile.py on CPU, our engine on the tiny model: the grid's points are measured (wall and host
+time,
 the path every timed step took), a point whose rows do not fit the KV cache is listed as skipped, bad grid flags
 are refused; the table's ratios of two systems come from their points."""
 import json
 
 import pytest
 
-from bench import decode_profile
+from bench.engine import decode_profile
 
 
 def test_the_decode_profile_measures_our_engine_on_cpu(tmp_path):

@@ -1,5 +1,5 @@
 """Issue 39's decode-heavy burst trace: drawn prompt and answer lengths, seeded; the seed's traces exactly as before
-(digests pinned from main at 3cf5b5c); through bench.pairs on CPU (flame and engine each answer every request with
+(digests pinned from main at 3cf5b5c); through bench.burst.pairs on CPU (flame and engine each answer every request with
 its own length) with req/s and output tok/s per system and as ratios in the paired report."""
 import json
 import os
@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from bench import pairs
-from bench.report import build_report, render_markdown
+from bench.burst import pairs
+from bench.burst.report import build_report, render_markdown
+from bench.burst.runner import check_run
+from bench.burst.traces import TraceConfig, make_trace, warmup_traces
 from bench.run_options import RunOptions
-from bench.runner import check_run
-from bench.traces import TraceConfig, make_trace, warmup_traces
 
 # (trace digest, warmup digests) of main at 3cf5b5c, before the decode trace: the seed's traces must not move
 SEED_DIGESTS = {

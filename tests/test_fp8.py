@@ -185,10 +185,10 @@ def test_serve_http_quantization_flag():
 
 
 def test_fp8_check_script_runs_on_the_tiny_model(tmp_path):
-    """bench/fp8_check.py (the GPU report of FP8 numerics at 8B shapes) end to end on CPU."""
+    """bench/engine/fp8_check.py (the GPU report of FP8 numerics at 8B shapes) end to end on CPU."""
     import json
 
-    from bench.fp8_check import main
+    from bench.engine.fp8_check import main
     out = tmp_path / "fp8.json"
     assert main(["--model", "tiny", "--load-format", "auto", "--prompts", "2", "--prompt-len", "16", "--max-tokens",
                  "4", "--kv", "--out", str(out)]) == 0

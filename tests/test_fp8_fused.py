@@ -217,13 +217,13 @@ def test_flag_default_and_json():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message; the GPU run is the lead's")
 def test_fusion_probe_refuses_cpu_with_a_message(tmp_path):
-    from bench.fp8_fusion_probe import main
+    from bench.engine.fp8_fusion_probe import main
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["--out", str(tmp_path / "x.json")])
 
 
 def test_fp8_roofline_of_the_seed_traces():
-    from bench.fp8_roofline import linear_params_per_layer, main, roofline
+    from bench.engine.fp8_roofline import linear_params_per_layer, main, roofline
     assert 32 * linear_params_per_layer() == 6_979_321_856  # Llama-3.1-8B's decoder projections
     r = roofline("no-reuse")
     assert r["tokens_per_request"] == 8192 + 64 + 15 and round(r["roofline_req_per_s"], 1) == 17.1

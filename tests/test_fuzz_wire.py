@@ -1,15 +1,15 @@
-"""The wire fuzzer in CI (issue 14): a bounded run of bench.fuzz_wire (every kind of hostile input, both
+"""The wire fuzzer in CI (issue 14): a bounded run of tests/fuzz_wire.py (every kind of hostile input, both
 decoders, seconds) and hypothesis properties: whatever arrives, the decoders return a batch (Request or
 RequestError items) or results, or raise WireError; nothing else escapes. The long run is
-`python -m bench.fuzz_wire --inputs 100000`."""
+`python tests/fuzz_wire.py --inputs 100000`."""
 import math
 
 import msgpack
 import zstandard
+from fuzz_wire import MAX_SECONDS, Deep, Fuzzer, _encode, memory_limit  # tests/fuzz_wire.py (tests/ is on the path)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz_wire import MAX_SECONDS, Deep, Fuzzer, _encode, memory_limit
 from flame_llm.protocol.errors import RequestError, WireError
 from flame_llm.protocol.types import EngineLimits, Request, Result
 from flame_llm.protocol.wire import decode_requests, decode_results

@@ -1,11 +1,11 @@
-"""bench.hops end to end on CPU, tiny: every path measured, the hop table and the goals' figures in its record.
+"""bench.service.hops end to end on CPU, tiny: every path measured, the hop table and the goals' figures in its record.
 (No figure is checked: two requests say nothing about latency; this keeps the script whole — its paths moved
-into bench/hop_paths.py once.)"""
+into bench/service/hop_paths.py once.)"""
 from __future__ import annotations
 
 import json
 
-from bench import hops
+from bench.service import hops
 
 
 def test_hops_measures_every_path_and_writes_its_record(tmp_path):

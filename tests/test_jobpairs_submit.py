@@ -1,4 +1,4 @@
-"""bench.jobpairs.submit's answer to a Ray head that refuses a submission while its job agent registers ("No
+"""bench.burst.jobpairs.submit's answer to a Ray head that refuses a submission while its job agent registers ("No
 available agent to submit job", seen once in CI right after the job API answered): the submission is made again.
 That race cannot be forced on a real head, so these tests put a stand-in `ray` first on PATH (fake-ray-*/ray: it
 says what a refusing head makes `ray job submit` say, then accepts); the real path is tests/test_pairs_report.py's
@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from bench import jobpairs
+from bench.burst import jobpairs
 
 SCRIPT = """#!/usr/bin/env bash
 n=$(( $(cat "{count}" 2>/dev/null || echo 0) + 1 ))
@@ -43,7 +43,7 @@ exit 0""")
 
 
 def test_another_failure_is_not_retried(tmp_path, monkeypatch):
-    count = _fake_ray(tmp_path, monkeypatch, 'echo "Job failed: bench.pairs exited with 1"; exit 1')
+    count = _fake_ray(tmp_path, monkeypatch, 'echo "Job failed: bench.burst.pairs exited with 1"; exit 1')
     assert jobpairs.submit("http://127.0.0.1:1", "x", [], timeout_s=60) == 1
     assert open(count).read().strip() == "1"
 

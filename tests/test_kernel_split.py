@@ -1,12 +1,13 @@
-"""bench.kernel_split's CPU parts: the A-B-B-A order, FLOP counting, the roofline and the tables."""
+"""bench.engine.kernel_split's CPU parts: the A-B-B-A order, FLOP counting, the roofline and the tables."""
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from bench import kernel_split
-from bench.split_report import (
+from bench.burst.traces import TraceConfig, make_trace
+from bench.engine import kernel_split
+from bench.engine.split_report import (
     ModelShape,
     abba,
     computed_starts,
@@ -17,7 +18,6 @@ from bench.split_report import (
     roofline,
     trace_flops,
 )
-from bench.traces import TraceConfig, make_trace
 
 LLAMA = "configs/models/llama-3.1-8b"
 
@@ -101,8 +101,9 @@ def test_reports_show_both_orders_and_kernels_side_by_side():
 def test_vllm_process_gets_its_own_pythonpath(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/ours:/tmp/fa4/site")
     env = kernel_split.system_env("vllm", "/tmp/vsite/site")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(kernel_split.__file__)))
-    assert env["PYTHONPATH"].split(os.pathsep) == [here, "/tmp/vsite/site"]
+    from bench import REPO
+
+    assert env["PYTHONPATH"].split(os.pathsep) == [REPO, "/tmp/vsite/site"]  # the repository root: bench imports
     assert kernel_split.system_env("engine", "/tmp/vsite/site")["PYTHONPATH"] == "/ours:/tmp/fa4/site"
 
 

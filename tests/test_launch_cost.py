@@ -1,11 +1,12 @@
-"""bench.launch_cost on CPU with the tiny model: both passes run the scenario's steps and the record says what each
+"""bench.engine.launch_cost on CPU with the tiny model: both passes run the scenario's steps and the record says what
+each
 launch cost on the host and where an eager step's host time went. (CPU figures mean nothing; the GPU run is the
 measurement. On CPU nothing is busy, so no launch can be flagged as waiting for the GPU.)"""
 from __future__ import annotations
 
 import json
 
-from bench import launch_cost
+from bench.engine import launch_cost
 
 
 def test_launch_cost_records_every_launch_and_the_miss(tmp_path):

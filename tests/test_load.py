@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from bench import cli
-from bench.load import AutoSearch, load_records, next_rate, render
-from bench.load_report import saturation_line, upgrade
-from bench.load_stalls import (
+from bench.load.load_report import saturation_line, upgrade
+from bench.load.load_stalls import (
     STEP_KEYS,
     GcWatch,
     merge,
@@ -23,8 +22,9 @@ from bench.load_stalls import (
     window_cache,
     window_stalls,
 )
-from bench.load_workloads import OutputLen, doc_weights, draw_doc, hot_share, kill_effect
-from bench.loadgen import LOAD_FORMAT, LoadConfig, Outcome, arrivals, percentiles, record, saturation, summarize
+from bench.load.load_workloads import OutputLen, doc_weights, draw_doc, hot_share, kill_effect
+from bench.load.loadgen import LOAD_FORMAT, LoadConfig, Outcome, arrivals, percentiles, record, saturation, summarize
+from bench.load.mode import AutoSearch, load_records, next_rate, render
 
 
 def test_arrivals_are_a_seeded_poisson_stream():
@@ -332,7 +332,7 @@ def test_a_short_auto_search_with_answer_lengths_and_zipf_documents_reports_what
 
 
 def test_the_report_is_rendered_again_from_raw_records_of_separate_calls(tmp_path):
-    from bench import load_report
+    from bench.load import load_report
 
     cfg = LoadConfig(rates=(2.0,), duration_s=10.0)
     outs = [Outcome(0.5 * k, 0, 0, ttft_s=0.1, e2e_s=0.3, chunk_s=[0.1, 0.3], output_tokens=2, status=200,
@@ -396,7 +396,7 @@ def test_a_failed_window_event_fails_the_window_instead_of_passing_unseen():
     import asyncio
 
     from bench.http_client import Replica
-    from bench.loadgen import run_rate
+    from bench.load.loadgen import run_rate
 
     def boom() -> None:
         raise TypeError("not subscriptable")
@@ -415,9 +415,9 @@ def test_load_modes_default_answers_are_drawn_lengths_not_one_fixed_length():
     fixed answer stays available as `--output-len fixed` (--output-tokens each) or N."""
     import argparse
 
-    from bench import pairs
-    from bench.load import load_config
-    from bench.loadgen import answer_rng
+    from bench.burst import pairs
+    from bench.load.loadgen import answer_rng
+    from bench.load.mode import load_config
     from bench.run_options import resolve_options
 
     parser = argparse.ArgumentParser()

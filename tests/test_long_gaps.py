@@ -1,4 +1,6 @@
-"""bench.long_gaps on the committed H200 hot-prefix records (the figures bench/RESULTS.md quotes) and on a record
+"""bench.load.long_gaps on the H200 hot-prefix records (the figures bench/RESULTS.md quotes; a copy in tests/fixtures,
+the
+run's raw records being on the `results` branch) and on a record
 built here: long gaps, their neighbours, the ITL p99, and streams with a single chunk (no gaps)."""
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import long_gaps
+from bench.load import long_gaps
 from bench.provenance import read_json
 
-RAW = Path(__file__).parent.parent / "bench/results/2026-12-02b-h200-workloads/hot-prefixes/raw"
+RAW = Path(__file__).parent / "fixtures/hot-prefixes/raw"  # of bench/results/2026-12-02b-h200-workloads/hot-prefixes
 
 
 def test_the_hot_prefix_records_give_the_figures_results_quotes():
@@ -39,7 +41,7 @@ def test_a_built_record(tmp_path, capsys):
 
 
 def test_the_load_report_says_where_the_long_gaps_and_their_neighbours_lie():
-    from bench.load_report import load_records, render
+    from bench.load.load_report import load_records, render
     text = render(load_records(str(RAW.parent)))
     assert ("- at 8.00 req/s, 21 inter-token gaps over 100 ms (0.59% of 3585); the gap before / the long one / the "
             "gap after, p50: 45.1 / 168.5 / 9.4 ms") in text
@@ -47,7 +49,7 @@ def test_the_load_report_says_where_the_long_gaps_and_their_neighbours_lie():
 
 
 def test_the_load_report_gives_the_long_launches_of_a_window():
-    from bench.load_report import _launches
+    from bench.load.load_report import _launches
     rec = {"windows": [{"offered_rps": 8.0, "stalls": {"engine": {"long_launches": 4, "long_launch_s": 0.08,
                                                                   "early_commits": 1}}},
                        {"offered_rps": 2.0, "stalls": {"engine": {"long_launches": 0, "long_launch_s": 0.0}}},

@@ -1,4 +1,4 @@
-"""`flame-llm bench --mode loadgen` (bench/mlperf.py): the dataset's lengths, the QPS search, LoadGen's summary
+"""`flame-llm bench --mode loadgen` (bench/load/mlperf.py): the dataset's lengths, the QPS search, LoadGen's summary
 parsed, short Offline and Server runs of the real LoadGen against the real service (tiny model, CPU), error paths."""
 
 import json
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from bench import cli
-from bench.mlperf import LoadgenConfig, QpsSearch, highest_valid, next_qps
-from bench.mlperf_data import LATENCY_BOUNDS_S, REFERENCE_SAMPLES, DatasetConfig, LengthDist, make_dataset
-from bench.mlperf_report import parse_summary
-from bench.mlperf_sut import parse_sut
+from bench.load.mlperf import LoadgenConfig, QpsSearch, highest_valid, next_qps
+from bench.load.mlperf_data import LATENCY_BOUNDS_S, REFERENCE_SAMPLES, DatasetConfig, LengthDist, make_dataset
+from bench.load.mlperf_report import parse_summary
+from bench.load.mlperf_sut import parse_sut
 
 pytest.importorskip("mlperf_loadgen")  # the 'test' extra installs it
 

@@ -1,6 +1,6 @@
 """A paired report merged from several device calls on several machines (issue 20): synthetic raw records of two
 "machines" (the report's arithmetic and its machine table, in a unit test), a real short CPU run split over two
-`bench.pairs` invocations into one --out with --pair-start, the systems the issue names, and one trace's pairs
+`bench.burst.pairs` invocations into one --out with --pair-start, the systems the issue names, and one trace's pairs
 through `ray job submit` against a local `ray start --head`."""
 import argparse
 import json
@@ -11,10 +11,11 @@ import tempfile
 
 import pytest
 
-from bench import http_system, jobpairs, pairs, provenance, report, runner, system_config
-from bench.runner import RAW_FORMAT
+from bench import http_system, provenance, system_config
+from bench.burst import jobpairs, pairs, report, runner
+from bench.burst.runner import RAW_FORMAT
+from bench.burst.traces import TraceConfig, make_trace
 from bench.system_config import parse_system
-from bench.traces import TraceConfig, make_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "2", "--questions", "2", "--doc-tokens", "128",
@@ -180,7 +181,7 @@ def _gpu_setup() -> system_config.Setup:
 
 def test_round_robin_over_one_shard_is_refused_before_anything_starts(tmp_path):
     """flame-rr over one shard places every request where flame would: an affinity A/B on one GPU measures
-    nothing, so bench.pairs (burst and load) refuses it; two shards (the CPU default) are accepted."""
+    nothing, so bench.burst.pairs (burst and load) refuses it; two shards (the CPU default) are accepted."""
     for mode in ("burst", "load"):
         with pytest.raises(SystemExit, match=r"flame-rr: round-robin placement needs 2 or more shards .* 1 planned"):
             pairs.main(["--mode", mode, "--systems", "flame,flame-rr", "--num-shards", "1", "--rates", "1",
@@ -245,8 +246,9 @@ def test_cpu_pairs_split_over_two_invocations_merge_into_one_report(tmp_path):
 
 @pytest.mark.slow
 def test_one_traces_pairs_through_ray_job_submit(tmp_path):
-    """What `bash bench/device_run.sh jobpairs` runs on the GPU machine, on CPU: bench.jobpairs starts a Ray head of
-    its own (free ports, its own temp dir: other Ray clusters on this machine are left alone), submits bench.pairs
+    """What `bash bench/device_run.sh jobpairs` runs on the GPU machine, on CPU: bench.burst.jobpairs starts a Ray head
+    of
+    its own (free ports, its own temp dir: other Ray clusters on this machine are left alone), submits bench.burst.pairs
     with `ray job submit --working-dir <repo>`, fetches the job's logs and stops the head; the raw records and the
     report say the pairs ran through `ray job submit`."""
     os.environ.pop("RAY_ADDRESS", None)
@@ -270,7 +272,7 @@ def test_one_traces_pairs_through_ray_job_submit(tmp_path):
 
 
 def test_jobpairs_refuses_out_after_the_separator_and_reports_a_head_that_fails_to_start(tmp_path):
-    with pytest.raises(SystemExit, match="give --out to bench.jobpairs"):
+    with pytest.raises(SystemExit, match="give --out to bench.burst.jobpairs"):
         jobpairs.main(["--out", str(tmp_path), "--", "--traces", "reuse", "--out", "x"])
     # a temp dir under a file: refused before any Ray process starts (with -1 CPUs the refusal came at the raylet,
     # after the dashboard, whose job API could answer first on a loaded machine: a race, seen under two xdist workers)

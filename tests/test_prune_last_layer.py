@@ -217,11 +217,11 @@ def test_flag_default_on_and_bad_values_name_the_field(tiny_llama):
 
 
 def test_flag_ab_bench_runs_on_a_tiny_model(tmp_path):
-    """bench.flag_ab (the GPU A/B's offline half; bench.prune_ab is it under its old name) runs on CPU, in this
+    """bench.engine.flag_ab (the GPU A/B's offline half) runs on CPU, in this
     process, and finds the same tokens in both modes; a bad --on value is refused."""
     import json
 
-    from bench import flag_ab
+    from bench.engine import flag_ab
 
     out = tmp_path / "ab.json"
     assert flag_ab.main(["--flag", "prune_last_layer", "--model", "tiny", "--prompts", "3", "--prompt-tokens", "100",

@@ -2,8 +2,8 @@
 of simulated load; and router replicas (consistent hashing, the client's route cache)."""
 import pytest
 
-from bench.router_sim import run
-from bench.sim.cluster import SimConfig
+from bench.service.router_sim import run
+from bench.service.sim.cluster import SimConfig
 from router.replicas import ReplicaRing, RouteCache
 
 # documents needing ~3x the cluster's KV (20 shards x 32 blocks x 128 tokens), some hot: eviction pressure

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from bench.load.scenario_workloads import SCENARIOS, build_requests, scenario, shifted
+from bench.load.scenarios import change, compare, main, run, run_isolated, run_variant
 from bench.metrics import percentile, summarize
-from bench.scenario_workloads import SCENARIOS, build_requests, scenario, shifted
-from bench.scenarios import change, compare, main, run, run_isolated, run_variant
 from flame_llm.outputs import RequestMetrics, RequestOutput
 
 COUNTS = ("prefix_hit_rate", "evictions", "saved_tokens", "steps", "prefill_steps", "decode_steps", "preemptions")

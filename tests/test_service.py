@@ -407,7 +407,7 @@ def test_a_stream_with_a_known_prefix_goes_without_a_router_call(service):
         r = asyncio.run(stream(client, doc + [7, 8, 9]))
         assert r.error is None and len(r.output_token_ids) == 4
         assert r.shard == first.shard and r.cached_tokens >= 256  # on the document's shard, its cache used
-        t = r.timings  # the hop split's stamps (bench/hops.py), one host clock: in the order they happen
+        t = r.timings  # the hop split's stamps (bench/service/hops.py), one host clock: in the order they happen
         assert t["route_s"] >= 0 and t["credit_wait_s"] >= 0
         assert t["sent_at"] <= t["arrived_at"] <= t["first_chunk_at"] <= t["first_chunk_at_client"]
         c = client.counters

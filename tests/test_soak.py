@@ -1,8 +1,8 @@
-"""bench/soak.py's verdict: flat within the tolerance between the window after warm-up and the last window; a
+"""bench/service/soak.py's verdict: flat within the tolerance between the window after warm-up and the last window; a
 process that grew, or was replaced, is not flat; and /proc is read for a live process."""
 import os
 
-from bench.soak import FD_SLACK, Proc, read_proc, verdict
+from bench.service.soak import FD_SLACK, Proc, read_proc, verdict
 
 
 def _proc(rss_end: float, fds_end: int = 40, replaced: bool = False) -> Proc:

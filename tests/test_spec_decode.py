@@ -347,8 +347,8 @@ def test_gpu_speculative_matches_target(models, eager):
 
 
 def test_bench_draft_pair_sets_the_acceptance(models):
-    """bench/draft_model.py: the measured acceptance follows the set agreement a (K=2: (a + a^2) / 2)."""
-    from bench.draft_model import scale_layers, set_agreement, set_head, shape_pair
+    """bench/engine/draft_model.py: the measured acceptance follows the set agreement a (K=2: (a + a^2) / 2)."""
+    from bench.engine.draft_model import scale_layers, set_agreement, set_head, shape_pair
 
     llm = spec_llm(models, "llama", "far_llama", 2)
     eng = llm.engine

@@ -1,11 +1,12 @@
-"""bench/stream_cpu.py: the engine thread's share found by its id or as the busiest non-main thread, py-spy's raw
+"""bench/service/stream_cpu.py: the engine thread's share found by its id or as the busiest non-main thread, py-spy's
+raw
 stacks summed into own and inclusive shares, bad flags refused before anything starts; and (slow) a short run of
 both systems on the tiny model whose figures add up."""
 import json
 
 import pytest
 
-from bench import stream_cpu
+from bench.service import stream_cpu
 
 
 def test_the_engine_threads_share_and_py_spy_stacks():

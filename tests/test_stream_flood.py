@@ -1,11 +1,12 @@
 """Issue 37 goal 1 at this machine's size: a flood of silent connections to one real StreamServer (in a child
-process, stand-in streams; bench/stream_flood.py, whose full 20,000-connection run is `python -m bench.stream_flood`)
+process, stand-in streams; bench/service/stream_flood.py, whose full 20,000-connection run is `python -m
+bench.service.stream_flood`)
 is closed within the hello deadline, the server's descriptors come back to their baseline, and a valid client's
 streams go on during the flood; with the server's descriptor limit far below the flood (EMFILE on accept), it backs
 off and logs a bounded number of lines instead of a line per failed accept, and still serves."""
 from argparse import Namespace
 
-from bench.stream_flood import _standalone
+from bench.service.stream_flood import _standalone
 
 HELLO_S = 1.0
 

@@ -2,8 +2,8 @@
 
 Everything a step hands to callers (stream tokens, ends, results, failures) is gathered per asyncio loop and handed
 over with one call_soon_threadsafe per loop when the step's tokens are committed: each such call writes the loop's
-self-pipe and wakes it, so one per stream per token cost the engine thread a syscall per token (bench.stream_cpu,
-issue 39). The calls run on each loop in the order they were made.
+self-pipe and wakes it, so one per stream per token cost the engine thread a syscall per token
+(bench.service.stream_cpu, issue 39). The calls run on each loop in the order they were made.
 
 A failure that can be pinned on one request (its sampling fails on its own in a step, its output cannot be
 made, it cannot be added) fails that request alone with RequestFailed; the engine serves on. Any other

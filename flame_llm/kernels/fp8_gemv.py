@@ -2,7 +2,7 @@
 
 Decode steps have few rows (1-64), where a projection is a pass over its weights: FP8 weights halve the bytes,
 but torch._scaled_mm's row-wise kernels at M <= 128 ran no faster than bf16 F.linear on the H200 (0.7-1.0x,
-bench.fp8_gemm_probe, 2026-12-04), and quantizing the activations per token costs more than the GEMM there. This
+bench.engine.fp8_gemm_probe, 2026-12-04), and quantizing the activations per token costs more than the GEMM there. This
 kernel reads the weight tile in e4m3, widens it to bf16 in registers and multiplies the bf16 activations as they
 are (no activation quantization: W8A16 for these steps, exact up to the weights' own rounding), accumulating in
 fp32 and scaling each output column once at the end.
@@ -13,7 +13,7 @@ N = 4,096 without a second launch per slice.
 
 Measured on the H200 (bench/RESULTS.md, session 16): 1.07-1.34x bf16 F.linear per projection at M <= 16 (a whole
 32-layer step 1.12-1.20x), behind bf16 at 32-64 rows; a transposed form (out^T = W x^T) won no shape and was
-dropped. Not wired into the engine: bench.fp8_gemm_probe times it."""
+dropped. Not wired into the engine: bench.engine.fp8_gemm_probe times it."""
 from __future__ import annotations
 
 import torch

@@ -14,7 +14,7 @@ Unpacking is bounded too: no ext types, strings and arrays capped (MAX_STR_BYTES
 at MAX_MAP_KEYS, at most one map or array per CONTAINER_BYTES decoded bytes (an empty one is 1 byte on the
 wire and ~64 in memory), nesting at msgpack's 1,024 levels. Unpacked, a payload so takes at most ~21x its
 decoded bytes (full arrays of 2-character strings), plus ~0.5 kB per invalid request slot (8,192 at most);
-bench.fuzz_wire checks 24x the budget. Nothing deeper than the schema is ever walked, and error messages
+tests/fuzz_wire.py checks 24x the budget. Nothing deeper than the schema is ever walked, and error messages
 show values through `brief`, so a deep or huge value costs its bytes, never a RecursionError or a megabyte
 message.
 """

@@ -136,7 +136,7 @@ def start_frontdoor(namespace: str, http: HttpConfig, lifetime: str | None = Non
     """The front door actor of the service in `namespace`, on this node (it binds http.host here); (handle,
     "http://host:port"). Keep the handle: unless detached, the actor ends with its last handle. RuntimeError in
     one line when the port cannot be opened. client: its client's configuration (None: the defaults); name: its
-    actor's (a second door beside the service's, as bench/hops.py opens for an A/B)."""
+    actor's (a second door beside the service's, as bench/service/hops.py opens for an A/B)."""
     node = ray.get_runtime_context().get_node_id()
     handle = ray.remote(num_cpus=0)(FrontDoor).options(
         name=name, namespace=namespace, lifetime=lifetime,
