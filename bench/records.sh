@@ -3,10 +3,13 @@
 #   bash bench/records.sh commit DIR     add the raw records under DIR (a run dir below bench/results) to `results`
 #   bash bench/records.sh restore [PATH] check them back out under PATH (default bench/results) for `flame-llm report`
 #   bash bench/records.sh list [PATH]    run dirs with record counts and bytes; with PATH below a run, its files
+#   bash bench/records.sh attach         merge `results` into the checked-out branch keeping its tree (-s ours), so
+#                                        a clone of main carries the records (only main lands) without the branch
 # Raw records are what .gitignore keeps out of main: files under raw/ or logs/, *.gz, *.xz, *.zst and *.log below
 # bench/results.
 # `commit` writes the branch through a private index (git commit-tree), so the checkout, its index and HEAD are
-# untouched; the first commit makes the orphan branch. After a clone: `git fetch origin results:results`.
+# untouched; the first commit makes the orphan branch. Without the branch (a fresh clone of main), every command
+# reads the records from main's history: the second parent of its newest "records: " merge (`attach`).
 set -euo pipefail
 BRANCH=${RECORDS_BRANCH:-results}
 cmd=${1:-}
@@ -19,7 +22,16 @@ raw_files() {  # the raw records under $1, relative to the repo root (the .gitig
     -o -name '*.log' \) | sort
 }
 
-has_branch() { git rev-parse -q --verify "refs/heads/$BRANCH^{commit}" > /dev/null; }
+branch_ref() { git rev-parse -q --verify "refs/heads/$BRANCH^{commit}" 2> /dev/null; }
+
+records_ref() {  # the records' newest commit: the branch, else the second parent of HEAD's newest "records: " merge
+  branch_ref && return 0
+  local m
+  m=$(git log --merges --format=%H --grep='^records: ' -1 HEAD 2> /dev/null)
+  [[ -n $m ]] && git rev-parse "$m^2"
+}
+
+has_branch() { [[ -n $(records_ref) ]]; }
 
 rel() {  # a path relative to the repo root, whether given from the root or from the caller's directory
   local p=${1%/}
@@ -39,15 +51,16 @@ case $cmd in
     idx=$(mktemp)
     trap 'rm -f "$idx"' EXIT
     parent=()
-    if has_branch; then
-      GIT_INDEX_FILE=$idx git read-tree "$BRANCH"
-      parent=(-p "$BRANCH")
+    base=$(records_ref || true)
+    if [[ -n $base ]]; then
+      GIT_INDEX_FILE=$idx git read-tree "$base"
+      parent=(-p "$base")
     else
       rm -f "$idx"  # an empty index: the first commit of an orphan branch
     fi
     printf '%s\0' "${files[@]}" | GIT_INDEX_FILE=$idx git update-index --add -z --stdin
     tree=$(GIT_INDEX_FILE=$idx git write-tree)
-    if has_branch && [[ $tree == $(git rev-parse "$BRANCH^{tree}") ]]; then
+    if [[ -n $base && $tree == $(git rev-parse "$base^{tree}") ]]; then
       echo "records.sh: $dir already on $BRANCH unchanged"
       exit 0
     fi
@@ -58,7 +71,8 @@ case $cmd in
     ;;
   restore)
     path=$(rel "${1:-bench/results}")
-    has_branch || { echo "records.sh: no branch $BRANCH (git fetch origin $BRANCH:$BRANCH)" >&2; exit 2; }
+    has_branch || { echo "records.sh: no branch $BRANCH and no records: merge in HEAD's history" >&2; exit 2; }
+    BRANCH=$(records_ref)
     [[ -n $(git ls-tree -r --name-only "$BRANCH" -- "$path" | head -1) ]] \
       || { echo "records.sh: nothing under $path on $BRANCH" >&2; exit 2; }
     git archive --format=tar "$BRANCH" -- "$path" | tar -xf - -C "$root"
@@ -66,7 +80,8 @@ case $cmd in
     ;;
   list)
     path=$(rel "${1:-bench/results}")
-    has_branch || { echo "records.sh: no branch $BRANCH" >&2; exit 2; }
+    has_branch || { echo "records.sh: no branch $BRANCH and no records: merge in HEAD's history" >&2; exit 2; }
+    BRANCH=$(records_ref)
     if [[ $path == bench/results ]]; then  # one line a run: its dir (what precedes raw/ or logs/), files, bytes
       git ls-tree -r -l "$BRANCH" -- "$path" | awk '{ k = $5; if (!sub("/(raw|logs)/.*$", "", k)) sub("/[^/]*$", "", k)
         n[k]++; b[k] += $4 } END { for (k in n) printf "%s\t%d files\t%d bytes\n", k, n[k], b[k] }' \
@@ -75,8 +90,17 @@ case $cmd in
       git ls-tree -r -l "$BRANCH" -- "$path" | awk '{ printf "%s\t%d bytes\n", $5, $4 }'
     fi
     ;;
+  attach)
+    ref=$(branch_ref) || { echo "records.sh: no branch $BRANCH to attach" >&2; exit 2; }
+    if git merge-base --is-ancestor "$ref" HEAD; then
+      echo "records.sh: $BRANCH $(git rev-parse --short "$ref") is already in HEAD's history"
+      exit 0
+    fi
+    git merge -q -s ours --allow-unrelated-histories --no-edit -m "records: $BRANCH $(git rev-parse --short "$ref") joined to the history (tree unchanged)" "$ref"
+    echo "records.sh: HEAD $(git rev-parse --short HEAD) carries $BRANCH $(git rev-parse --short "$ref")"
+    ;;
   *)
-    sed -n 2,6p "$0" | sed 's/^# \{0,1\}//'
+    sed -n 2,8p "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

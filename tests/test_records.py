@@ -99,9 +99,32 @@ def test_commit_list_restore_round_trip(repo):
     assert git(repo, "status", "--porcelain") == status
 
 
+def test_a_clone_of_main_alone_carries_the_attached_records(repo, tmp_path):
+    """Only main lands (a clone of main has no `results` branch): `attach` joins the records to main's history
+    with main's tree kept, so list, restore and a later commit find them from HEAD."""
+    want = raw_of(repo / "bench/results/pairs")
+    records(repo, "commit", "bench/results/pairs")
+    tree = git(repo, "rev-parse", "HEAD^{tree}")
+    assert "carries results" in records(repo, "attach").stdout
+    assert git(repo, "rev-parse", "HEAD^{tree}") == tree and git(repo, "status", "--porcelain") == ""
+    assert "already in HEAD's history" in records(repo, "attach").stdout
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--branch", "main", str(repo), str(clone)], check=True)
+    assert "results" not in git(clone, "branch", "--list", "results")
+    assert not raw_of(clone / "bench/results/pairs")
+    assert [line.split("\t")[:2] for line in records(clone, "list").stdout.splitlines()] == [
+        ["bench/results/pairs", "2 files"]]
+    records(clone, "restore")
+    assert raw_of(clone / "bench/results/pairs") == want
+    shutil.copytree(repo / "bench/results/load", clone / "bench/results/load", dirs_exist_ok=True)
+    records(clone, "commit", "bench/results/load")  # appends to the attached records: a branch again
+    assert git(clone, "rev-list", "--parents", "-n1", "results").split()[1:] == [git(repo, "rev-parse", "results")]
+
+
 def test_errors_name_the_cause(repo, tmp_path):
-    assert "no branch results" in records(repo, "restore", check=False).stderr
+    assert "no branch results and no records: merge" in records(repo, "restore", check=False).stderr
     assert "no branch results" in records(repo, "list", check=False).stderr
+    assert "no branch results to attach" in records(repo, "attach", check=False).stderr
     p = records(repo, "commit", "bench/results/none", check=False)
     assert p.returncode == 2 and "no directory bench/results/none" in p.stderr
     (repo / "bench/elsewhere").mkdir()
