@@ -39,6 +39,7 @@ class ModelConfig:
     # "fp8": W8A8 decoder projections, e4m3 weights with per-output-channel scales (quantized at load, or read
     # from a compressed-tensors / HF "fp8" checkpoint) and per-token activation scales at run time (layers/fp8.py)
     quantization: str | None = None  # null (off) | fp8
+    tokenizer: str = ""  # an HF tokenizer directory or "tiny" (models/tokenizer.py); "": the model directory's
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # read from config.json
 
     def __post_init__(self) -> None:
@@ -50,6 +51,7 @@ class ModelConfig:
         check_int("seed", self.seed, 0, **_F)
         check_str("model_revision", self.model_revision, empty=True, **_F)
         check_choice("quantization", self.quantization, QUANTIZATIONS, **_F)
+        check_str("tokenizer", self.tokenizer, empty=True, what="an HF tokenizer directory or 'tiny'", **_F)
         eos = self.eos_token_ids
         check(isinstance(eos, (list, tuple)) and all(is_int(t) and t >= 0 for t in eos), "eos_token_ids",
               "a list of token ids (integers >= 0)", eos, **_F)
