@@ -17,6 +17,7 @@ from aiohttp import web
 from flame_llm.protocol.types import Result
 from flame_llm.serving import openai_api as api
 from flame_llm.serving.detok import TextStream
+from flame_llm.serving.metrics import ANSWERED
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -111,6 +112,15 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
     tasks: list[asyncio.Task] = []
     results: list[Result | None] = [None] * len(req.prompts)
     first = True
+    prompt_tokens, streamed = sum(map(len, req.prompts)), 0  # continuous usage: the tokens so far
+
+    def text_event(index: int, text: str, token_ids: list[int]) -> bytes:
+        c = api.chunk(req, model, index, text, token_ids, None)
+        if req.continuous_usage:
+            c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": streamed,
+                          "total_tokens": prompt_tokens + streamed}
+        return _event(c)
+
     try:
         if req.kind == "chat":
             for k in range(len(req.prompts)):
@@ -124,7 +134,8 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
                 if first and b:
                     observe("ttft_s", time.perf_counter() - t0)
                     first = False
-                await write(_event(api.chunk(req, model, index, a, b, None)))
+                streamed += len(b)
+                await write(text_event(index, a, b))
                 continue
             error = a if kind == "error" else (api.result_error(a.to_dict()) if a.error is not None else None)
             if error is not None:
@@ -136,6 +147,7 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
             if req.include_usage:
                 await write(_event(api.usage_chunk(req, model, [r.to_dict() for r in results])))
         await write(b"data: [DONE]\n\n")
+        request[ANSWERED] = resp.status  # answered in full: a client that goes away now (before EOF) had it all
         await resp.write_eof()
     except SlowClient as e:  # dropped: nothing more is written; its requests are aborted below
         log.info("%s %s: client %s dropped: %s", request.method, request.path, request.remote, e)
