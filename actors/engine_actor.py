@@ -267,7 +267,8 @@ class EngineActor:
                            self.model_revision, self.incarnation, self.restarted, self.limits,
                            # requests one caller has there without a rejection: its flow-control credit
                            self.admission.max_requests + self.admission.max_queued, self.draining,
-                           self.engine.failed, tuple(self.engine.config.model_config.eos_token_ids))
+                           self.engine.failed, tuple(self.engine.config.model_config.eos_token_ids),
+                           self.engine.config.model_config.tokenizer)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def debug_break_engine(self) -> None:

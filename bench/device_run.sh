@@ -210,6 +210,27 @@ case $stage in
     fi ;;
   sleep)  # hold the warm machine (and its unpacked /tmp) while a fix is made here
     sleep "${1:-60}" ;;
+  external)  # issue 41: `vllm bench serve` unchanged against our serve-http, then against `vllm serve`, one after the
+    # other on one GPU, MODEL (default the 8B dummy-weight llama config) with the embedded tiny BPE as both servers'
+    # tokenizer (no HF tokenizer is on the device); flags after it go to bench.load.external_clients, e.g.
+    # `bg external --num-prompts 200 --input-len 1024 --output-len 256 --rate 4 --rate 8 --rate 16 --rate inf`
+    model=${MODEL:-configs/models/llama-3.1-8b} seqs=${MAX_NUM_SEQS:-256} len=${MAX_MODEL_LEN:-4096}
+    tok=$(python3 -c 'from flame_llm.models.tokenizer import tokenizer_dir; print(tokenizer_dir("", "tiny"))') || exit 1
+    up() { for _ in $(seq 900); do curl -sf "$1/health" > /dev/null && return 0; sleep 1; done; return 1; }
+    clients() { timeout "${EXTERNAL_TIMEOUT:-1500}" python3 -m bench.load.external_clients --client vllm --target "$1" \
+      --tokenizer "$tok" --vllm-site /tmp/vsite/site --out "$OUT/external" "${@:2}" 2>&1 | tail -20; }
+    setsid python3 -m flame_llm.serving.http_server --model "$model" --load-format dummy --tokenizer "$tok" \
+      --port 8101 --engine-json "{\"max_model_len\": $len, \"max_num_seqs\": $seqs}" > "$OUT/flame-server.log" 2>&1 &
+    pid=$!
+    up http://127.0.0.1:8101 && clients http://127.0.0.1:8101 "$@"
+    kill -- -$pid; wait $pid
+    PYTHONPATH=/tmp/vsite/site:$PYTHONPATH setsid /tmp/vsite/site/bin/vllm serve "$model" --load-format dummy \
+      --tokenizer "$tok" --port 8102 --max-model-len "$len" --max-num-seqs "$seqs" --enable-prefix-caching \
+      --seed 0 > "$OUT/vllm-server.log" 2>&1 &
+    pid=$!
+    up http://127.0.0.1:8102 && clients http://127.0.0.1:8102 "$@"
+    kill -- -$pid; wait $pid
+    cat "$OUT/external/summary.jsonl" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 rc=$?

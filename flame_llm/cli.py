@@ -144,7 +144,9 @@ COMMANDS = {
                (("--api-key",), {"help": "front door bearer token (unset: http.api_key, else FLAME_API_KEY; shows "
                                          "in `ps`: prefer --api-key-file or the environment variable)"}),
                (("--api-key-file",), {"help": "a file of front door keys, one a line (unset: http.api_key_file)"}),
-               (("--no-http",), {"action": "store_true", "help": "no HTTP front door"})]),
+               (("--no-http",), {"action": "store_true", "help": "no HTTP front door"}),
+               (("--tokenizer",), {"help": "an HF tokenizer directory or 'tiny' (unset: the config's tokenizer, "
+                                           "else the model directory's)"})]),
     "submit": (submit, "submit prompts (a JSONL file of token-id lists or strings, or random ones)",
                ["config", "namespace", "address",
                 (("--prompts",), {"help": "JSONL file, one prompt per line"}),

@@ -43,9 +43,9 @@ def demo(args) -> int:
     import ray
 
     from flame_llm.config import CacheConfig
+    from flame_llm.models.tokenizer import load_tokenizer
     from flame_llm.sampling_params import SamplingParams
     from flame_llm.serving.client import start_local
-    from flame_llm.serving.frontdoor import load_tokenizer
     from flame_llm.serving.service_config import config_from_dict, load_service_config
 
     cfg = load_service_config(args.config) if args.config else config_from_dict(dict(DEMO_CONFIG), "demo")
@@ -72,7 +72,7 @@ def demo(args) -> int:
         results = [r.to_dict() for r in client.generate(prompts, sp)]
         print_results(results, time.perf_counter() - t0)
         failed = any(r["error"] for r in results)
-        tok = load_tokenizer(client.model_dir)
+        tok = load_tokenizer(client.model_dir, client.tokenizer_field, client.limits.vocab_size, required=False)
         if tok is None:
             print(f"\n(the model directory {client.model_dir} has no tokenizer: no text or chat demo)")
         else:

@@ -16,12 +16,17 @@ SUPERVISE_EVERY_S = 2.0  # serve: between looks for shards whose node is gone
 
 
 def config_of(args):
+    """The service config of --config (default: ServiceConfig()), with --namespace, --address and --tokenizer over
+    it where the command has them."""
+    import dataclasses
+
     from flame_llm.serving.service_config import ServiceConfig, load_service_config, with_ray
 
     namespace, address = getattr(args, "namespace", None), getattr(args, "address", None)
-    if args.config:
-        return load_service_config(args.config, namespace, address)
-    return with_ray(ServiceConfig(), namespace, address)
+    cfg = load_service_config(args.config, namespace, address) if args.config else with_ray(ServiceConfig(), namespace,
+                                                                                            address)
+    tokenizer = getattr(args, "tokenizer", None)
+    return cfg if tokenizer is None else dataclasses.replace(cfg, tokenizer=tokenizer)
 
 
 def attach_service(args) -> str:

@@ -42,6 +42,7 @@ class ModelConfig:
     # off until the H200 shows it correct and faster (tests/test_gpu_fp8_fused.py, the gpu_engine A/B): not yet run
     fp8_fused_quant: bool = False  # fp8: RMSNorm / SiLU-mul write the e4m3 inputs + scales (kernels/fp8_fused.py)
     fp8_small_m_gemv: int = 0  # fp8: steps of <= this many rows (<= 64) run W8A16 (kernels/fp8_gemv.py); 0: off
+    tokenizer: str = ""  # an HF tokenizer directory or "tiny" (models/tokenizer.py); "": the model directory's
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # read from config.json
 
     def __post_init__(self) -> None:
@@ -55,6 +56,7 @@ class ModelConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS, **_F)
         check_bool("fp8_fused_quant", self.fp8_fused_quant, **_F)
         check_int("fp8_small_m_gemv", self.fp8_small_m_gemv, 0, 64, limit="0 (off) or the most rows, at most 64", **_F)
+        check_str("tokenizer", self.tokenizer, empty=True, what="an HF tokenizer directory or 'tiny'", **_F)
         eos = self.eos_token_ids
         check(isinstance(eos, (list, tuple)) and all(is_int(t) and t >= 0 for t in eos), "eos_token_ids",
               "a list of token ids (integers >= 0)", eos, **_F)

@@ -370,3 +370,18 @@ def test_engine_metrics_carry_what_can_stall_a_shard(server):
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         live = {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
     assert live["flame_shard_jit_compiles_total"] == 0 and "flame_shard_gc_pauses_over_10ms_total" in live
+
+
+def test_fields_external_clients_send():
+    """vLLM's benchmark client sends repetition_penalty 1.0; guidellm and vLLM's clients may ask for usage on every
+    chunk (stream_options.continuous_usage_stats). Other values are 400s naming the field."""
+    parse = lambda body: openai_api.parse("completion", {"prompt": [1, 2], **body}, EngineLimits.of(512, 512),  # noqa: E731
+                                          openai_api.RequestLimits(8, 4096))
+    assert parse({"repetition_penalty": 1.0}).sampling[0].max_tokens == 16
+    req = parse({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert req.include_usage and req.continuous_usage and not parse({"stream": True}).continuous_usage
+    for body, param in (({"repetition_penalty": 1.1}, "repetition_penalty"),
+                        ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options")):
+        with pytest.raises(openai_api.ApiError) as e:
+            parse(body)
+        assert e.value.param == param and e.value.status == 400

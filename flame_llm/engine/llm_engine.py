@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -63,13 +62,10 @@ class LLMEngine:
     @property
     def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase (loaded lazily)
         if self._tokenizer is None:
-            model = self.config.model_config.model
-            if not any(os.path.isfile(os.path.join(model, f))
-                       for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-                raise ValueError(f"text prompts need a tokenizer, and model directory {model!r} "
-                                 "has none; pass token ids instead")
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_config.model)
+            from flame_llm.models.tokenizer import load_tokenizer
+
+            mc = self.config.model_config
+            self._tokenizer = load_tokenizer(mc.model, mc.tokenizer, self.vocab_size)
         return self._tokenizer
 
     def to_token_ids(self, prompt: str | Seq[int] | np.ndarray) -> list[int]:

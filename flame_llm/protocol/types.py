@@ -91,6 +91,7 @@ class ShardHealth:
     draining: bool = False
     engine_failed: bool = False
     eos_token_ids: tuple[int, ...] = ()  # the model's: a streamed one of these ended the request (unless ignore_eos)
+    tokenizer: str = ""  # the engine's `tokenizer` field (clients load the model's tokenizer with it)
 
     def to_dict(self) -> dict:
         """A flat map (the limits' fields beside the others), for JSON records and status()."""

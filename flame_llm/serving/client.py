@@ -62,7 +62,9 @@ class Client:
         self.max_payload_bytes = self.limits.max_payload_bytes
         self.model_dir, self.service = model_dir, service
         self.client_id = uuid.uuid4().hex[:8]
-        self.requests = RequestMaker(self.limits, model_revision, model_dir, self.client_id, config.overload_deadline_s)
+        self.tokenizer_field = health[0].tokenizer  # the shards' `tokenizer` (one model revision: one tokenizer)
+        self.requests = RequestMaker(self.limits, model_revision, model_dir, self.client_id, config.overload_deadline_s,
+                                     self.tokenizer_field)
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
         self.dispatch = Dispatcher(router, dict(actors), model_revision, config, zstd_level, health,

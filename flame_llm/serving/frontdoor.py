@@ -13,6 +13,7 @@ import os
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from flame_llm.models.tokenizer import load_tokenizer
 from flame_llm.protocol.types import Result
 from flame_llm.serving.http_app import HttpConfig
 from flame_llm.serving.service_config import ClientConfig
@@ -20,16 +21,6 @@ from flame_llm.serving.service_config import ClientConfig
 log = logging.getLogger(__name__)
 FRONTDOOR_NAME = "flame-frontdoor"
 HEALTH_TIMEOUT_S = 5.0
-
-
-def load_tokenizer(model_dir: str):
-    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
-    if not any(os.path.isfile(os.path.join(model_dir, f))
-               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 class ClientBackend:
@@ -41,7 +32,9 @@ class ClientBackend:
         from actors.metrics import LATENCY_BUCKETS_S
 
         self.client, self.limits = client, client.limits
-        self.tokenizer = load_tokenizer(client.model_dir)
+        # the model's tokenizer (the shards' `tokenizer` field), or None: token-id prompts only
+        self.tokenizer = load_tokenizer(client.model_dir, client.tokenizer_field, client.limits.vocab_size,
+                                        required=False)
         name = served_model_name or os.path.basename(os.path.normpath(client.model_dir))
         self.model_names = (name, client.model_dir)
         self.registry = CollectorRegistry()

@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 
+from flame_llm.models.tokenizer import has_tokenizer
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import EngineLimits, Result, prompt_digest
 from flame_llm.serving.client_stream import StreamChunk
@@ -31,10 +32,9 @@ class EngineBackend:
         self.engine, self.device = engine, device
         mc = engine.config.model_config
         self.limits = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len)
-        try:
-            self.tokenizer = engine.engine.tokenizer
-        except ValueError:  # the model directory has none: token-id prompts only
-            self.tokenizer = None
+        # the `tokenizer` field's, else the model directory's (errors, a bad field or too many ids, propagate);
+        # None: the model directory has none, token-id prompts only
+        self.tokenizer = engine.engine.tokenizer if mc.tokenizer or has_tokenizer(mc.model) else None
         self.model_names = (model_name or os.path.basename(os.path.normpath(mc.model)), mc.model)
         self.info = {"model": mc.model, "model_name": self.model_names[0], "model_revision": mc.model_revision,
                      "device": device, "node": os.uname().nodename, "pid": os.getpid(), **self.limits.to_dict()}
@@ -112,6 +112,8 @@ ARGUMENTS = [
     (("--device-name",), {"default": "cpu", "help": "what responses report as device without a GPU"}),
     (("--served-model-name",), {"default": None, "help": "the model name clients send (default: the directory's)"}),
     (("--load-format",), {"default": "auto", "choices": ("auto", "dummy")}),
+    (("--tokenizer",), {"default": None, "help": "an HF tokenizer directory or 'tiny' (the engine field tokenizer; "
+                                                 "unset: the model directory's)"}),
     (("--quantization",), {"default": None, "choices": ("fp8",),
                            "help": "fp8: W8A8 FP8 projections (the engine field quantization)"}),
     (("--engine-json",), {"default": "{}", "help": "extra flame_llm.config.Config fields as a JSON object"}),
@@ -128,12 +130,14 @@ ARGUMENTS = [
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
-    """The engine's fields from the flags: --load-format and --quantization, then --engine-json's over them."""
+    """The engine's fields from the flags: --load-format, --quantization and --tokenizer, then --engine-json's over
+    them."""
     from flame_llm.config import engine_fields_from_json
 
     named = {"load_format": args.load_format}
-    if args.quantization is not None:
-        named["quantization"] = args.quantization
+    for name in ("quantization", "tokenizer"):
+        if getattr(args, name, None) is not None:
+            named[name] = getattr(args, name)
     return {**named, **engine_fields_from_json(args.engine_json)}
 
 

@@ -17,6 +17,7 @@ from aiohttp import web
 from flame_llm.protocol.types import Result
 from flame_llm.serving import openai_api as api
 from flame_llm.serving.detok import TextStream
+from flame_llm.serving.metrics import ANSWERED
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -111,17 +112,26 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
     results: list[Result | None] = [None] * len(req.prompts)
     first, failed = True, False
     out: list[bytes] = []  # the events of this write
+    prompt_tokens, streamed = sum(map(len, req.prompts)), 0  # continuous usage: the tokens so far
+
+    def text_event(index: int, text: str, token_ids: list[int]) -> bytes:
+        c = api.chunk(req, model, index, text, token_ids, None)
+        if req.continuous_usage:
+            c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": streamed,
+                          "total_tokens": prompt_tokens + streamed}
+        return _event(c)
 
     def event(kind: str, index: int, a, b) -> None:
         """One queued item into `out`; a SlowClient raises, a failed choice ends the stream (`failed`)."""
-        nonlocal first, failed
+        nonlocal first, failed, streamed
         if kind == "slow":
             raise a
         if kind == "text":
             if first and b:
                 observe("ttft_s", time.perf_counter() - t0)
                 first = False
-            out.append(_event(api.chunk(req, model, index, a, b, None)))
+            streamed += len(b)
+            out.append(text_event(index, a, b))
             return
         error = a if kind == "error" else (api.result_error(a.to_dict()) if a.error is not None else None)
         if error is not None:
@@ -156,6 +166,7 @@ async def stream_events(request: web.Request, req: api.ApiRequest, backend, t0: 
                 out.append(_event(api.usage_chunk(req, model, [r.to_dict() for r in results])))
             out.append(b"data: [DONE]\n\n")
             await write()
+            request[ANSWERED] = resp.status  # answered in full: a client that goes away now (before EOF) had it all
         await resp.write_eof()
     except (SlowClient, TimeoutError) as e:  # dropped: nothing more is written; its requests are aborted below
         if isinstance(e, TimeoutError):

@@ -149,6 +149,9 @@ def render_engine(info: dict, engine_stats: dict, counters: dict) -> bytes:
 
 
 CLIENT_GONE = "499"  # the status label of a request whose client went away before its answer (nginx's)
+# set on a request whose whole answer was written (a stream to its [DONE] and EOF): a client that closes the
+# connection then, while the handler still cleans up, got its answer, and is counted with this status, not 499
+ANSWERED = "flame_answered_status"
 
 
 class HttpMetrics:
@@ -177,8 +180,8 @@ class HttpMetrics:
         except web.HTTPException as e:
             status = str(e.status)
             raise
-        except (asyncio.CancelledError, ConnectionResetError):  # the client went away
-            status = CLIENT_GONE
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away (before or after its answer)
+            status = str(request.get(ANSWERED, CLIENT_GONE))
             raise
         finally:
             self.requests.labels(route, request.method, status).inc()

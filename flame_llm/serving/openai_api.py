@@ -4,7 +4,9 @@ stream chunks built from results. One module, so the two servers cannot drift.
 
 Supported: token-id prompts, text prompts and chat messages when the model has a tokenizer (chat needs its chat
 template), batched prompts, `n`, `max_tokens` (`max_completion_tokens`), `temperature`, `top_p`, `top_k`,
-`seed`, `stop` (strings), `stop_token_ids`, `ignore_eos`, `stream`, `stream_options.include_usage`, and `user`
+`seed`, `stop` (strings), `stop_token_ids`, `ignore_eos`, `stream`, `stream_options.include_usage` and
+`.continuous_usage_stats` (vLLM's: usage on every chunk), `repetition_penalty` at 1 (off: vLLM's benchmark client
+sends it), and `user`
 (an end-user id, at most 256 characters: the front door's turns for shard credit go by it, else by API key).
 Any other field, or a supported one at a value we cannot honour (`logprobs`, `echo`, penalties, `logit_bias`,
 tools, ...), is a 400 naming it: never silently ignored.
@@ -34,10 +36,13 @@ from flame_llm.serving.openai_prompts import has_text as has_text
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the room left)
 MAX_USER_CHARS = 256  # the `user` field (an end-user id)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
-COMMON_KEYS = {"model", "n", "max_tokens", "stop", "stream", "stream_options", "user", *SAMPLING_KEYS}
+COMMON_KEYS = {"model", "n", "max_tokens", "stop", "stream", "stream_options", "user", "repetition_penalty",
+               *SAMPLING_KEYS}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # stream_options' keys (booleans)
 # fields accepted only at the value that means "off" (anything else is a 400 naming the field)
 OFF_VALUES = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+              "repetition_penalty": (None, 1, 1.0),
               "suffix": (None, ""), "return_token_ids": (None, True, False), "tools": (None, []),
               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
               "parallel_tool_calls": (None, False), "response_format": (None, {"type": "text"})}
@@ -65,6 +70,7 @@ class ApiRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     id: str = ""
     created: int = 0
     user: str = ""  # the end user the request is for ("" when not given)
@@ -115,13 +121,14 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
         stream = False
     if not isinstance(stream, bool):
         raise ApiError(400, f"field 'stream' must be true or false; got {short(stream)}", "stream")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
-        if not stream or not isinstance(options, dict) or set(options) - {"include_usage"} \
-                or not isinstance(options.get("include_usage", False), bool):
-            raise ApiError(400, "field 'stream_options' must be {\"include_usage\": true|false}, with stream: true; "
+        if not stream or not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS) \
+                or not all(isinstance(options.get(k, False), bool) for k in STREAM_OPTIONS):
+            raise ApiError(400, "field 'stream_options' must be {\"include_usage\": true|false, "
+                                "\"continuous_usage_stats\": true|false}, with stream: true; "
                                 f"got {short(options)}", "stream_options")
-        include_usage = options.get("include_usage", False)
+        include_usage, continuous_usage = (options.get(k, False) for k in STREAM_OPTIONS)
     max_key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = body.get(max_key)
@@ -155,8 +162,8 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
                        "user")
     expanded = [p for p in prompts for _ in range(n)]
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    return ApiRequest(kind, expanded, sampling, stop, stream, include_usage, f"{prefix}-{uuid.uuid4().hex[:24]}",
-                      int(time.time()), user)
+    return ApiRequest(kind, expanded, sampling, stop, stream, include_usage, continuous_usage,
+                      f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), user)
 
 
 def _fields(sp: SamplingParams) -> dict:

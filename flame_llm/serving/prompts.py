@@ -19,8 +19,9 @@ from flame_llm.serving.batcher import Pending, failed_result, set_estimates
 
 class RequestMaker:
     def __init__(self, limits: EngineLimits, model_revision: str, model_dir: str | None, client_id: str,
-                 overload_deadline_s: float) -> None:
+                 overload_deadline_s: float, tokenizer_field: str = "") -> None:
         self.limits, self.model_revision, self.model_dir = limits, model_revision, model_dir
+        self.tokenizer_field = tokenizer_field  # the engines' `tokenizer` ("": the model directory's)
         self.overload_deadline_s = overload_deadline_s  # ClientConfig's: a request's deadline when its call names none
         self.ids = (f"{client_id}-{i}" for i in itertools.count())
         self.tokenizer = None  # loaded with the first text prompt
@@ -61,11 +62,8 @@ class RequestMaker:
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
-            try:
-                self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except Exception as e:
-                raise ValueError(f"prompts are text but the model dir {self.model_dir!r} has no usable "
-                                 f"tokenizer ({type(e).__name__}); pass token ids instead") from None
+            from flame_llm.models.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.model_dir or "", self.tokenizer_field, self.limits.vocab_size)
         return self.tokenizer.encode(text)
 

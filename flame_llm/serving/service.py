@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -175,13 +175,18 @@ def start_service(cfg: ServiceConfig, detached: bool = False, source: str = "the
     run on this machine when a local one is to be started. `source` names the config in errors."""
     from flame_llm.config import Config
     from flame_llm.models.tiny import resolve_model
+    from flame_llm.models.tokenizer import TINY, load_tokenizer
 
     # the model and the engine fields are checked here, before Ray or any actor starts (a model directory
     # that only the nodes of a joined cluster have is left to the shards to check)
     model = resolve_model(cfg.model)
+    if cfg.tokenizer not in ("", TINY) and os.path.isdir(cfg.tokenizer):
+        cfg = replace(cfg, tokenizer=os.path.abspath(cfg.tokenizer))
     if os.path.isdir(model) or cfg.ray.address is None:
         model = os.path.abspath(model)
-        Config.from_kwargs(model, **cfg.engine_kwargs())
+        config = Config.from_kwargs(model, **cfg.engine_kwargs())
+        if cfg.tokenizer:  # not a tokenizer, or more ids than the model's vocabulary: the error, before Ray starts
+            load_tokenizer(model, cfg.tokenizer, config.model_config.hf_config.vocab_size)
     if not ray.is_initialized():
         check_cpu_memory(cfg, model, source)
         running = running_local_address() if cfg.ray.address is None else None

@@ -56,12 +56,14 @@ SECTIONS = {"placement": PlacementConfig, "shard": ShardOptions, "router": Route
             "ray": RayConfig, "http": HttpConfig}
 
 
-ENGINE_FIELDS = tuple(n for n in FIELD_NAMES if n != "model")  # the `engine` section's (flat) field names
+# the `engine` section's (flat) field names; the model and its tokenizer are the service's top-level fields
+ENGINE_FIELDS = tuple(n for n in FIELD_NAMES if n not in ("model", "tokenizer"))
 
 
 @dataclass(slots=True)
 class ServiceConfig:
     model: str = "tiny"  # a model directory, or "tiny" for the embedded default checkpoint
+    tokenizer: str = ""  # an HF tokenizer directory or "tiny" (the embedded BPE); "": the model directory's
     engine: EngineConfig = field(default_factory=EngineConfig)  # every engine's fields (flat names)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     shard: ShardOptions = field(default_factory=ShardOptions)
@@ -72,6 +74,8 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         check_str("model", self.model, what="a model directory or 'tiny'", where="service config field")
+        check_str("tokenizer", self.tokenizer, empty=True, what="an HF tokenizer directory or 'tiny'",
+                  where="service config field")
         for name, cls in (("engine", EngineConfig), *SECTIONS.items()):
             check(isinstance(getattr(self, name), cls), name, f"{_article(cls.__name__)} (config_from_dict parses a "
                   "mapping)", getattr(self, name), where="service config field")
@@ -84,7 +88,7 @@ class ServiceConfig:
         """From flat field names (each unique across the sections and the engine's fields): ServiceConfig.from_kwargs(
         model=..., num_shards=2, namespace="x", load_format="dummy"); `engine` may also be a mapping of engine
         fields, or an EngineConfig (passed through unchanged)."""
-        top = {k: kwargs.pop(k) for k in ("model",) if k in kwargs}
+        top = {k: kwargs.pop(k) for k in ("model", "tokenizer") if k in kwargs}
         engine = kwargs.pop("engine", {})
         if isinstance(engine, EngineConfig):  # taken as it is; flat engine fields beside it would be ambiguous
             flat = sorted(k for k in kwargs if _SECTION_OF.get(k) == "engine")
@@ -106,8 +110,9 @@ class ServiceConfig:
         return cls(**top, **{s: _section(s, p) for s, p in parts.items()})
 
     def engine_kwargs(self) -> dict:
-        """The engine fields this config changes from their defaults, as flat keywords (Config.from_kwargs)."""
-        return self.engine.to_kwargs(changed_only=True)
+        """The engine fields this config changes from their defaults, as flat keywords (Config.from_kwargs); the
+        top-level tokenizer among them when set."""
+        return {**self.engine.to_kwargs(changed_only=True), **({"tokenizer": self.tokenizer} if self.tokenizer else {})}
 
 
 _SECTION_OF = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -160,7 +165,7 @@ def config_from_dict(raw: dict, source: str = "config") -> ServiceConfig:
         hint = f" ({', '.join(f'{k} belongs in section {_SECTION_OF[k]!r}' for k in flat)})" if flat else ""
         raise ValueError(f"{source}: unknown field(s) {unknown}{hint}; known: {', '.join(sorted(top))}")
     try:
-        return ServiceConfig(**{k: v if k == "model" else _section(k, v) for k, v in raw.items()})
+        return ServiceConfig(**{k: v if k in ("model", "tokenizer") else _section(k, v) for k, v in raw.items()})
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 

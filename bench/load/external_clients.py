@@ -1,0 +1,159 @@
+"""Clients we did not write against OpenAI servers (issue 41): `vllm bench serve` (vLLM's benchmark client) and
+guidellm, run unchanged, against flame's front door (`flame-llm serve` / `serve-http`) and `vllm serve` in one
+call. Each run's own counters (completed / failed) and medians and p99s are read from the client's result file;
+for a flame target, /metrics's `flame_http_requests_total` (status 200 on /v1/*) before and after says how many
+requests the server answered, to set beside the client's count.
+
+    python3 -m bench.load.external_clients --client vllm --client guidellm --target http://127.0.0.1:8000 \\
+        --target http://127.0.0.1:8001 --tokenizer DIR --num-prompts 200 --input-len 1024 --output-len 256 \\
+        --rate 4 --rate 8 --rate 16 --rate inf --out bench/results/external_clients
+
+The vLLM client runs as `vllm bench serve` where the `vllm` command is installed, else (--vllm-site DIR: vLLM's
+wheel unpacked without its dependencies, as .ci/run does on CPU) as the same `vllm.benchmarks.serve.main` on that
+PYTHONPATH. guidellm runs from --guidellm (default: `guidellm` on PATH, else .ci/run's venv). Exit 1 when any run
+had a failed request."""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+
+log = logging.getLogger(__name__)
+CLIENTS = ("vllm", "guidellm")
+GUIDELLM_VENV = os.path.join(os.path.expanduser("~"), ".cache", "flame_llm", "guidellm-venv", "bin", "guidellm")
+# vllm bench serve's main, as its `vllm bench serve` subcommand calls it (vllm/entrypoints/cli/benchmark/serve.py)
+VLLM_MAIN = ("import sys\nfrom vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+             "from vllm.benchmarks.serve import add_cli_args, main\n"
+             "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
+
+
+def flame_answered(target: str) -> int | None:
+    """POST /v1/* requests the flame server at `target` answered with 200 (None: not a flame server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{target}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    total, seen = 0, False
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "flame_http_requests":
+            seen = True
+            total += sum(int(s.value) for s in fam.samples if s.name.endswith("_total") and s.labels["status"] == "200"
+                         and s.labels["method"] == "POST" and s.labels["route"].startswith("/v1/"))
+    return total if seen else None
+
+
+def served_model(target: str) -> str:
+    with urllib.request.urlopen(f"{target}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def vllm_command(vllm_site: str | None) -> tuple[list[str], dict]:
+    if vllm_site is None and shutil.which("vllm"):
+        return ["vllm", "bench", "serve"], {}
+    assert vllm_site, "no `vllm` command: pass --vllm-site (vLLM's wheel unpacked without its dependencies)"
+    path = os.pathsep.join(p for p in (vllm_site, os.environ.get("PYTHONPATH", "")) if p)
+    return [sys.executable, "-c", VLLM_MAIN], {"PYTHONPATH": path}
+
+
+def run_vllm(a: argparse.Namespace, target: str, model: str, rate: float, out: str) -> dict:
+    cmd, env = vllm_command(a.vllm_site)
+    cmd += ["--backend", "openai", "--base-url", target, "--model", model, "--tokenizer", a.tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
+            str(a.output_len), "--num-prompts", str(a.num_prompts), "--request-rate", str(rate), "--ignore-eos",
+            "--seed", str(a.seed), "--save-result", "--result-dir", out]
+    _run(cmd, env, a.timeout_s, out)
+    r = json.load(open(max(glob.glob(os.path.join(out, "*.json")), key=os.path.getmtime)))
+    keys = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
+    return {"completed": r["completed"], "failed": r["failed"], "req_per_s": r["request_throughput"],
+            "output_tok_per_s": r["output_throughput"], **{k: r[k] for k in keys}}
+
+
+def run_guidellm(a: argparse.Namespace, target: str, model: str, rate: float, out: str) -> dict:
+    exe = a.guidellm or shutil.which("guidellm") or GUIDELLM_VENV
+    profile = "kind=throughput" if math.isinf(rate) else f"kind=constant,rate={rate:g}"
+    path = os.path.join(out, "guidellm.json")
+    _run([exe, "run", "--backend", f"kind=openai_http,target={target},model={model}", "--profile", profile,
+          "--constraint", f"kind=max_requests,count={a.num_prompts}", "--tokenizer",
+          f"kind=huggingface_auto,model={a.tokenizer}", "--data",
+          f"kind=synthetic_text,prompt_tokens={a.input_len},output_tokens={a.output_len}", "--output",
+          f"kind=json,path={path}", "--disable-console-interactive"], {}, a.timeout_s, out)
+    m = json.load(open(path))["benchmarks"][0]["metrics"]
+    totals = m["request_totals"]
+
+    def stat(name: str, p: str) -> float:
+        s = m[name]["successful"]
+        return s["median"] if p == "median" else s["percentiles"]["p99"]
+
+    names = {"ttft": "time_to_first_token_ms", "tpot": "time_per_output_token_ms", "itl": "inter_token_latency_ms"}
+    return {"completed": totals["successful"], "failed": totals["errored"] + totals["incomplete"],
+            "req_per_s": m["requests_per_second"]["successful"]["mean"],
+            "output_tok_per_s": m["output_tokens_per_second"]["successful"]["mean"],
+            **{f"{p}_{k}_ms": stat(n, p) for k, n in names.items() for p in ("median", "p99")}}
+
+
+def _run(cmd: list[str], env: dict, timeout_s: float, out: str) -> None:
+    with open(os.path.join(out, "client.log"), "w") as f:
+        proc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {proc.returncode}; its output: {os.path.join(out, 'client.log')}")
+
+
+def run(a: argparse.Namespace) -> list[dict]:
+    """Every client x target x rate; one record each (also appended to OUT/summary.jsonl)."""
+    records = []
+    for target in a.target:
+        model = a.model or served_model(target)
+        for client in a.client:
+            for rate in a.rate:
+                out = os.path.join(a.out, f"{client}-{target.split('//')[-1].replace(':', '_')}-rate{rate:g}")
+                os.makedirs(out, exist_ok=True)
+                before = flame_answered(target)
+                rec = (run_vllm if client == "vllm" else run_guidellm)(a, target, model, rate, out)
+                after = flame_answered(target)
+                rec = {"client": client, "target": target, "model": model, "rate": rate, **rec,
+                       "server_answered_200": None if before is None or after is None else after - before}
+                log.info("%s", json.dumps(rec))
+                with open(os.path.join(a.out, "summary.jsonl"), "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                records.append(rec)
+    return records
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m bench.load.external_clients", description=__doc__.split("\n\n")[0])
+    p.add_argument("--client", action="append", choices=CLIENTS, help="repeatable (default: both)")
+    p.add_argument("--target", action="append", required=True, help="server base URL, repeatable")
+    p.add_argument("--model", default=None, help="served model name (default: each target's /v1/models)")
+    p.add_argument("--tokenizer", required=True, help="the tokenizer directory the clients count tokens with")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--rate", action="append", type=float, help="requests/s, repeatable; inf: as fast as it can")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-site", default=None, help="vLLM's wheel unpacked (without `vllm` installed)")
+    p.add_argument("--guidellm", default=None, help="the guidellm executable")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per client run")
+    p.add_argument("--out", default="bench/results/external_clients")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    a = parser().parse_args(argv)
+    a.client, a.rate = a.client or list(CLIENTS), a.rate or [math.inf]
+    records = run(a)
+    return 1 if any(r["failed"] for r in records) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
