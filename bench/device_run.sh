@@ -34,9 +34,15 @@ unbundle() {  # reassemble the chunks into the archives of MANIFEST, check them,
 }
 t0=$(date +%s)
 unbundle || exit 1
-if [[ ! -d /tmp/site && -f .device/site.tar.xz ]]; then tar -xJf .device/site.tar.xz -C /tmp || exit 1; fi
+# the bundles are CPython 3.12's (the GPU image's): elsewhere (a CPU test of a stage) they are neither unpacked nor used
+py312=$(python3 -c 'import sys; print(int(sys.version_info[:2] == (3, 12)))')
+if [[ $py312 == 1 && ! -d /tmp/site && -f .device/site.tar.xz ]]; then tar -xJf .device/site.tar.xz -C /tmp || exit 1; fi
 echo "unpacked in $(( $(date +%s) - t0 )) s"
-export PYTHONPATH=$PWD:/tmp/site:/tmp/wheels:/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+if [[ $py312 == 1 ]]; then
+  export PYTHONPATH=$PWD:/tmp/site:/tmp/wheels:/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+else
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+fi
 # WARM_CACHES=1: compile caches under CACHE_ROOT (/tmp), which a warm machine keeps between the calls of one block,
 # so a later call starts vLLM (torch.compile, ~60 s of its 123 s start-up) and our Triton kernels from the cache.
 # Bursts only: a load record's start-up figure is then not a cold start (leave it off for start-up comparisons).

@@ -113,6 +113,18 @@ class StickyHttpClient:
         return self.policy.stats()
 
 
+async def sse_chunks(resp: aiohttp.ClientResponse):
+    """The JSON chunks of an OpenAI server-sent event stream, up to [DONE]."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 def _record(res: Result, done_s: float, output_len: int = 0, cached_reported: bool = False) -> dict:
     """The bench's record of one request: the protocol's result dict plus when it completed."""
     return {**res.to_dict(), "output_len": output_len, "cached_reported": cached_reported, "done_s": done_s}

@@ -55,7 +55,8 @@ def test_system_labels():
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-nomix, flame-mix2k, "
                                          "flame-noprune, flame-noearly, engine, engine-nomix, engine-mix2k, "
-                                         "engine-noprune, engine-noearly, vllm, vllm-seed, flame-fp8, engine-fp8, "
+                                         "engine-noprune, engine-noearly, flame-gil, engine-gil, vllm, vllm-seed, "
+                                         "flame-fp8, engine-fp8, "
                                          "vllm-fp8, flame-fp8kv, engine-fp8kv"):
         parse_system("sglang")
     rr = parse_system("flame-rr")

@@ -24,7 +24,7 @@ import aiohttp
 import numpy as np
 
 from bench.burst.traces import TraceConfig
-from bench.http_client import SERVED_MODEL_NAME, Replica
+from bench.http_client import SERVED_MODEL_NAME, Replica, sse_chunks
 from bench.load.load_workloads import DEFAULT_OUTPUT_LEN, OutputLen, doc_weights, draw_doc
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from router.policy import RouterConfig, RouterPolicy
@@ -129,14 +129,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     out.error = str(chunk["error"])[:200]
                     return

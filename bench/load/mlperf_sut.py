@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import numpy as np
 
-from bench.http_client import SERVED_MODEL_NAME
+from bench.http_client import SERVED_MODEL_NAME, sse_chunks
 from bench.load.mlperf_data import Dataset
 from bench.system_config import parse_system
 
@@ -91,14 +90,7 @@ class HttpBackend:
         async with self.session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     raise RuntimeError(str(chunk["error"])[:200])
                 if ids := _ids(chunk):
