@@ -81,18 +81,8 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple:
-        if not self.fp8_out or _rows(x) <= self.fp8_bf16_rows:
-            return self._forward(x, residual)
-        if self.fused:  # norm and quantization in one launch
-            from flame_llm.kernels.fp8_fused import add_rmsnorm_quant
-            return add_rmsnorm_quant(x, self.weight, self.eps, residual)
-        if residual is None:
-            return quantize_activation(self._forward(x, None))
-        out, residual = self._forward(x, residual)
-        return quantize_activation(out), residual
-
-    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fp8_out and _rows(x) > self.fp8_bf16_rows:
+            return self._forward_fp8(x, residual)
         if self.fused:
             from flame_llm.kernels.fused import add_rmsnorm
             return add_rmsnorm(x, self.weight, self.eps, residual)
@@ -101,6 +91,16 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._norm(residual), residual
 
+    def _forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None) -> Fp8Activation | tuple:
+        """The output as its projection's e4m3 input + per-token scales (fp8_fused_quant)."""
+        if self.fused:  # norm and quantization in one launch
+            from flame_llm.kernels.fp8_fused import add_rmsnorm_quant
+            return add_rmsnorm_quant(x, self.weight, self.eps, residual)
+        if residual is None:  # the reference: the torch norm, then its output quantized
+            return quantize_activation(self._norm(x))
+        residual = x + residual
+        return quantize_activation(self._norm(residual)), residual
+
 
 class SiluAndMul(nn.Module):
     fused = False
@@ -108,19 +108,21 @@ class SiluAndMul(nn.Module):
     fp8_bf16_rows = 0  # as RMSNorm.fp8_bf16_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activation:
-        if not self.fp8_out or _rows(x) <= self.fp8_bf16_rows:
-            return self._forward(x)
-        if self.fused:
-            from flame_llm.kernels.fp8_fused import silu_mul_quant
-            return silu_mul_quant(x)
-        return quantize_activation(self._forward(x))
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_out and _rows(x) > self.fp8_bf16_rows:
+            return self._forward_fp8(x)
         if self.fused:
             from flame_llm.kernels.fused import silu_mul
             return silu_mul(x)
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up
+
+    def _forward_fp8(self, x: torch.Tensor) -> Fp8Activation:
+        """The output as down_proj's e4m3 input + per-token scales (fp8_fused_quant)."""
+        if self.fused:
+            from flame_llm.kernels.fp8_fused import silu_mul_quant
+            return silu_mul_quant(x)
+        gate, up = x.chunk(2, -1)
+        return quantize_activation(F.silu(gate) * up)
 
 
 def rope_parameters(hf_config) -> dict:
