@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from flame_llm.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation
+from flame_llm.kernels.fused import add_rmsnorm_row
 
 SILU_ONE_PASS_MAX = 16384  # SiLU-mul rows up to this width stay in registers (Llama-3.1-8B: 14,336)
 
@@ -31,16 +32,8 @@ def _add_rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(res_ptr + row * N + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * N + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype).to(tl.float32)  # the unfused path's rounding
+    # the unfused path's rounding: the norm's output in the model dtype, then quantized
+    out = add_rmsnorm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, cols, mask, N, eps, HAS_RES).to(tl.float32)
     _quant_store(out, q_ptr, s_ptr, row, cols, mask, N, FP8_MAX, MIN_SCALE)
 
 

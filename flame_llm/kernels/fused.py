@@ -13,11 +13,9 @@ from flame_llm.kernels.triton_kernels import _jit
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
+def add_rmsnorm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, cols, mask, N, eps, HAS_RES: tl.constexpr):
+    """One row's RMSNorm(x + residual) * weight in x's dtype (x + residual stored to res_out_ptr): the body of
+    _add_rmsnorm_kernel and of fp8_fused's quantizing variant."""
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * N + cols, mask=mask, other=0.0)
@@ -27,7 +25,17 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
     var = tl.sum(xf * xf, axis=0) / N
     y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * N + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    out = add_rmsnorm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, cols, mask, N, eps, HAS_RES)
+    tl.store(out_ptr + row * N + cols, out, mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
