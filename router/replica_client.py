@@ -71,6 +71,8 @@ class RouterReplicas:
 
     async def route(self, items: list[RouteItem], avoid: Sequence[int] = ()) -> tuple[list[int], list[Charge]]:
         """The shard of every item and who charged it. A replica lost mid-call: its items go to the next owner."""
+        if len(self.handles) == 1:  # one router (the default): one call, as before replicas
+            return await self.handles[0].route.remote(items, avoid), [self.charge(0)] * len(items)
         self._probe_dead()
         shards: list[int] = [-1] * len(items)
         charged: list[Charge] = [NO_CHARGE] * len(items)
