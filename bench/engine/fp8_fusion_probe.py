@@ -31,28 +31,12 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from bench.engine.fp8_gemm_probe import timed  # ms per call: calls captured in one CUDA graph, replayed
+
 log = logging.getLogger("bench.engine.fp8_fusion_probe")
 HIDDEN, QKV, INTER = 4096, 6144, 14336  # Llama-3.1-8B
 TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
 VARIANTS = ("unfused", "fused", "unfused_prod", "fused_prod", "fused_prod_2pass", "bf16", "w8a16")
-
-
-def timed(fn, calls: int) -> float:
-    """ms per call: `calls` calls captured in one CUDA graph, replayed once to warm, once between two events."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def make_chains(m: int, sets: int) -> dict:
