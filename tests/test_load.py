@@ -14,6 +14,7 @@ from bench import cli
 from bench.load.load_report import saturation_line, upgrade
 from bench.load.load_stalls import (
     STEP_KEYS,
+    TIMELINE_KEYS,
     GcWatch,
     merge,
     parse_metrics,
@@ -203,7 +204,7 @@ def test_stall_figures_read_around_a_window():
     before = merge([{"jit_compiles": 1, "gc_pauses_over_10ms": 0, "gc_pause_max_s": 0.004, "long_launches": 2,
                      "long_launch_s": 0.03},
                     {"jit_compiles": 2, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.02}])
-    none = {"attention_jit_compiles": None, "early_commits": None, **dict.fromkeys(STEP_KEYS)}
+    none = {"attention_jit_compiles": None, "early_commits": None, **dict.fromkeys(STEP_KEYS + TIMELINE_KEYS)}
     assert before == {"jit_compiles": 3, "gc_pauses_over_10ms": 1, "gc_pause_max_s": 0.02, "long_launches": 2,
                       "long_launch_s": 0.03, **none}
     after = {**before, "jit_compiles": 5, "gc_pauses_over_10ms": 2, "gc_pause_max_s": 0.05, "long_launches": 6,

@@ -166,6 +166,27 @@ def _launches(rec: dict) -> list[str]:
     return ([""] + out) if out else []
 
 
+def _timeline(rec: dict) -> list[str]:
+    """Per window, where the engines' step time went (engine/step_timeline.py): steps, GPU busy and idle seconds
+    (idle gaps of 1 ms or more: launches later than the step before them ended), the engine thread's host time per
+    step apart from its waits, and a decode-graph step's mean GPU time and rows."""
+    out = []
+    for w in sorted(rec["windows"], key=lambda w: w["offered_rps"]):
+        e = (w.get("stalls") or {}).get("engine") or {}
+        n = e.get("timeline_steps")
+        if not n:
+            continue
+        dg = e.get("decode_graph_timed_steps") or 0
+        dec = (f"; decode-graph steps {dg:.0f}, GPU {1e3 * e['decode_graph_gpu_s'] / dg:.2f} ms at "
+               f"{e['decode_graph_rows'] / dg:.1f} rows each" if dg else "")
+        out.append(f"- at {w['offered_rps']:.2f} req/s, {n:.0f} timed steps: GPU busy {e['gpu_busy_s']:.2f} s "
+                   f"({1e3 * e['gpu_busy_s'] / n:.2f} ms a step), idle between steps {e['gpu_idle_s']:.2f} s "
+                   f"({e['gpu_idle_gaps']:.0f} gaps of 1 ms+, {e['gpu_idle_gaps_s']:.2f} s); host "
+                   f"{1e3 * e['host_step_s'] / n:.2f} ms a step apart from {1e3 * e['sync_wait_s'] / n:.2f} ms waiting "
+                   f"for the GPU{dec}")
+    return ([""] + out) if out else []
+
+
 def _kill(w: dict) -> str:
     k = w["kill"]
     if not k.get("fired"):
@@ -213,7 +234,7 @@ def render(records: list[dict]) -> str:
                          f"{w['slo_met_pct']:.1f} | {w['interactive_rps']:.3f} ({w['interactive_met_pct']:.1f}) | "
                          f"{w['rejected']} | {w['failed']} | {_trio(t)} | {_ms(p, 'p50')} / {_ms(p, 'p99')} | "
                          f"{_ms(i, 'p50')} / {_ms(i, 'p99')} | {_pair(e)} | {_cache(w)} | {_stalls(w)} |")
-        lines += _pauses(rec) + _long_gaps(rec) + _launches(rec)
+        lines += _pauses(rec) + _long_gaps(rec) + _launches(rec) + _timeline(rec)
         kills = [_kill(w) for w in rec["windows"] if "kill" in w]
         lines += ([""] + [f"- shard kill {x}" for x in kills]) if kills else []
         lines.append("")

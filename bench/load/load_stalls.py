@@ -10,6 +10,7 @@ import re
 import urllib.request
 
 from flame_llm.engine.stalls import GcPauses
+from flame_llm.serving.metrics import ENGINE_COUNTERS
 
 log = logging.getLogger(__name__)
 
@@ -17,12 +18,16 @@ log = logging.getLogger(__name__)
 # and schedule-to-complete seconds of decode-only and prefill/mixed steps; vLLM: its iteration_tokens histogram)
 STEP_KEYS = ("num_steps", "step_tokens", "num_decode_steps", "num_mixed_steps", "num_prefill_tokens",
              "num_decode_tokens", "decode_time_s", "prefill_time_s", "mixed_graph_steps")
+# the step timeline (engine/step_timeline.py): GPU busy and idle seconds between steps, the engine thread's host
+# seconds apart from its waits, and GPU seconds per step path (a late launch vs a slower step under load)
+TIMELINE_KEYS = tuple(k for k, _, _ in ENGINE_COUNTERS if k not in STEP_KEYS and k not in (
+    "jit_compiles", "gc_pauses_over_10ms", "long_launches", "long_launch_s", "early_commits", "num_prefill_steps"))
 VLLM_STEPS = {"vllm:iteration_tokens_total_count": "num_steps", "vllm:iteration_tokens_total_sum": "step_tokens"}
 # engine stats() keys: kernel variants compiled after warmup (any kernel; attention's alone on older engines),
 # GC pauses over 10 ms and the longest pause so far
 # and the long eager launches (count, host seconds) with the hand-outs emit_before_long_launch moved before them
 COUNT_KEYS = ("jit_compiles", "attention_jit_compiles", "gc_pauses_over_10ms", "long_launches", "long_launch_s",
-              "early_commits", *STEP_KEYS)
+              "early_commits", *STEP_KEYS, *TIMELINE_KEYS)
 MAX_KEYS = ("gc_pause_max_s",)
 
 
@@ -51,13 +56,14 @@ def parse_metrics(text: str) -> dict:
                 ("gc_pauses_over_10ms", "gc_pauses_over_10ms"), ("gc_pause_max_s", "gc_pause_max_s"),
                 ("gc_pause_max_seconds", "gc_pause_max_s"), ("long_launches", "long_launches"),
                 ("long_launch_seconds", "long_launch_s"), ("early_commits", "early_commits"))
+    shard_names = {f"flame_shard_{name}": key for key, name, _ in ENGINE_COUNTERS}
     found: dict = {}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
         if not m:
             continue
         name = m.group(1).removesuffix("_total")
-        key = next((k for suffix, k in suffixes if name.endswith(suffix)), None)
+        key = shard_names.get(name) or next((k for suffix, k in suffixes if name.endswith(suffix)), None)
         if key is None:
             continue
         v = float(m.group(3))
@@ -101,12 +107,8 @@ def engine_stats(system) -> list[dict] | None:
     kind = system.system.kind
     if kind == "flame":
         import ray
-        out = [s.get("engine", {}) for s in ray.get([a.stats.remote() for a in system.service.actors.values()])]
-        for e in out:
-            if "num_decode_steps" in e:
-                e["num_steps"] = e["num_decode_steps"] + e.get("num_prefill_steps", 0)
-                e["step_tokens"] = e.get("num_decode_tokens", 0) + e.get("num_prefill_tokens", 0)
-        return out
+        return _with_totals([s.get("engine", {}) for s in ray.get([a.stats.remote()
+                                                                   for a in system.service.actors.values()])])
     if kind == "vllm":
         return [vllm_steps(_get(f"{r.url}/metrics")) for r in system.http_replicas()]
     if kind == "engine":
@@ -117,8 +119,17 @@ def engine_stats(system) -> list[dict] | None:
             except OSError as e:
                 log.warning("could not read %s/metrics: %s", r.url, e)
                 out.append({})
-        return out
+        return _with_totals(out)
     return None
+
+
+def _with_totals(stats: list[dict]) -> list[dict]:
+    """Our engines' step totals (vLLM's histogram gives them as they are) from their decode and prefill steps."""
+    for e in stats:
+        if "num_decode_steps" in e:
+            e["num_steps"] = e["num_decode_steps"] + e.get("num_prefill_steps", 0)
+            e["step_tokens"] = e.get("num_decode_tokens", 0) + e.get("num_prefill_tokens", 0)
+    return stats
 
 
 def stall_counters(system) -> dict | None:

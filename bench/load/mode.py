@@ -158,6 +158,15 @@ def run_window(system, replicas, cfg: LoadConfig, rate: float, docs, revision: s
     return w, got
 
 
+def mark_window(label: str, rate: float) -> None:
+    """Write "label rate" to $LOAD_WINDOW_MARK (when set) as a window starts: a profiler beside the load
+    (bench/service/spy_load.sh) samples the window, not the start-up or the warm-up."""
+    path = os.environ.get("LOAD_WINDOW_MARK")
+    if path:
+        with open(path, "w") as f:
+            f.write(f"{label} {rate:g}\n")
+
+
 def run_system(label: str, o, cfg: LoadConfig, out_dir: str, warmup_requests: int,
                auto: AutoSearch | None = None) -> dict:
     """Start the system fresh, warm it up, run every rate's window (or the auto search), stop it; the raw record
@@ -199,6 +208,7 @@ def run_system(label: str, o, cfg: LoadConfig, out_dir: str, warmup_requests: in
                     rate = None
             if rate is None:
                 break
+            mark_window(label, rate)
             w, got = run_window(system, replicas, cfg, rate, docs, setup.model_revision, k)
             windows.append(w)
             outcomes.append(got)

@@ -47,6 +47,7 @@ class LLMEngine:
             self.async_scheduling = self.model_runner.device.type == "cuda" and self.spec is None
         self._inflight: StepHandle | None = None  # the launched step whose tokens are not read yet
         self.emit_before_long_launch = config.scheduler_config.emit_before_long_launch if self.async_scheduling else 0
+        self._idle = True  # the last step() left nothing to run (the step timeline's idle break)
         self.num_early_commits = 0  # steps read (and handed out) before the long step after them was enqueued
         # eager steps of LONG_LAUNCH_TOKENS or more: how many, and the host seconds preparing and enqueueing them
         self.num_long_launches, self.long_launch_s, self.long_launch_max_s = 0, 0.0, 0.0
@@ -132,6 +133,9 @@ class LLMEngine:
                 on_commit(finished)
             return finished, n
         sched = self.scheduler
+        t_step = time.perf_counter()
+        if self._idle:  # the GPU had nothing to run: the wait before this step is not a late launch
+            self.model_runner.timeline.idle_break()
         scheduled = sched.schedule()
         t0 = time.perf_counter()
         prepared = self.model_runner.prepare_launch(scheduled, self._inflight) if scheduled.seqs else None
@@ -141,17 +145,28 @@ class LLMEngine:
         elif on_commit is not None and self._inflight is not None and self._emit_first(prepared):
             # read the running step and hand its tokens out first; the prepared step's blocks stay as prepared,
             # since nothing is scheduled before it is enqueued
-            finished = sched.update_from_output(self._inflight.output())
+            done = self._inflight
+            finished = sched.update_from_output(done.output())
             on_commit(finished)
             self._inflight = self._launch(prepared, prepare_s)
             self.num_early_commits += 1
+            self._timed(done, t_step)
             return finished, scheduled.total_num_scheduled_tokens
         else:
             done, self._inflight = self._inflight, self._launch(prepared, prepare_s)
         finished = sched.update_from_output(done.output() if done is not None else None)
         if on_commit is not None:
             on_commit(finished)
+        self._timed(done, t_step)
         return finished, scheduled.total_num_scheduled_tokens
+
+    def _timed(self, done: StepHandle | None, t_step: float) -> None:
+        """Count a step() on the step timeline: the read step's GPU time, and this call's host time less its wait."""
+        timeline = self.model_runner.timeline
+        if done is not None:
+            timeline.finish(done.events)
+        timeline.count_host(time.perf_counter() - t_step, done.sync_s if done is not None else 0.0)
+        self._idle = self.is_finished()
 
     def _launch(self, prepared: PreparedStep | None, prepare_s: float) -> StepHandle | None:
         """Enqueue a prepared step; the host time of an eager one of LONG_LAUNCH_TOKENS or more (with its
@@ -193,6 +208,7 @@ class LLMEngine:
                 "mixed_graph_steps": runner.mixed.replays if runner.mixed is not None else 0,
                 "early_commits": self.num_early_commits, "long_launches": self.num_long_launches,
                 "long_launch_s": self.long_launch_s, "long_launch_max_s": self.long_launch_max_s,
+                **runner.timeline.stats(),
                 **(self.spec.stats() if self.spec else {})}
 
     def make_output(self, seq: Sequence) -> RequestOutput:

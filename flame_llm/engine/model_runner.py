@@ -9,6 +9,7 @@ step N."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,7 @@ from flame_llm.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from flame_llm.engine.selector import BACKEND_STEPS, resolve_backend, resolve_device, resolve_dtype
 from flame_llm.engine.sequence import Sequence
 from flame_llm.engine.step_inputs import DeviceInputs, Staging, StepInputs, build_step_inputs, upload
+from flame_llm.engine.step_timeline import StepEvents, StepTimeline
 from flame_llm.engine.warmup import warmup_fa4, warmup_triton
 from flame_llm.kernels.metadata import set_context
 from flame_llm.layers.attention import Attention
@@ -43,6 +45,7 @@ class ModelRunner:
         mc, rc = config.model_config, config.runner_config
         hf = mc.hf_config
         self.device = resolve_device(mc.device)
+        self.timeline = StepTimeline(self.device.type == "cuda")
         self.dtype = resolve_dtype(mc.dtype, self.device)
         # the KV pool's: the model dtype, or e4m3 with kv_cache_dtype fp8 (half the bytes a token)
         self.kv_dtype = torch.float8_e4m3fn if config.cache_config.kv_cache_dtype == "fp8" else self.dtype
@@ -192,9 +195,17 @@ class ModelRunner:
             path = "eager"
         return PreparedStep(scheduled, x, prev_sampled, path)
 
-    @torch.inference_mode()
     def launch_prepared(self, p: PreparedStep) -> StepHandle:
-        """Enqueue a prepared step (before any later step is scheduled: its blocks are as prepare_launch saw)."""
+        """Enqueue a prepared step (before any later step is scheduled: its blocks are as prepare_launch saw),
+        between the timing events of the step timeline (CUDA)."""
+        events = self.timeline.begin()
+        handle = self._enqueue(p)
+        self.timeline.end(events, p.path, len(p.scheduled.seqs))
+        handle.events = events
+        return handle
+
+    @torch.inference_mode()
+    def _enqueue(self, p: PreparedStep) -> StepHandle:
         seqs, x, prev_sampled = p.scheduled.seqs, p.x, p.prev_sampled
         handle = StepHandle(p.scheduled, x.sample_idx)
         if p.path == "decode graph":
@@ -249,6 +260,8 @@ class StepHandle:
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     failed: dict[int, str] = field(default_factory=dict)  # index in seqs -> why its sampling failed (its own)
+    events: StepEvents | None = None  # the step timeline's timing events (CUDA)
+    sync_s: float = 0.0  # host seconds output() waited for the step's tokens
 
     def set_sampled(self, sampled: torch.Tensor, rows: dict[int, int]) -> None:
         self.sampled, self.rows = sampled, rows
@@ -265,7 +278,9 @@ class StepHandle:
         out: list[int | None] = [None] * len(self.scheduled.seqs)
         if self.host is not None:
             if self.event is not None:
+                t0 = time.perf_counter()
                 self.event.synchronize()
+                self.sync_s = time.perf_counter() - t0
             for i, tok in zip(self.sample_idx, self.host.tolist()):
                 out[i] = tok
             for i in self.failed:  # its greedy placeholder is not its token

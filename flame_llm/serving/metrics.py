@@ -50,6 +50,35 @@ def quantile(h: dict, q: float) -> float | None:
     return float("inf")
 
 
+
+# engine stats() counters every shard exports as flame_shard_<name>_total: what can stall every stream of a shard
+# (issue 18: kernels compiled after startup, long collector pauses, the host time of long eager launches, which the
+# tokens of the step before each wait for), and where a step's time goes (issue 39: the scheduler's step counts and
+# the step timeline's GPU busy/idle and host seconds, engine/step_timeline.py)
+ENGINE_COUNTERS = (
+    ("jit_compiles", "jit_compiles", "kernel variants compiled after startup"),
+    ("gc_pauses_over_10ms", "gc_pauses_over_10ms", "collector pauses over 10 ms in the engine's process"),
+    ("mixed_graph_steps", "mixed_graph_steps", "steps with prefill tokens replayed from a CUDA graph"),
+    ("long_launches", "long_launches", "eager steps of 2,048+ tokens enqueued"),
+    ("long_launch_s", "long_launch_seconds", "host seconds preparing and enqueueing those steps"),
+    ("early_commits", "early_commits", "steps handed out before the long step after them was enqueued"),
+    ("num_decode_steps", "decode_steps", "steps of decode rows only"),
+    ("num_prefill_steps", "prefill_steps", "steps with prefill tokens (mixed steps included)"),
+    ("num_mixed_steps", "mixed_steps", "steps with prefill tokens and decode rows"),
+    ("num_prefill_tokens", "prefill_tokens", "prefill tokens computed"),
+    ("num_decode_tokens", "decode_tokens", "decode tokens computed"),
+    ("timeline_steps", "timeline_steps", "steps timed on the GPU"),
+    ("gpu_busy_s", "gpu_busy_seconds", "GPU seconds from a step's first kernel to its last"),
+    ("gpu_idle_s", "gpu_idle_seconds", "GPU seconds idle between steps while work was running"),
+    ("gpu_idle_gaps", "gpu_idle_gaps", "idle gaps of 1 ms or more between steps (late launches)"),
+    ("gpu_idle_gaps_s", "gpu_idle_gap_seconds", "GPU seconds in those gaps"),
+    ("host_step_s", "host_step_seconds", "engine-thread seconds per step apart from waiting for the GPU"),
+    ("sync_wait_s", "sync_wait_seconds", "engine-thread seconds waiting for a step's tokens"),
+    *((f"{p}_{k}", f"{p}_{n}", f"{p.replace('_', ' ')} steps: {d}") for p in ("decode_graph", "mixed_graph", "eager")
+      for k, n, d in (("timed_steps", "timed_steps", "steps timed"), ("gpu_s", "gpu_seconds", "GPU seconds"),
+                      ("rows", "rows", "sequences they carried"))),
+)
+
 class _StatusCollector:
     def __init__(self, st: dict, client: dict | None) -> None:
         self.st, self.client = st, client
@@ -65,15 +94,8 @@ class _StatusCollector:
             ("aborted", "requests aborted (their caller gave up or died)"), ("requests", "requests served"),
             ("batches", "request batches received"), ("prompt_tokens", "prompt tokens served"),
             ("cached_tokens", "prompt tokens served from the prefix cache"), ("output_tokens", "tokens generated"))}
-        # what can stall every stream of a shard (issue 18): kernels compiled after startup, long collector pauses
-        # and the host time of long eager launches, which the tokens of the step before each wait for
-        stalls = {k: CounterMetricFamily(f"flame_shard_{name}", doc, labels=["shard", "device"]) for k, name, doc in (
-            ("jit_compiles", "jit_compiles", "kernel variants compiled after startup"),
-            ("gc_pauses_over_10ms", "gc_pauses_over_10ms", "collector pauses over 10 ms in the engine's process"),
-            ("mixed_graph_steps", "mixed_graph_steps", "steps with prefill tokens replayed from a CUDA graph"),
-            ("long_launches", "long_launches", "eager steps of 2,048+ tokens enqueued"),
-            ("long_launch_s", "long_launch_seconds", "host seconds preparing and enqueueing those steps"),
-            ("early_commits", "early_commits", "steps handed out before the long step after them was enqueued"))}
+        stalls = {k: CounterMetricFamily(f"flame_shard_{name}", doc, labels=["shard", "device"])
+                  for k, name, doc in ENGINE_COUNTERS}
         payload = CounterMetricFamily("flame_shard_payload_bytes", "request payload bytes a shard received",
                                       labels=["shard", "device", "kind"])
         hists = {k: HistogramMetricFamily(name, doc, labels=["shard", "device"])
