@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineBackend:
-    """The http_app backend over one AsyncEngine (the caller owns the engine's life)."""
+    """The http_app backend over one AsyncEngine or ProcessEngine (the caller owns the engine's life)."""
 
     def __init__(self, engine, device: str = "cpu", model_name: str | None = None) -> None:
         self.engine, self.device = engine, device
@@ -34,7 +34,7 @@ class EngineBackend:
         self.limits = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len)
         # the `tokenizer` field's, else the model directory's (errors, a bad field or too many ids, propagate);
         # None: the model directory has none, token-id prompts only
-        self.tokenizer = engine.engine.tokenizer if mc.tokenizer or has_tokenizer(mc.model) else None
+        self.tokenizer = engine.tokenizer if mc.tokenizer or has_tokenizer(mc.model) else None
         self.model_names = (model_name or os.path.basename(os.path.normpath(mc.model)), mc.model)
         self.info = {"model": mc.model, "model_name": self.model_names[0], "model_revision": mc.model_revision,
                      "device": device, "node": os.uname().nodename, "pid": os.getpid(), **self.limits.to_dict()}
@@ -66,7 +66,7 @@ class EngineBackend:
         (one engine, no client credit queue)."""
         try:
             for p, sp in zip(prompts, sampling, strict=True):
-                self.engine.engine.check_request(p, sp)
+                self.engine.check_request(p, sp)
         except ValueError as e:
             err = ErrorInfo(ErrorCode.INVALID_REQUEST, str(e))
             return [self._result("", p, error=err) for p in prompts]
