@@ -117,6 +117,8 @@ ARGUMENTS = [
     (("--quantization",), {"default": None, "choices": ("fp8",),
                            "help": "fp8: W8A8 FP8 projections (the engine field quantization)"}),
     (("--engine-json",), {"default": "{}", "help": "extra flame_llm.config.Config fields as a JSON object"}),
+    (("--engine-process",), {"action": "store_true", "help": "run the engine's step loop in a child process of its "
+                                                              "own (the engine field engine_process)"}),
     (("--torch-threads",), {"type": int, "default": 0, "help": "CPU intra-op threads (0: torch's default)"}),
     (("--api-key",), {"default": None, "help": "require 'Authorization: Bearer <key>' on /v1/* and /metrics (shows "
                                                "in `ps`: prefer --api-key-file or FLAME_API_KEY)"}),
@@ -130,14 +132,16 @@ ARGUMENTS = [
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
-    """The engine's fields from the flags: --load-format, --quantization and --tokenizer, then --engine-json's over
-    them."""
+    """The engine's fields from the flags: --load-format, --quantization, --tokenizer and --engine-process, then
+    --engine-json's over them."""
     from flame_llm.config import engine_fields_from_json
 
     named = {"load_format": args.load_format}
     for name in ("quantization", "tokenizer"):
         if getattr(args, name, None) is not None:
             named[name] = getattr(args, name)
+    if getattr(args, "engine_process", False):
+        named["engine_process"] = True
     return {**named, **engine_fields_from_json(args.engine_json)}
 
 
