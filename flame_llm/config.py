@@ -137,7 +137,8 @@ class SchedulerConfig:
     # the step loop (LLMEngine and its model) runs in a child process of its own (engine/engine_process.py), as
     # vLLM's EngineCore does, instead of on a thread beside the callers' asyncio loop: in one process the engine
     # thread waits for the GIL whenever that loop is busy writing streams (issue 39: on the H200 a step every 12.3 ms
-    # where vLLM's came every 10.3). Off: AsyncEngine's thread, as before. Not with enable_kv_events
+    # where vLLM's came every 10.3). Off: AsyncEngine's thread, as before. Not with enable_kv_events; handoff_wait_ms
+    # has no effect with it (no engine thread shares the callers' GIL)
     engine_process: bool = False  # run the step loop in a child process (spawned), not a thread
 
     def __post_init__(self) -> None:
