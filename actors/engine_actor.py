@@ -21,7 +21,6 @@ import ray
 
 from actors.admission import Admission, Overloaded, request_cost
 from actors.as_finished import as_finished
-from actors.faults import break_engine, slow_engine
 from actors.host import EngineHost
 from actors.inflight import DuplicateRequestId, Inflight
 from actors.liveness import LIVE_TIMEOUT_S, Liveness, probe
@@ -272,13 +271,13 @@ class EngineActor:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def debug_break_engine(self) -> None:
-        """Fault injection (tests, drills): actors/faults.py break_engine."""
-        break_engine(self.engine.engine, self.name)
+        """Fault injection (tests, drills): flame_llm/engine/faults.py break_engine."""
+        self.engine.break_engine(self.name)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def debug_slow_engine(self, pause_s: float) -> None:
-        """Fault injection (tests, drills): actors/faults.py slow_engine."""
-        slow_engine(self.engine.engine, pause_s)
+        """Fault injection (tests, drills): flame_llm/engine/faults.py slow_engine."""
+        self.engine.slow_engine(pause_s)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self) -> dict:
@@ -292,7 +291,7 @@ class EngineActor:
         """The prefix-cache event batches after a reader's cursor, or one snapshot (flame_llm/protocol/kv_events.py).
         ValueError unless the engine runs with enable_kv_events."""
         if getattr(self, "kv_log", None) is None:
-            self.kv_log = KvEventLog(self.shard, self.engine.engine.block_manager)
+            self.kv_log = KvEventLog(self.shard, self.engine.block_manager)
         return self.kv_log.read(epoch, after_seq)
 
     @ray.method(concurrency_group=CONTROL_GROUP)

@@ -12,14 +12,16 @@ import time
 from dataclasses import dataclass
 
 from actors.pinning import pin_visible_device, verify_device
+from flame_llm.config import Config
 from flame_llm.engine.async_engine import AsyncEngine
+from flame_llm.engine.engine_process import ProcessEngine, make_async_engine
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class EngineHost:
-    engine: AsyncEngine
+    engine: AsyncEngine | ProcessEngine  # engine_process: the step loop in a child process
     model: str  # the resolved model directory
     device: str  # what results report: the GPU UUID, or the CPU shard's name (cpu-k)
     load_s: float
@@ -44,7 +46,7 @@ class EngineHost:
             kwargs.setdefault("device", "cpu")
         t0 = time.perf_counter()
         model = resolve_model(model)
-        engine = AsyncEngine.from_args(model, **kwargs)
+        engine = make_async_engine(Config.from_kwargs(model, **kwargs))
         load_s = time.perf_counter() - t0
         gc.collect()
         gc.freeze()  # everything allocated so far lives as long as the process

@@ -51,13 +51,16 @@ def test_system_labels():
     assert parse_system("vllm-fp8").vllm_config == "fp8" and parse_system("vllm").vllm_config == "default"
     assert parse_system("flame-fp8").engine == parse_system("engine-fp8").engine == {"quantization": "fp8"}
     assert parse_system("flame-fp8kv").engine == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    # issue 39: the step loop in a process of its own
+    assert parse_system("flame-proc").engine == parse_system("engine-proc").engine == {"engine_process": True}
+    assert parse_system("engine-proc").kind == "engine" and parse_system("flame-proc").kind == "flame"
     assert parse_system("vllm-seed-rr").policy == "round_robin" and parse_system("engine", "cumulative").policy == \
         "cumulative"
     with pytest.raises(ValueError, match="system must be one of flame, flame-nomix, flame-mix2k, "
                                          "flame-noprune, flame-noearly, engine, engine-nomix, engine-mix2k, "
                                          "engine-noprune, engine-noearly, flame-gil, engine-gil, vllm, vllm-seed, "
                                          "flame-fp8, engine-fp8, "
-                                         "vllm-fp8, flame-fp8kv, engine-fp8kv"):
+                                         "vllm-fp8, flame-fp8kv, engine-fp8kv, flame-proc, engine-proc"):
         parse_system("sglang")
     rr = parse_system("flame-rr")
     assert (rr.kind, rr.client, rr.policy) == ("flame", {}, "round_robin")

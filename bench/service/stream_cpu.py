@@ -90,9 +90,12 @@ async def window(url: str, streams: int, out_tokens: int, prompt_tokens: int, vo
 
 def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int,
             engine: tuple[str, int | None], shard_stats=None) -> dict:
-    """engine: (the process that runs the engine, its engine thread's native id when known). shard_stats: the
-    engine actor's stats (flame), whose stream-server output counters are read around the window."""
+    """engine: (the process that hosts the engine, its engine thread's native id when known). shard_stats: the
+    engine actor's stats (flame), whose stream-server output counters are read around the window. With
+    engine_process the step loop runs in that process's child ("<process> engine process" in pids): the split is
+    then the child's CPU (engine thread) against the host process's (other threads)."""
     proc, tid = engine
+    child = f"{proc} engine process"
     sock0 = shard_stats() if shard_stats is not None else {}
     threads0 = thread_cpu_s(pids[proc])
     before, t = cpu_s({**pids, "load generator": os.getpid()}), time.perf_counter()
@@ -103,9 +106,12 @@ def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int,
     tokens = sum(o.output_tokens for o in outs)
     sock = {k: v - sock0[k] for k, v in shard_stats().items() if k in sock0} if shard_stats is not None else {}
     per_tok = {k: 1e6 * (after[k] - before[k]) / tokens for k in after}
+    if child in pids:  # the step loop's process: all of it is the engine's
+        eng_s, how = after[child] - before[child], "its engine process (engine_process)"
+        per_tok[proc] += per_tok[child]  # the host's columns stay comparable: host + its engine process
     split = {"engine thread": 1e6 * eng_s / tokens, "found as": how,
              "other threads": per_tok[proc] - 1e6 * eng_s / tokens}
-    system = sum(v for k, v in per_tok.items() if k != "load generator")
+    system = sum(v for k, v in per_tok.items() if k not in ("load generator", child))
     itl = [b - x for o in outs for x, b in zip(o.chunk_s, o.chunk_s[1:])]
     return {"system": name, "streams": len(outs), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "cpu_us_per_token": per_tok, "engine_process_split": split, "system_cpu_us_per_token": system,
@@ -116,16 +122,30 @@ def measure(name: str, url: str, pids: dict[str, int], a, vocab: int, seed: int,
             if "socket_out_writes" in sock else None}
 
 
-def flame_pids(flame) -> tuple[dict[str, int], int]:
-    """The pids of flame's actors on this one-shard service, and the engine actor's engine thread's native id."""
+def flame_pids(flame) -> tuple[dict[str, int], int | None]:
+    """The pids of flame's actors on this one-shard service (and of the engine actor's engine process, with
+    engine_process), and the engine actor's engine thread's native id (None with engine_process)."""
     import ray
 
     actor = next(iter(flame.service.actors.values()))
     door, _ = flame._door
     pid = lambda h: ray.get(h.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
-    tid = ray.get(actor.__ray_call__.remote(lambda self: self.engine._thread.native_id))
-    return {"engine actor": ray.get(actor.health.remote()).pid, "front door": pid(door),
-            "router": pid(flame.service.router)}, tid
+    tid, child = ray.get(actor.__ray_call__.remote(
+        lambda self: (self.engine._thread.native_id, None) if hasattr(self.engine, "_thread") else
+        (None, self.engine.pid)))
+    pids = {"engine actor": ray.get(actor.health.remote()).pid, "front door": pid(door),
+            "router": pid(flame.service.router)}
+    if child is not None:
+        pids["engine actor engine process"] = child
+    return pids, tid
+
+
+def serve_http_pids(pid: int) -> dict[str, int]:
+    """serve-http's process, and its engine process (its one child, with engine_process)."""
+    import psutil
+
+    kids = [c for c in psutil.Process(pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    return {"serve-http": pid, **({"serve-http engine process": kids[0].pid} if kids else {})}
 
 
 def py_spy(pids: dict[str, int], seconds: float, folder: str) -> list[subprocess.Popen]:
@@ -217,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             flame.start()
             urls = {"serve-http": http.http_replicas()[0].url, "flame door": flame.http_replicas()[0].url}
             door_pids, tid = flame_pids(flame)
-            pids = {"serve-http": {"serve-http": http.procs[0].pid}, "flame door": door_pids}
+            pids = {"serve-http": serve_http_pids(http.procs[0].pid), "flame door": door_pids}
             engine = {"serve-http": ("serve-http", None), "flame door": ("engine actor", tid)}
             actor = next(iter(flame.service.actors.values()))
             stats = {"serve-http": None, "flame door": lambda: {k: v for k, v in ray.get(actor.stats.remote()).items()

@@ -23,6 +23,7 @@ import numpy as np
 
 from flame_llm.config import Config
 from flame_llm.engine.coalesce import coalesced
+from flame_llm.engine.faults import break_engine, slow_engine
 from flame_llm.engine.llm_engine import LLMEngine
 from flame_llm.engine.sequence import Sequence
 from flame_llm.outputs import RequestOutput
@@ -151,6 +152,27 @@ class AsyncEngine:
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
+
+    # ---- what callers reached through `.engine` (the engine process's facade has the same names) ------------
+    @property
+    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase (loaded lazily)
+        return self.engine.tokenizer
+
+    def check_request(self, prompt_token_ids: list[int], sp: SamplingParams) -> None:
+        """LLMEngine.check_request: ValueError naming the field and the limit."""
+        self.engine.check_request(prompt_token_ids, sp)
+
+    @property
+    def block_manager(self):  # -> BlockManager, whose cache events KvEventLog reads
+        return self.engine.block_manager
+
+    def break_engine(self, shard_name: str) -> None:
+        """Fault injection (engine/faults.py): the next step raises."""
+        break_engine(self.engine, shard_name)
+
+    def slow_engine(self, pause_s: float) -> None:
+        """Fault injection (engine/faults.py): pause pause_s after each step (0: no more)."""
+        slow_engine(self.engine, pause_s)
 
     def stats(self) -> dict:
         with self._cond:

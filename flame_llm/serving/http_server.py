@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineBackend:
-    """The http_app backend over one AsyncEngine (the caller owns the engine's life)."""
+    """The http_app backend over one AsyncEngine or ProcessEngine (the caller owns the engine's life)."""
 
     def __init__(self, engine, device: str = "cpu", model_name: str | None = None) -> None:
         self.engine, self.device = engine, device
@@ -34,7 +34,7 @@ class EngineBackend:
         self.limits = EngineLimits.of(mc.hf_config.vocab_size, mc.max_model_len)
         # the `tokenizer` field's, else the model directory's (errors, a bad field or too many ids, propagate);
         # None: the model directory has none, token-id prompts only
-        self.tokenizer = engine.engine.tokenizer if mc.tokenizer or has_tokenizer(mc.model) else None
+        self.tokenizer = engine.tokenizer if mc.tokenizer or has_tokenizer(mc.model) else None
         self.model_names = (model_name or os.path.basename(os.path.normpath(mc.model)), mc.model)
         self.info = {"model": mc.model, "model_name": self.model_names[0], "model_revision": mc.model_revision,
                      "device": device, "node": os.uname().nodename, "pid": os.getpid(), **self.limits.to_dict()}
@@ -66,7 +66,7 @@ class EngineBackend:
         (one engine, no client credit queue)."""
         try:
             for p, sp in zip(prompts, sampling, strict=True):
-                self.engine.engine.check_request(p, sp)
+                self.engine.check_request(p, sp)
         except ValueError as e:
             err = ErrorInfo(ErrorCode.INVALID_REQUEST, str(e))
             return [self._result("", p, error=err) for p in prompts]
@@ -117,6 +117,8 @@ ARGUMENTS = [
     (("--quantization",), {"default": None, "choices": ("fp8",),
                            "help": "fp8: W8A8 FP8 projections (the engine field quantization)"}),
     (("--engine-json",), {"default": "{}", "help": "extra flame_llm.config.Config fields as a JSON object"}),
+    (("--engine-process",), {"action": "store_true", "help": "run the engine's step loop in a child process of its "
+                                                              "own (the engine field engine_process)"}),
     (("--torch-threads",), {"type": int, "default": 0, "help": "CPU intra-op threads (0: torch's default)"}),
     (("--api-key",), {"default": None, "help": "require 'Authorization: Bearer <key>' on /v1/* and /metrics (shows "
                                                "in `ps`: prefer --api-key-file or FLAME_API_KEY)"}),
@@ -130,14 +132,16 @@ ARGUMENTS = [
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
-    """The engine's fields from the flags: --load-format, --quantization and --tokenizer, then --engine-json's over
-    them."""
+    """The engine's fields from the flags: --load-format, --quantization, --tokenizer and --engine-process, then
+    --engine-json's over them."""
     from flame_llm.config import engine_fields_from_json
 
     named = {"load_format": args.load_format}
     for name in ("quantization", "tokenizer"):
         if getattr(args, name, None) is not None:
             named[name] = getattr(args, name)
+    if getattr(args, "engine_process", False):
+        named["engine_process"] = True
     return {**named, **engine_fields_from_json(args.engine_json)}
 
 

@@ -1,5 +1,6 @@
-"""Fault injection for tests and drills, reached through the engine actor's debug_* methods: each changes the
-live engine of one shard as a real fault would."""
+"""Fault injection for tests and drills, reached through the engine actor's debug_* methods and the engine's
+break_engine / slow_engine (AsyncEngine's, or forwarded to the engine process as commands): each changes the live
+LLMEngine of one shard as a real fault would. In the engine layer so the engine process can run them."""
 from __future__ import annotations
 
 import time
