@@ -18,7 +18,7 @@ from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import ClientCounters, Pending
+from flame_llm.serving.pending import ClientCounters, Pending
 from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
 from router.actor import replica_name, start_router

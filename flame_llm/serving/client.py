@@ -26,11 +26,11 @@ from flame_llm.protocol.checks import fits_utf8
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result
 from flame_llm.sampling_params import SamplingParams, brief
-from flame_llm.serving.batcher import ClientCounters
 from flame_llm.serving.client_config import ClientConfig, check_retired
 from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
+from flame_llm.serving.pending import ClientCounters
 from flame_llm.serving.prompts import RequestMaker
 from flame_llm.serving.ray_attach import attach, find_service, resolve_namespace
 
@@ -77,7 +77,7 @@ class Client:
             self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
             self._thread.start()
         # a connection per shard from now on: a shard's death is seen at once
-        self._loop.call_soon_threadsafe(self.dispatch.shards.keep_connected)
+        self._loop.call_soon_threadsafe(self.dispatch.keep_connected)
 
     @classmethod
     def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:

@@ -4,10 +4,10 @@ as a batch of one, served over the client's TCP connection to the shard's stream
 chunks as the engine samples them, then the result payload.
 
 What happens after an attempt is the batches' policy (flame_llm/serving/retry.py), carried out here with the
-Dispatcher's help: until its first token arrives a stream is retried as a batch request is; after that a shard's
-error ends it, and its shard's death sends its continuation once the shard is
-back or to another shard (the original prompt plus the streamed tokens, retry.py): the caller's stream goes on
-with no token repeated or skipped. Cancelling the task that runs it (the caller stopped reading) aborts it on its
+shard's channel (channel.py): until its first token arrives a stream is retried as a batch request is; after that
+a shard's error ends it, and its shard's death sends its continuation once the shard is back or to another shard
+(the original prompt plus the streamed tokens, retry.py): the caller's stream goes on with no token repeated or
+skipped. Cancelling the task that runs it (the caller stopped reading) aborts it on its
 shard."""
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from flame_llm.protocol.types import Request, Result, prompt_digest
 from flame_llm.protocol.wire import request_wire_size
-from flame_llm.serving.batcher import Pending, failed_result, set_estimates
-from flame_llm.serving.dispatch import Dispatcher, completion
+from flame_llm.serving.channel import SHARD_LOST, ShardChannel
+from flame_llm.serving.dispatch import Dispatcher
+from flame_llm.serving.pending import Pending, failed_result, set_estimates
 from flame_llm.serving.retry import Action, continuation, decide, stream_end
-from flame_llm.serving.shard_watch import SHARD_LOST
 
 
 @dataclass(slots=True)
@@ -65,16 +65,17 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             result = p.future.result()
             break
         payload = d.codec.encode([p])
+        ch = d.channels[shard]
         r, lost, before = None, None, len(streamed)
         split.pop("first_chunk_at_client", None)  # this attempt's
         try:
             t0 = time.perf_counter()
-            await d.take_credit(shard, p.request.user)  # in its user's turn, as batches are
+            await ch.take(p.request.user)  # in its user's turn, as batches are
             split["credit_wait_s"] = time.perf_counter() - t0
             try:
-                r = await _one_stream(d, shard, payload, streamed, push, split, untold)
+                r = await _one_stream(d, ch, payload, streamed, push, split, untold)
             finally:
-                d.give_credit(shard)
+                ch.give()
         except SHARD_LOST as e:
             lost = e
         finally:
@@ -83,13 +84,13 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered there
                 d.forget(shard, [p])
         if r is not None:
-            d.complete([completion(shard, p, r)], [p])
+            d.complete(shard, [(p, r)])
         now_streamed = len(streamed) > before  # earlier attempts' tokens are in this attempt's prompt
         end = (stream_end(original, streamed, d.max_model_len, d.eos_token_ids)
                if lost is not None and now_streamed else None)
         decision = decide(p, d.max_retries, r, lost, shard, streamed=now_streamed, complete=end)
         if decision.action is Action.DONE and r is None:  # the shard died after the stream's last token
-            d.loss.watch_loss(shard, lost)
+            ch.watch_loss(lost)
             result = Result(rid, finish_reason=decision.finish_reason, shard=shard)
             _as_asked(result, original)
             break
@@ -98,10 +99,10 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
             break
         if decision.action is Action.FAIL:
             if lost is not None:  # the stream ends here, but new requests avoid the shard while it restarts
-                d.loss.watch_loss(shard, lost)
+                ch.watch_loss(lost)
             result = failed_result(p, decision.error)
             break
-        await d.apply(shard, p, decision, r, lost)
+        await ch.apply(p, decision, r, lost)
         if lost is not None and now_streamed:  # go on from the last token (the caller's request is untouched)
             p.request = continuation(original, streamed)
             p.wire_bytes = request_wire_size(len(p.request.prompt_token_ids), len(p.request.sampling.stop_token_ids))
@@ -129,7 +130,7 @@ def _tell(d: Dispatcher, untold: list[Pending], shard: int) -> None:
         d.routing.tell(untold.pop(), shard)
 
 
-async def _one_stream(d: Dispatcher, shard: int, payload: bytes, streamed: list[int],
+async def _one_stream(d: Dispatcher, ch: ShardChannel, payload: bytes, streamed: list[int],
                       push: Callable[[StreamChunk], None], split: dict[str, float], untold: list[Pending]) -> Result:
     """One attempt on one shard, over the client's connection to its stream server: push its token chunks, return
     its result. Cancelled: abort it on the shard. A lost shard (or connection) raises SHARD_LOST; the attempt does
@@ -138,7 +139,7 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, streamed: list[
     untold: the request when the router is still to be told of its placement (done TELL_AFTER_S after the first
     chunk, or by stream_request when the stream ends first)."""
     split["sent_at"] = time.time()
-    items = d.shards.streams.items(shard, payload, d.caller, d.client_id)
+    items = ch.stream_items(payload)
     telling = None
     async with aclosing(items):
         async for item in items:
@@ -148,7 +149,7 @@ async def _one_stream(d: Dispatcher, shard: int, payload: bytes, streamed: list[
                 streamed.extend(item)
                 push(StreamChunk(item))
                 if untold and not telling:
-                    telling = asyncio.get_running_loop().call_later(TELL_AFTER_S, _tell, d, untold, shard)
+                    telling = asyncio.get_running_loop().call_later(TELL_AFTER_S, _tell, d, untold, ch.shard)
                 continue
             (r,) = d.codec.decode(item)
             return r

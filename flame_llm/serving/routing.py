@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import RouteItem
-from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
+from flame_llm.serving.pending import ClientCounters, Pending, failed_result
 from flame_llm.serving.shard_watch import ShardWatch
 from router.replica_client import Charge, RouterReplicas
 from router.replicas import RouteCache
