@@ -105,7 +105,7 @@ class EngineActor:
                            owner: str | None = None, batch: bool = False):
         """The items of one stream (the stream server's): lists of new token ids as the engine samples them, then
         the result payload (its timings add arrived_at and first_chunk_at, time.time() when the payload arrived and
-        the first chunk left). Aborting the request (`abort`), its caller's job dying, or the reader leaving ends it
+        the first chunk left). Aborting the request (an ABORT frame), its caller's job dying, or the reader leaving ends it
         in the engine. `owner`: the sender's identity here (a stream connection; None: the caller), which its
         request id is unique within (`caller`: the sender's Ray job, whose requests are aborted when it dies;
         (caller, client) is the sender's turn in admission). `batch`: the payload is a batch, each request's result
@@ -242,13 +242,6 @@ class EngineActor:
         res.id = item.id
         self.metrics.served(res)
         return res
-
-    @ray.method(concurrency_group=CONTROL_GROUP)
-    def abort(self, request_ids: list[str], caller: str | None = None) -> int:
-        """Abort these requests of `caller` (the Ray job id its requests came with; waiting for admission or in the
-        engine): each answers finish_reason "abort" with the tokens streamed so far. An id not here yet is
-        remembered and never started. The number found."""
-        return self.inflight.abort(list(request_ids), caller)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def live(self, timeout_s: float = LIVE_TIMEOUT_S) -> Liveness:

@@ -7,7 +7,7 @@ payloads as its requests finish. An ABORT frame aborts requests of the connectio
 
 A connection presents the actor's secret token first, or it is closed. A stream ends on its shard when its
 client cancels it or when its connection closes (the caller is gone, as the dead-caller watcher decides for Ray
-callers): its task is cancelled, and the actor aborts its request as `EngineActor.abort` would (counted in the
+callers): its task is cancelled, and the actor aborts its request as an ABORT frame would (counted in the
 shard's "aborted"), which frees its admission slot. Every wait of a connection is bounded (actors/stream_guard.py);
 a bad frame after the hello closes only what it must: an OPEN or CANCEL whose fields are unusable is refused alone
 (counted in socket_bad_frames; an OPEN with a usable new stream id is answered FAIL), a frame that breaks the

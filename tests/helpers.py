@@ -297,11 +297,11 @@ def service_with_a_client(model: str, engine: dict, num_shards: int, namespace: 
     ray.shutdown()
 
 
-def socket_items(actor, payload: bytes, batch: bool = False) -> list:
+def socket_items(actor, payload: bytes, batch: bool = False, abort_first: list[str] | None = None) -> list:
     """One request payload through the engine actor's one entry point, its stream server's socket (an OPEN frame,
     or with `batch` a BATCH frame), from a connection of its own: what comes back, token id lists (a stream) and
     result payloads, until a stream's result, or a batch's every request has its result (an unreadable payload:
-    its one result with id None)."""
+    its one result with id None). abort_first: request ids of an ABORT frame sent before it on that connection."""
     import asyncio
 
     import ray
@@ -319,6 +319,7 @@ def socket_items(actor, payload: bytes, batch: bool = False) -> list:
         ep = await actor.stream_endpoint.remote(ray.get_runtime_context().get_node_id())
         reader, writer = await asyncio.open_connection(ep.host, ep.port)
         writer.write(encode_frame(Frame.HELLO, ep.token)
+                     + (encode_frame(Frame.ABORT, abort_first) if abort_first else b"")
                      + encode_frame(Frame.BATCH if batch else Frame.OPEN, 0, payload, None, None))
         out, answered = [], 0
         try:
@@ -336,11 +337,11 @@ def socket_items(actor, payload: bytes, batch: bool = False) -> list:
     return asyncio.run(main())
 
 
-def submitted(actor, payload: bytes) -> list:
+def submitted(actor, payload: bytes, abort_first: list[str] | None = None) -> list:
     """A request batch through the engine actor's socket (socket_items): the results of every result payload, in
     finishing order."""
     from flame_llm.protocol.wire import decode_results
-    return [r for x in socket_items(actor, payload, batch=True) for r in decode_results(x)]
+    return [r for x in socket_items(actor, payload, True, abort_first) for r in decode_results(x)]
 
 
 def unbounded_credit(client) -> None:

@@ -3,7 +3,6 @@ streamed request (serve-http and the front door over HTTP + SSE, the Python clie
 server over a socket of its own), the router call alone, a bare actor call, and the non-streamed one-token answers."""
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -85,35 +84,14 @@ class Paths:
                 timings = c.result.timings
         return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens, "split": split_of(timings, wall0, first_at)}
 
-    async def _conn(self):
-        """A connection of its own to the actor's stream server (its one request entry point)."""
-        import ray
+    def _link(self):
+        """This bench's own connection to the actor's stream server (its one request entry point)."""
+        from flame_llm.serving.pending import ClientCounters
+        from flame_llm.serving.stream_conn import ShardLink
 
-        from flame_llm.protocol.stream_frames import Frame, encode_frame
-        from flame_llm.serving.stream_conn import StreamConn
-
-        if self.conns is None or self.conns.broken is not None:
-            ep = await self.actor.stream_endpoint.remote(ray.get_runtime_context().get_node_id())
-            reader, writer = await asyncio.open_connection(ep.host, ep.port)
-            writer.write(encode_frame(Frame.HELLO, ep.token))
-            self.conns = StreamConn(0, ep, reader, writer)
+        if self.conns is None:
+            self.conns = ShardLink(0, {0: self.actor}, ClientCounters(), None, None)
         return self.conns
-
-    async def _items(self, payload: bytes, batch: bool = False):
-        from flame_llm.protocol.stream_frames import Frame
-
-        conn = await self._conn()
-        sid, q = conn.open(payload, None, None, Frame.BATCH if batch else Frame.OPEN)
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, bytes):
-                    return
-        finally:
-            conn.done(sid)
 
     async def actor_stream(self, prompt) -> dict:
         from flame_llm.protocol.wire import decode_results
@@ -121,7 +99,7 @@ class Paths:
         payload = self._payload(prompt, self.sp)
         t0 = time.perf_counter()
         chunks, tokens, res = [], 0, None
-        async for item in self._items(payload):
+        async for item in self._link().stream_items(payload):
             if isinstance(item, list):
                 chunks.append(time.perf_counter() - t0)
                 tokens += len(item)
@@ -159,10 +137,15 @@ class Paths:
         return time.perf_counter() - t0
 
     async def actor_once(self, prompt) -> float:
+        from flame_llm.protocol.stream_frames import Frame
+
         payload = self._payload(prompt, self.sp1)
         t0 = time.perf_counter()
-        async for _ in self._items(payload, batch=True):  # one request: its one result payload
-            pass
+        conn = await self._link().connection()
+        sid, q = conn.open(payload, None, None, Frame.BATCH)  # a batch of one: its one result payload
+        item = await q.get()
+        conn.done(sid)
+        assert isinstance(item, bytes), item
         return time.perf_counter() - t0
 
 

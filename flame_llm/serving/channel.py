@@ -16,37 +16,39 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Callable, Coroutine
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-import ray
-from ray.exceptions import ActorUnschedulableError, RayActorError, RayError
+from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
-from flame_llm.protocol.stream_frames import Frame, StreamEndpoint, encode_frame, keepalive
+from flame_llm.protocol.stream_frames import Frame
 from flame_llm.protocol.types import Result
 from flame_llm.serving.pending import Pending, attempt_id, failed_result
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.shard_queue import ShardQueue
-from flame_llm.serving.stream_conn import CONNECT_TIMEOUT_S, StreamConn
+from flame_llm.serving.stream_conn import ShardLink, StreamConn
 
 if TYPE_CHECKING:
     from flame_llm.serving.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
+# the router hears of a stream placed here (routing.place_stream) this long after its first token, once that token
+# has reached the caller: the call takes ~0.5 ms of this loop, which a front door shares with the stream's SSE writer
+# (told at once, it held the first token back ~0.5 ms at the door; bench/results/2026-12-01-cpu-hops-session3)
+TELL_AFTER_S = 0.002
 SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died, or cannot be placed again
 
 
-class ShardChannel(ShardQueue):
+class ShardChannel(ShardQueue, ShardLink):
     def __init__(self, d: Dispatcher, shard: int, capacity: int) -> None:
         cfg = d.config
-        super().__init__(capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0, d.max_payload_bytes,
-                         d.counters)
-        self.d, self.shard = d, shard
-        self.conn: StreamConn | None = None  # to the shard's current incarnation, once made
-        self._connecting: asyncio.Future | None = None
+        ShardQueue.__init__(self, capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0, d.max_payload_bytes,
+                            d.counters)
+        ShardLink.__init__(self, shard, d.actors, d.counters, d.caller, d.client_id)
+        self.d = d
         self.tasks: set[asyncio.Task] = set()  # sends, reroutes and restart waits: awaited or cancelled on close
-        self.connects: set[asyncio.Task] = set()
         self.retrying: dict[int, tuple[asyncio.TimerHandle, Pending]] = {}  # id(p) -> its resend timer, p
 
     # --- the queue's ---
@@ -68,70 +70,9 @@ class ShardChannel(ShardQueue):
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    # --- the connection ---
-
-    async def connection(self) -> StreamConn:
-        """The connection to the shard's current incarnation, made on first use (one connect, shared)."""
-        if self.conn is not None and self.conn.broken is None:
-            return self.conn
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect())
-
-            def over(f: asyncio.Future) -> None:
-                self._connecting = None
-                if not f.cancelled():
-                    f.exception()  # retrieved: each waiter raises it (none may be left)
-
-            self._connecting.add_done_callback(over)
-        return await asyncio.shield(self._connecting)
-
-    async def _connect(self) -> StreamConn:
-        # this node's id: a shard on it answers its loopback address (actors/engine_actor.py stream_endpoint)
-        node = ray.get_runtime_context().get_node_id()
-        ep: StreamEndpoint = await self.d.actors[self.shard].stream_endpoint.remote(node)  # RayActorError: dead
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(ep.host, ep.port), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise RayActorError(error_msg=f"shard {self.shard}'s stream server at {ep.host}:{ep.port} does not "
-                                          f"answer: {type(e).__name__}: {e}") from None
-        keepalive(writer.get_extra_info("socket"))
-        writer.write(encode_frame(Frame.HELLO, ep.token))
-        self.conn = StreamConn(self.shard, ep, reader, writer, self.conn_lost)
-        log.debug("shard %d: connection to %s:%d", self.shard, ep.host, ep.port)
-        return self.conn
-
-    def keep_connected(self) -> None:
-        """Open the connection now (and again after each restart: ShardWatch), whether or not a request uses it:
-        when the shard's process dies its connection ends, and the client routes around it at once."""
-        async def quietly() -> None:
-            try:
-                await self.connection()
-            except (RayError, OSError, asyncio.TimeoutError):  # dead now: its requests find out
-                pass
-
-        task = asyncio.get_running_loop().create_task(quietly())
-        self.connects.add(task)
-        task.add_done_callback(self.connects.discard)
-
     def conn_lost(self, shard: int, e: RayActorError) -> None:
         """The shard's side ended the connection: the shard likely died; new requests go around it meanwhile."""
         self.watch_loss(e)
-
-    def drop_conn(self, why: str, keep: str | None = None) -> None:
-        """The shard is a new incarnation: the old connection (broken with it) goes. keep: the incarnation that
-        answers now; a connection already made to it stays (a stream sent since the restart runs on it)."""
-        if self.conn is not None and self.conn.endpoint.incarnation != keep:
-            conn, self.conn = self.conn, None
-            conn.close(why)
-
-    async def close(self) -> None:
-        """The client goes: its connection closes (the shard ends what is left on it)."""
-        for t in list(self.connects):
-            t.cancel()
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            conn.close("the client closed")
-        await asyncio.gather(*self.connects, *([conn.reader] if conn is not None else []), return_exceptions=True)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort these requests of this client's batches on the shard (request_ids: their attempts' ids)."""
@@ -290,27 +231,56 @@ class ShardChannel(ShardQueue):
 
     # --- streams ---
 
-    async def stream_items(self, payload: bytes) -> AsyncIterator[list[int] | bytes]:
-        """One stream on the shard: lists of token ids, then the result payload. RayActorError when the connection
-        cannot be made or breaks; closed before its result (cancelled), the shard is told to abort it."""
-        conn = await self.connection()
-        sid, q = conn.open(payload, self.d.caller, self.d.client_id)
-        item = None
+    async def stream(self, p: Pending, streamed: list[int], push: Callable[[list[int]], None], split: dict[str, float],
+                     untold: list[Pending]) -> tuple[Result | None, BaseException | None]:
+        """One attempt of stream `p` here, within the shard's credit in its user's turn: each token chunk appended to
+        `streamed` and pushed; (its result, None), or (None, the SHARD_LOST error) when the shard (or the connection)
+        was lost under it; the router hears of its end (completion or forget). Cancelled: aborted on the shard.
+        split gets credit_wait_s, sent_at and first_chunk_at_client (time.time(): the hop's ends, beside the actor's
+        own). untold: p when the router is still to be told of its placement here (TELL_AFTER_S after the first
+        chunk, or when it ends first)."""
+        r = lost = None
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, bytes):
-                    return
-        except (asyncio.CancelledError, GeneratorExit):  # cancelled, or closed before its result: abort it there
-            if not isinstance(item, bytes):
-                self.d.counters.aborts_sent += 1
-                conn.cancel(sid)
-            raise
+            t0 = time.perf_counter()
+            await self.take(p.request.user)
+            split["credit_wait_s"] = time.perf_counter() - t0
+            try:
+                r = await self._stream_once(self.d.codec.encode([p]), streamed, push, split, untold)
+            finally:
+                self.give()
+        except SHARD_LOST as e:
+            lost = e
         finally:
-            conn.done(sid)
+            self._tell(untold)  # before the completion or forget below
+            if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered here
+                self.d.forget(self.shard, [p])
+        if r is not None:
+            self.d.complete(self.shard, [(p, r)])
+        return r, lost
+
+    async def _stream_once(self, payload: bytes, streamed: list[int], push: Callable[[list[int]], None],
+                           split: dict[str, float], untold: list[Pending]) -> Result:
+        split["sent_at"] = time.time()
+        items = self.stream_items(payload)
+        telling = None
+        async with aclosing(items):
+            async for item in items:
+                if isinstance(item, list):
+                    if "first_chunk_at_client" not in split:
+                        split["first_chunk_at_client"] = time.time()
+                    streamed.extend(item)
+                    push(item)
+                    if untold and not telling:
+                        telling = asyncio.get_running_loop().call_later(TELL_AFTER_S, self._tell, untold)
+                    continue
+                (r,) = self.d.codec.decode(item)
+                return r
+        raise RayActorError()  # the items ended without the result: the shard died under it
+
+    def _tell(self, untold: list[Pending]) -> None:
+        """Tell the router of a stream placed here without its call (routing.place_stream), once."""
+        if untold:
+            self.d.routing.tell(untold.pop(), self.shard)
 
     async def apply(self, p: Pending, dec: Decision, r: Result | None, lost: BaseException | None) -> None:
         """Carry out a RETRY, REROUTE or RESTART decision for a stream that its caller then sends again: the wait,

@@ -103,8 +103,15 @@ class Dispatcher:
         for s in {s for s in shards if isinstance(s, int)}:
             self.channels[s].flush("formed")
 
-    async def route_shards(self, batch: list[Pending]) -> list[int | ErrorInfo | None]:
-        return await self.routing.route_shards(batch)
+    async def place_stream(self, p: Pending) -> tuple[int | ErrorInfo | None, list[Pending]]:
+        """A stream's shard, and [p] when it was placed here without the router's call (its prefix's shard known:
+        routing.place_stream; the channel tells the router after its first token), else the router's answer and
+        []."""
+        shard = self.routing.place_stream(p)
+        if shard is not None:
+            return shard, [p]
+        (shard,) = await self.routing.route_shards([p])
+        return shard, []
 
     async def route_again(self, ps: list[Pending]) -> None:
         ps = [p for p in ps if not p.future.done()]

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
-from ray.exceptions import RayActorError
+import ray
+from ray.exceptions import RayActorError, RayError
 
 from flame_llm.protocol.stream_frames import (
     FRAME_OVERHEAD,
@@ -22,9 +23,11 @@ from flame_llm.protocol.stream_frames import (
     FrameError,
     StreamEndpoint,
     encode_frame,
+    keepalive,
     read_frame,
 )
 from flame_llm.protocol.types import MAX_RESULT_PAYLOAD_BYTES
+from flame_llm.serving.pending import ClientCounters
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
@@ -128,3 +131,101 @@ class StreamConn:
                 self.writer.close()
             except RuntimeError:  # its loop closed first (a client dropped without close()): nothing to tell
                 pass
+
+
+class ShardLink:
+    """A shard's connection to its current incarnation, made on first use and again after the shard restarted (its
+    ShardChannel, channel.py, is one). `conn_lost` hears of a connection the shard's side ended."""
+
+    def __init__(self, shard: int, actors: dict[int, ray.actor.ActorHandle], counters: ClientCounters,
+                 caller: str | None, client_id: str | None) -> None:
+        """actors: the client's (a replacement's handle lands there); caller, client_id: the client's Ray job and
+        id, sent with each stream and batch."""
+        self.shard, self.actors, self.counters, self.caller, self.client_id = shard, actors, counters, caller, client_id
+        self.conn: StreamConn | None = None  # to the shard's current incarnation, once made
+        self._connecting: asyncio.Future | None = None
+        self.connects: set[asyncio.Task] = set()
+
+    def conn_lost(self, shard: int, e: RayActorError) -> None:
+        pass
+
+    async def connection(self) -> StreamConn:
+        """The connection to the shard's current incarnation, made on first use (one connect, shared)."""
+        if self.conn is not None and self.conn.broken is None:
+            return self.conn
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+
+            def over(f: asyncio.Future) -> None:
+                self._connecting = None
+                if not f.cancelled():
+                    f.exception()  # retrieved: each waiter raises it (none may be left)
+
+            self._connecting.add_done_callback(over)
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> StreamConn:
+        # this node's id: a shard on it answers its loopback address (actors/engine_actor.py stream_endpoint)
+        node = ray.get_runtime_context().get_node_id()
+        ep: StreamEndpoint = await self.actors[self.shard].stream_endpoint.remote(node)  # RayActorError: dead
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(ep.host, ep.port), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise RayActorError(error_msg=f"shard {self.shard}'s stream server at {ep.host}:{ep.port} does not "
+                                          f"answer: {type(e).__name__}: {e}") from None
+        keepalive(writer.get_extra_info("socket"))
+        writer.write(encode_frame(Frame.HELLO, ep.token))
+        self.conn = StreamConn(self.shard, ep, reader, writer, self.conn_lost)
+        log.debug("shard %d: connection to %s:%d", self.shard, ep.host, ep.port)
+        return self.conn
+
+    def keep_connected(self) -> None:
+        """Open the connection now (and again after each restart: ShardWatch), whether or not a request uses it:
+        when the shard's process dies its connection ends, and the client routes around it at once."""
+        async def quietly() -> None:
+            try:
+                await self.connection()
+            except (RayError, OSError, asyncio.TimeoutError):  # dead now: its requests find out
+                pass
+
+        task = asyncio.get_running_loop().create_task(quietly())
+        self.connects.add(task)
+        task.add_done_callback(self.connects.discard)
+
+    def drop_conn(self, why: str, keep: str | None = None) -> None:
+        """The shard is a new incarnation: the old connection (broken with it) goes. keep: the incarnation that
+        answers now; a connection already made to it stays (a stream sent since the restart runs on it)."""
+        if self.conn is not None and self.conn.endpoint.incarnation != keep:
+            conn, self.conn = self.conn, None
+            conn.close(why)
+
+    async def close(self) -> None:
+        """The client goes: its connection closes (the shard ends what is left on it)."""
+        for t in list(self.connects):
+            t.cancel()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close("the client closed")
+        await asyncio.gather(*self.connects, *([conn.reader] if conn is not None else []), return_exceptions=True)
+
+    async def stream_items(self, payload: bytes) -> AsyncIterator[list[int] | bytes]:
+        """One stream on the shard: lists of token ids, then the result payload. RayActorError when the connection
+        cannot be made or breaks; closed before its result (cancelled), the shard is told to abort it."""
+        conn = await self.connection()
+        sid, q = conn.open(payload, self.caller, self.client_id)
+        item = None
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, bytes):
+                    return
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled, or closed before its result: abort it there
+            if not isinstance(item, bytes):
+                self.counters.aborts_sent += 1
+                conn.cancel(sid)
+            raise
+        finally:
+            conn.done(sid)
