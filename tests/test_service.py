@@ -589,6 +589,10 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
         client = Client.for_service(other, restart_timeout_s=1.0)
         assert client.generate([[5, 6, 7]], sp)[0].error is None
         ray.kill(other.actors[0], no_restart=True)
+        deadline = time.monotonic() + 30  # until its connection ends, its process may still answer (ray.kill returns
+        while not (client.dispatch.shards.restarting or client.dispatch.shards.avoid):  # before it is gone)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         (res,) = client.generate([[5, 6, 7]], sp)
         assert res.error.code == "shard_unavailable" and "did not come back" in res.error.message
         ray.kill(other.router, no_restart=True)
