@@ -1,11 +1,11 @@
 """The Python client: checks prompts against the limits every shard publishes, hands them to its
-Dispatcher (flame_llm/serving/dispatch.py: routing, per-shard batchers, compressed payloads, retries) and
+Dispatcher (flame_llm/serving/dispatch.py: routing, one channel per shard: batches, credit, retries) and
 returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_completed` as they finish
 (client_generate.py); streams one request's tokens (client_stream.py). A result whose error is retryable does not
 reach the caller while the retry policy (retry.py) says to send it again.
 
 All client work runs on one event loop, so `generate` (sync) and `agenerate` (from any asyncio loop) share the
-batchers and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
+shard channels and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
 loop given as `loop=` (an asyncio server such as the front door: its calls and streams then run on that loop with
 no hand-off between threads; `generate` must then be called from another thread, `aclose` from that loop)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """One generate call of the client (Client.generate, agenerate, as_completed): its prompts checked and made into
-requests (prompts.py), handed to the Dispatcher (dispatch.py), whose batchers coalesce them with other calls'
+requests (prompts.py), handed to the Dispatcher (dispatch.py), whose shard channels coalesce them with other calls'
 requests, and each Result handed on as it lands (its text decoded when the prompts were text, a progress bar
 advanced); the call returns them in input order. A call its caller gives up on (cancelled) takes its unanswered
 requests out of the client's queues unsent and has the shards abort the others."""

@@ -1,6 +1,6 @@
 """The service's HTTP front door: a Ray actor (named FRONTDOOR_NAME in the service's namespace, held to the
 node that started it) serving the OpenAI API (flame_llm/serving/http_app.py) over a Client, so every HTTP
-request takes the Python client's path: router -> per-shard batcher -> msgpack+zstd -> the engine actor's
+request takes the Python client's path: router -> per-shard channel -> msgpack+zstd -> the engine actor's
 admission. It has no other way to the engines. /metrics renders the whole service's figures (every shard's,
 the router's, this client's, and the front door's own latencies)."""
 from __future__ import annotations
