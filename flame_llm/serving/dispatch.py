@@ -47,7 +47,7 @@ class Dispatcher:
             _, rc = self.router.config()
             policy, max_entries, ttl_s = rc.policy, rc.max_entries, rc.placement_ttl_s
         self.routing = ClientRouting(self.router, list(actors), self.shards, self.counters, config.restart_timeout_s,
-                                     self.forget, policy, max_entries, ttl_s)
+                                     self, policy, max_entries, ttl_s)
         self._completions: list[Completion] = []  # for the router's next complete call
         self._charged: list[Charge] = []  # who charged each of them (router/replica_client.py)
 
