@@ -105,8 +105,8 @@ class EngineActor:
                            owner: str | None = None, batch: bool = False):
         """The items of one stream (the stream server's): lists of new token ids as the engine samples them, then
         the result payload (its timings add arrived_at and first_chunk_at, time.time() when the payload arrived and
-        the first chunk left). Aborting the request (an ABORT frame), its caller's job dying, or the reader leaving ends it
-        in the engine. `owner`: the sender's identity here (a stream connection; None: the caller), which its
+        the first chunk left). Aborting the request (an ABORT frame), its caller's job dying, or the reader leaving
+        ends it in the engine. `owner`: the sender's identity here (a stream connection; None: the caller), which its
         request id is unique within (`caller`: the sender's Ray job, whose requests are aborted when it dies;
         (caller, client) is the sender's turn in admission). `batch`: the payload is a batch, each request's result
         sent as it finishes (_batch_items)."""

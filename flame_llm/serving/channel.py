@@ -51,8 +51,10 @@ class ShardChannel(ShardQueue, ShardLink):
     # --- the queue's ---
 
     def avoided(self) -> bool:
+        """Avoided, or restarting while another shard serves (else its requests wait here, then out its restart,
+        as routing.avoid_now sends them: routed again, they came back at once, a router call per loop turn)."""
         w = self.d.shards
-        return self.shard in w.avoid or self.shard in w.restarting
+        return self.shard in w.avoid or self.shard in w.restarting and w.others_serve(self.shard)
 
     def send_part(self, part: list[Pending]) -> None:
         self.spawn(self.send(part))
@@ -204,8 +206,7 @@ class ShardChannel(ShardQueue, ShardLink):
         (the restart is watched meanwhile and routing leaves the shard out until it is back), else once the restart
         is over: True when it came back."""
         w = self.d.shards
-        if not isinstance(e, ActorUnschedulableError) and any(
-                s != self.shard and s not in w.avoid and s not in w.restarting for s in w.actors):
+        if not isinstance(e, ActorUnschedulableError) and w.others_serve(self.shard):
             w.restart(self.shard, e)  # restarting from now on: the requests routed again go elsewhere
             self.spawn(self.wait_restart(e))
             return None

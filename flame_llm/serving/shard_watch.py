@@ -63,6 +63,10 @@ class ShardWatch:
         self._watchers: dict[int, asyncio.Task] = {}
         self._unschedulable: set[int] = set()
 
+    def others_serve(self, shard: int) -> bool:
+        """Whether a shard other than `shard` is neither avoided nor restarting."""
+        return any(s != shard and s not in self.avoid and s not in self.restarting for s in self.actors)
+
     def avoid_shard(self, shard: int, why: ErrorInfo) -> None:
         """Route around the shard until its health says it serves again."""
         self.avoid[shard] = why
