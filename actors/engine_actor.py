@@ -1,8 +1,8 @@
 """The engine actor: one per GPU (or CPU shard), holding one AsyncEngine for its whole life.
 
-Requests come in two ways: `submit_streaming` (a batch, each result as it finishes) and the stream server that
-`stream_endpoint` names (one request per stream, its tokens as they are sampled, over a TCP socket:
-actors/stream_server.py). Both run in the default concurrency group (its own event loop); health,
+Requests come one way: the stream server that `stream_endpoint` names (a TCP socket: actors/stream_server.py), one
+request per stream (its tokens as they are sampled) or a batch (each result as it finishes). It runs in the default
+concurrency group (its own event loop); health,
 stats, abort, drain and shutdown run in the "control" group, on another loop, so a saturated admission loop
 never starves them; `live` runs a no-op on the serving loop from there (actors/liveness.py), so a wedged serving
 loop reports unhealthy and the supervisor restarts the shard. Requests are aborted on the caller's word or when
@@ -89,33 +89,6 @@ class EngineActor:
         self.metrics.counters["result_wire_bytes"] += len(out)
         return out
 
-    @ray.method(num_returns="streaming")
-    async def submit_streaming(self, payload: bytes, caller: str | None = None, client: str | None = None):
-        """A request batch payload in; a Ray streaming generator of result payloads out, each request's result
-        sent as it finishes (`caller`: the Ray job id of the sender, whose requests are aborted when that job dies;
-        (caller, client) is the sender's turn in admission). Never raises for bad input. Results finishing within
-        result_window_ms of a payload's first travel with it (a payload leaves at once when none of the batch's
-        other requests is still running). Every request
-        of the batch gets exactly one result, in finishing order (match them by id); an unreadable batch is one
-        result with id None. Cancelling the generator (ray.cancel) aborts what is still running."""
-        t0 = time.perf_counter()
-        items = self._decode(payload)
-        if isinstance(items, Result):
-            yield self._encode([items])
-            return
-        t1 = time.perf_counter()
-        self.metrics.counters["decode_s"] += t1 - t0
-        loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self._serve(item, t1, caller, client=client)) for item in items]
-        try:
-            async for results in as_finished(tasks, self.result_window_s):
-                for r in results:
-                    r.timings["decode_s"] = t1 - t0
-                yield self._encode(results)
-        finally:
-            for t in tasks:  # the caller went away: nobody reads the rest
-                t.cancel()
-
     async def stream_endpoint(self, client_node: str | None = None) -> StreamEndpoint:
         """Where this incarnation's stream server listens for a client on node `client_node` (started on the first
         call, on the serving loop): the socket transport of streams (actors/stream_server.py), and the
@@ -124,18 +97,25 @@ class EngineActor:
         self.serve_loop = asyncio.get_running_loop()
         if self.stream_server is None:
             self.stream_server = StreamServer(self.stream_items, self.limits.max_payload_bytes, self.name,
-                                              self.incarnation, self.stream_limits)
+                                              self.incarnation, self.stream_limits, self.inflight.abort)
         return await self.stream_server.start(await stream_host(client_node, self.node_id, self.name))
 
     async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None,
-                           owner: str | None = None):
+                           owner: str | None = None, batch: bool = False):
         """The items of one stream (the stream server's): lists of new token ids as the engine samples them, then
         the result payload (its timings add arrived_at and first_chunk_at, time.time() when the payload arrived and
-        the first chunk left). Aborting the request (`abort`), its caller's job dying, or the reader leaving ends it
-        in the engine. `owner`: the
-        sender's identity here (a stream connection; None: the caller), which its request id is unique within."""
+        the first chunk left). Aborting the request (an ABORT frame), its caller's job dying, or the reader leaving
+        ends it in the engine. `owner`: the sender's identity here (a stream connection; None: the caller), which its
+        request id is unique within (`caller`: the sender's Ray job, whose requests are aborted when it dies;
+        (caller, client) is the sender's turn in admission). `batch`: the payload is a batch, each request's result
+        sent as it finishes (_batch_items)."""
         arrived_at = time.time()  # the hop split (bench/service/hops.py): one host clock with the client's sent_at
+        t0 = time.perf_counter()
         items = self._decode(payload)
+        if batch and not isinstance(items, Result):
+            async for out in self._batch_items(items, t0, caller, client, owner):
+                yield out
+            return
         if not isinstance(items, Result) and len(items) != 1:
             items = self._result(None, error=ErrorInfo(ErrorCode.BAD_REQUEST, "a stream payload holds exactly one "
                                                        f"request; got {len(items)}"))
@@ -161,6 +141,26 @@ class EngineActor:
         finally:
             if not task.done():  # its reader left (a cancel, a closed connection): an abort, counted
                 self.inflight.abort([items[0].id], owner if owner is not None else caller)
+
+    async def _batch_items(self, items: list[Request | RequestError], t0: float, caller: str | None,
+                           client: str | None, owner: str | None):
+        """A batch's result payloads, each request's result as it finishes: every request gets exactly one result,
+        in finishing order (match them by id); an unreadable batch is one result with id None. Results finishing
+        within result_window_ms of a payload's first travel with it (a payload leaves at once when none of the
+        batch's other requests is still running). Closed early (its reader left): what still runs is aborted."""
+        t1 = time.perf_counter()
+        self.metrics.counters["decode_s"] += t1 - t0
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._serve(item, t1, caller, client=client, owner=owner)) for item in items]
+        try:
+            async for results in as_finished(tasks, self.result_window_s):
+                for r in results:
+                    r.timings["decode_s"] = t1 - t0
+                yield self._encode(results)
+        finally:
+            left = [it.id for it, t in zip(items, tasks, strict=True) if not t.done() and isinstance(it, Request)]
+            if left:  # its reader left (a cancel, a closed connection): aborts, counted
+                self.inflight.abort(left, owner if owner is not None else caller)
 
     async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
                      emit=None, client: str | None = None, owner: str | None = None) -> Result:
@@ -241,13 +241,6 @@ class EngineActor:
         res.id = item.id
         self.metrics.served(res)
         return res
-
-    @ray.method(concurrency_group=CONTROL_GROUP)
-    def abort(self, request_ids: list[str], caller: str | None = None) -> int:
-        """Abort these requests of `caller` (the Ray job id its requests came with; waiting for admission or in the
-        engine): each answers finish_reason "abort" with the tokens streamed so far. An id not here yet is
-        remembered and never started. The number found."""
-        return self.inflight.abort(list(request_ids), caller)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def live(self, timeout_s: float = LIVE_TIMEOUT_S) -> Liveness:

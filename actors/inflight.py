@@ -1,12 +1,13 @@
 """The requests an engine actor is serving, by id and by caller, so that they can be aborted: on the caller's
-word (`EngineActor.abort`), or when the caller's Ray job is gone (its process died: nobody will read the
-results, so its requests must not hold admission slots and KV blocks until they finish).
+word (an ABORT or CANCEL frame, or its connection's end: actors/stream_server.py), or when the caller's Ray job is
+gone (its process died: nobody will read the results, so its requests must not hold admission slots and KV blocks
+until they finish).
 
-Every request runs in its own task on the actor's submit loop; aborting it cancels that task (the engine
+Every request runs in its own task on the actor's serving loop; aborting it cancels that task (the engine
 request is aborted by AsyncEngine when its awaiting task is cancelled). An abort that arrives before its
-request is remembered for a while, so a request that was cancelled while on its way is never started. `abort`
-runs on the actor's control threads, the rest on the submit loop: one lock makes registering a request and
-aborting it exclusive (an abort sees the task, or the request sees the abort).
+request is remembered for a while, so a request that was cancelled while on its way is never started. One lock
+makes registering a request and aborting it exclusive (an abort sees the task, or the request sees the abort),
+from whichever thread the abort comes.
 
 Requests are keyed by their owner and id (issue 37): the owner is the sender's identity inside the actor (a
 stream connection of the socket transport, else the caller's Ray job id), so one owner's id never reaches another

@@ -19,7 +19,7 @@ class ShardOptions:
     max_queued_requests: int = 4096  # requests waiting for admission (per caller when fair); past it: overloaded
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES  # decoded size budget of one request batch
     zstd_level: int = DEFAULT_ZSTD_LEVEL  # results here, requests at the client
-    result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (submit_streaming)
+    result_window_ms: float = 2.0  # results finishing this close to a payload's first travel with it (a batch)
     # the stream port's bounds (actors/stream_guard.py)
     stream_hello_timeout_s: float = 5.0  # a connection presents its token within this, or is closed
     stream_max_pending: int = 256  # connections not yet past their hello (a new one past it closes the oldest)

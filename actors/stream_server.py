@@ -2,11 +2,12 @@
 event loop, on an ephemeral port of the loopback address (a client on the actor's node) or of the node's address
 (once a client on another node asks: a multi-node cluster), carrying streams without a Ray call per request or per
 chunk (flame_llm/protocol/stream_frames.py says the framing). Each stream is served by the actor's async
-generator EngineActor.stream_items: token chunks, then the result payload.
+generator EngineActor.stream_items: token chunks, then the result payload; a batch by the same generator: its result
+payloads as its requests finish. An ABORT frame aborts requests of the connection's batches by id.
 
 A connection presents the actor's secret token first, or it is closed. A stream ends on its shard when its
 client cancels it or when its connection closes (the caller is gone, as the dead-caller watcher decides for Ray
-callers): its task is cancelled, and the actor aborts its request as `EngineActor.abort` would (counted in the
+callers): its task is cancelled, and the actor aborts its request as an ABORT frame would (counted in the
 shard's "aborted"), which frees its admission slot. Every wait of a connection is bounded (actors/stream_guard.py);
 a bad frame after the hello closes only what it must: an OPEN or CANCEL whose fields are unusable is refused alone
 (counted in socket_bad_frames; an OPEN with a usable new stream id is answered FAIL), a frame that breaks the
@@ -41,11 +42,12 @@ from flame_llm.protocol.stream_frames import (
 log = logging.getLogger(__name__)
 
 Items = Callable[[bytes, "str | None", "str | None", "str | None"], AsyncIterator["list[int] | bytes"]]
+Abort = Callable[[list[str], str], int]
 LOOPBACK = "127.0.0.1"
-COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_cancels", "socket_dropped",
-            "socket_hello_timeouts", "socket_refused_cap", "socket_idle_closed", "socket_frame_timeouts",
-            "socket_bad_frames", "socket_accept_errors", "socket_out_frames", "socket_out_writes", "socket_out_bytes",
-            "socket_cutoffs")
+COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_batches", "socket_cancels",
+            "socket_dropped", "socket_hello_timeouts", "socket_refused_cap", "socket_idle_closed",
+            "socket_frame_timeouts", "socket_bad_frames", "socket_accept_errors", "socket_out_frames",
+            "socket_out_writes", "socket_out_bytes", "socket_cutoffs")
 
 
 async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
@@ -64,8 +66,10 @@ async def stream_host(client_node: str | None, node_id: str, name: str) -> str:
 
 class StreamServer:
     def __init__(self, items: Items, max_payload_bytes: int, name: str, incarnation: str,
-                 limits: StreamLimits | None = None) -> None:
-        self.items, self.name, self.incarnation = items, name, incarnation
+                 limits: StreamLimits | None = None, abort: Abort | None = None) -> None:
+        """items(payload, caller, client, owner[, batch=True]): a stream's (or a batch's) items; abort(ids, owner):
+        an ABORT frame's requests (EngineActor's)."""
+        self.items, self.name, self.incarnation, self.abort = items, name, incarnation, abort
         self.limits = limits if limits is not None else ShardOptions().stream_limits()
         # a request payload is zstd of at most max_payload_bytes (incompressible input grows a little)
         self.max_frame_bytes = max_payload_bytes + max_payload_bytes // 64 + FRAME_OVERHEAD
@@ -189,7 +193,7 @@ class StreamServer:
         kind = frame[0]
         if kind == Frame.PING and len(frame) == 1:
             return
-        if kind == Frame.OPEN and len(frame) == 5:
+        if kind in (Frame.OPEN, Frame.BATCH) and len(frame) == 5:
             sid, payload, caller, client = frame[1:]
             if type(sid) is not int or sid in streams:
                 return self._bad(f"OPEN with an unusable stream id {str(sid)[:40]}")
@@ -198,8 +202,9 @@ class StreamServer:
                 out.send(encode_frame(Frame.FAIL, sid, "the OPEN frame's payload must be bytes"))
                 return
             caller, client = (x if isinstance(x, str) else None for x in (caller, client))
-            self.counters["socket_streams"] += 1
-            task = asyncio.get_running_loop().create_task(self._stream(out, sid, payload, caller, client, owner))
+            self.counters["socket_batches" if kind == Frame.BATCH else "socket_streams"] += 1
+            task = asyncio.get_running_loop().create_task(self._stream(out, sid, payload, caller, client, owner,
+                                                                       kind == Frame.BATCH))
             streams[sid] = task
             task.add_done_callback(lambda _, sid=sid: streams.pop(sid, None))
             return
@@ -212,7 +217,13 @@ class StreamServer:
                 self.counters["socket_cancels"] += 1
                 task.cancel()
             return
-        if kind in (Frame.OPEN, Frame.CANCEL, Frame.PING):
+        if kind == Frame.ABORT and len(frame) == 2:
+            ids = frame[1]
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or self.abort is None:
+                return self._bad("ABORT without a list of request ids")
+            self.abort(ids, owner)
+            return
+        if kind in (Frame.OPEN, Frame.BATCH, Frame.CANCEL, Frame.PING, Frame.ABORT):
             return self._bad(f"{Frame(kind).name} frame of {len(frame)} elements")
         raise FrameError(f"unexpected frame {str(frame)[:80]}")
 
@@ -221,9 +232,11 @@ class StreamServer:
         self.refusals.note(f"frame refused: {what}")
 
     async def _stream(self, out: StreamOut, sid: int, payload: bytes, caller: str | None, client: str | None,
-                      owner: str) -> None:
+                      owner: str, batch: bool = False) -> None:
+        items = self.items(payload, caller, client, owner, batch=True) if batch else \
+            self.items(payload, caller, client, owner)
         try:
-            async with aclosing(self.items(payload, caller, client, owner)) as items:  # closed when cancelled
+            async with aclosing(items):  # closed when cancelled
                 async for item in items:
                     kind = Frame.CHUNK if isinstance(item, list) else Frame.RESULT
                     out.send(encode_frame(kind, sid, item))

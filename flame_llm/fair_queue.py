@@ -1,5 +1,5 @@
 """Per-user FIFO queues served in rotation: one user's backlog delays another user's item by a turn, not by the
-backlog. The shards' admission (actors/admission.py, callers) and a client's credit queue (serving/credit.py, end
+backlog. The shards' admission (actors/admission.py, callers) and a client's credit queue (serving/shard_queue.py, end
 users) take turns with it."""
 from __future__ import annotations
 

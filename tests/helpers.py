@@ -297,19 +297,56 @@ def service_with_a_client(model: str, engine: dict, num_shards: int, namespace: 
     ray.shutdown()
 
 
-def submitted(actor, payload: bytes) -> list:
-    """A request batch through the engine actor's `submit_streaming` (its one batch entry point): the results of
-    every result payload, in finishing order."""
+def socket_items(actor, payload: bytes, batch: bool = False, abort_first: list[str] | None = None) -> list:
+    """One request payload through the engine actor's one entry point, its stream server's socket (an OPEN frame,
+    or with `batch` a BATCH frame), from a connection of its own: what comes back, token id lists (a stream) and
+    result payloads, until a stream's result, or a batch's every request has its result (an unreadable payload:
+    its one result with id None). abort_first: request ids of an ABORT frame sent before it on that connection."""
+    import asyncio
+
     import ray
 
+    from flame_llm.protocol.stream_frames import Frame, encode_frame, read_frame
+    from flame_llm.protocol.types import EngineLimits
+    from flame_llm.protocol.wire import decode_requests, decode_results
+
+    try:
+        n = len(decode_requests(payload, EngineLimits.of(1 << 31, 1 << 31, 1 << 30)).items) if batch else 1
+    except Exception:  # noqa: BLE001 - unreadable: the shard answers one result
+        n = 1
+
+    async def main() -> list:
+        ep = await actor.stream_endpoint.remote(ray.get_runtime_context().get_node_id())
+        reader, writer = await asyncio.open_connection(ep.host, ep.port)
+        writer.write(encode_frame(Frame.HELLO, ep.token)
+                     + (encode_frame(Frame.ABORT, abort_first) if abort_first else b"")
+                     + encode_frame(Frame.BATCH if batch else Frame.OPEN, 0, payload, None, None))
+        out, answered = [], 0
+        try:
+            while answered < n:
+                frame = await read_frame(reader, 1 << 30)
+                assert frame is not None and frame[0] in (Frame.CHUNK, Frame.RESULT), frame
+                out.append(frame[2])
+                if frame[0] == Frame.RESULT:
+                    results = decode_results(frame[2])
+                    answered = n if results[0].id is None else answered + len(results)
+        finally:
+            writer.close()
+        return out
+
+    return asyncio.run(main())
+
+
+def submitted(actor, payload: bytes, abort_first: list[str] | None = None) -> list:
+    """A request batch through the engine actor's socket (socket_items): the results of every result payload, in
+    finishing order."""
     from flame_llm.protocol.wire import decode_results
-    return [r for ref in actor.submit_streaming.remote(payload) for r in decode_results(ray.get(ref))]
+    return [r for x in socket_items(actor, payload, True, abort_first) for r in decode_results(x)]
 
 
 def unbounded_credit(client) -> None:
     """Let the client send past what its shards admit (as when other clients share them): its requests then meet
     the shards' rejections and the overloaded retry path."""
-    credit = client.dispatch.credit
-    for s in credit.capacity:
-        credit.capacity[s] = 1 << 30
-        credit.chunk[s] = 1 << 29
+    for ch in client.dispatch.channels.values():
+        ch.capacity = 1 << 30
+        ch.chunk = 1 << 29

@@ -12,7 +12,7 @@ from actors.engine_actor import ShardOptions
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import Request, Result
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending
+from flame_llm.serving.pending import Pending
 from flame_llm.serving.retry import Action, decide
 
 
@@ -102,13 +102,16 @@ def test_a_streamed_request_is_never_sent_again():
 
 
 def test_overload_retries_leave_max_retries_for_draining_and_deaths():
-    """21 overloaded answers, each resent by the Dispatcher (batches: retry; streams: apply), then draining: still
-    rerouted; a death then: still waited for (the overload resends are not retries)."""
-    from flame_llm.serving.batcher import ClientCounters
+    """21 overloaded answers, each resent by the shard's channel (batches: retry; streams: apply), then draining:
+    still rerouted; a death then: still waited for (the overload resends are not retries)."""
+    from flame_llm.serving.channel import ShardChannel
     from flame_llm.serving.dispatch import Dispatcher
+    from flame_llm.serving.pending import ClientCounters
 
     d = Dispatcher.__new__(Dispatcher)  # the retry bookkeeping only: no router, no shards
-    d.counters, d.max_retries, d._retrying = ClientCounters(), 3, {}
+    d.counters, d.max_retries = ClientCounters(), 3
+    ch = ShardChannel.__new__(ShardChannel)
+    ch.d, ch.shard, ch.retrying = d, 0, {}
 
     async def run(resend) -> Pending:
         p = _pending()
@@ -120,11 +123,11 @@ def test_overload_retries_leave_max_retries_for_draining_and_deaths():
         return p
 
     def batch_resend(p, dec):
-        d.retry(p, 3600.0)  # the timer never fires in this test
+        ch.retry(p, 3600.0)  # the timer never fires in this test
         return asyncio.sleep(0)
 
     async def main():
-        for resend in (batch_resend, lambda p, dec: d.apply(0, p, dec, None, None)):
+        for resend in (batch_resend, lambda p, dec: ch.apply(p, dec, None, None)):
             p = await run(resend)
             assert p.attempts == 21 and d.max_retries == 3
             assert decide(p, d.max_retries, _answer(ErrorCode.DRAINING)).action is Action.REROUTE
@@ -132,7 +135,7 @@ def test_overload_retries_leave_max_retries_for_draining_and_deaths():
             p.attempts += 3  # three reroutes or restarts: now the retries are spent
             spent = decide(p, d.max_retries, lost=RuntimeError("died"), shard=0)
             assert spent.action is Action.FAIL and "4 times" in spent.error.message
-        for handle, _ in d._retrying.values():
+        for handle, _ in ch.retrying.values():
             handle.cancel()
 
     asyncio.run(main())

@@ -1,5 +1,5 @@
-"""The client's per-shard batcher: flushes at max prompts, at the formation window, or before the
-decoded payload budget would be passed. No Ray needed: `send` is a recording coroutine."""
+"""The client's per-shard queue (ShardQueue) forms batches: flushes at max prompts, at the formation window, or
+before the decoded payload budget would be passed. No Ray needed: what leaves is recorded (ample credit)."""
 import asyncio
 import time
 
@@ -8,7 +8,8 @@ import numpy as np
 from flame_llm.protocol.types import DEFAULT_MAX_PAYLOAD_BYTES, Request
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending, ShardBatcher
+from flame_llm.serving.pending import ClientCounters, Pending
+from flame_llm.serving.shard_queue import ShardQueue
 
 
 def _pending(loop, i, num_tokens=4):
@@ -20,8 +21,20 @@ class Recorder:
     def __init__(self):
         self.batches = []
 
-    async def __call__(self, shard, batch):
-        self.batches.append((shard, [p.request.id for p in batch], time.perf_counter()))
+
+class ShardBatcher(ShardQueue):
+    """A shard's queue with credit to spare (each formed batch leaves whole), recording what leaves in `rec`."""
+
+    def __init__(self, shard, rec, max_prompts, window_s, max_payload_bytes):
+        super().__init__(1 << 20, max_prompts, window_s, max_payload_bytes, ClientCounters())
+        self.shard, self.rec = shard, rec
+        self.chunk = 1 << 20
+
+    def send_part(self, part):
+        self.rec.batches.append((self.shard, [p.request.id for p in part], time.perf_counter()))
+
+    def held_back(self, gone, again):
+        pass
 
 
 def test_flush_at_max_prompts_without_waiting():
@@ -77,29 +90,5 @@ def test_flush_before_decoded_budget_is_passed():
         await asyncio.sleep(0)
         assert [len(ids) for _, ids, _ in rec.batches] == [3, 3]
         assert b.nbytes == BATCH_OVERHEAD + per and b.flushes["bytes"] == 2
-
-    asyncio.run(main())
-
-
-def test_sends_to_one_shard_overlap():
-    async def main():
-        loop = asyncio.get_running_loop()
-        running, peak = 0, 0
-
-        async def slow_send(shard, batch):
-            nonlocal running, peak
-            running += 1
-            peak = max(peak, running)
-            await asyncio.sleep(0.02)
-            running -= 1
-
-        b = ShardBatcher(0, slow_send, max_prompts=2, window_s=10.0, max_payload_bytes=DEFAULT_MAX_PAYLOAD_BYTES)
-        for i in range(6):
-            b.add(_pending(loop, i))
-        for _ in range(500):  # the three sends overlap (20 ms each); a loaded machine may take longer to finish
-            if not b.tasks:
-                break
-            await asyncio.sleep(0.01)
-        assert peak == 3 and not b.tasks
 
     asyncio.run(main())

@@ -1,6 +1,6 @@
 """What the client holds for requests that are gone (issue 37 item 10, reported in passing): the router's outstanding
 work of requests rerouted after their shard was lost, and a request aborted while it waits in its shard's batch
-queue. Neither leaked here at 3cf5b5c (ShardLoss.shard_lost forgets the batch before rerouting it, and
+queue. Neither leaked here at 3cf5b5c (ShardChannel.lost forgets the batch before rerouting it, and
 Dispatcher.abandon drops abandoned requests from their batchers): these pin both down. Real local Ray, two CPU
 shards of the tiny model (a shard killed once: Ray restarts it), bounded in count and time."""
 import asyncio
@@ -122,7 +122,7 @@ def test_an_aborted_request_leaves_its_batch_queue_at_once(service):
     client = make_client(svc.cfg, svc.router, svc.actors, batch_window_ms=8000.0)
     try:
         d = client.dispatch
-        for b in d.batchers.values():  # its requests wait out the window, as resent ones do (a call's formed batch
+        for b in d.channels.values():  # its requests wait out the window, as resent ones do (a call's formed batch
             real = b.flush  # leaves at once)
             b.flush = lambda why, real=real: None if why == "formed" else real(why)
 
@@ -130,10 +130,10 @@ def test_an_aborted_request_leaves_its_batch_queue_at_once(service):
             return await client.agenerate(_prompts(3, 8, seed=7), SamplingParams(max_tokens=4))
 
         fut = asyncio.run_coroutine_threadsafe(call(), client._loop)
-        _wait(lambda: any(b.items for b in d.batchers.values()), 30, lambda: "never queued")
+        _wait(lambda: any(b.items for b in d.channels.values()), 30, lambda: "never queued")
         fut.cancel()
-        _wait(lambda: not any(b.items for b in d.batchers.values()), 2,
-              lambda: {s: len(b.items) for s, b in d.batchers.items()})
+        _wait(lambda: not any(b.items for b in d.channels.values()), 2,
+              lambda: {s: len(b.items) for s, b in d.channels.items()})
         _wait(lambda: _outstanding(svc) == [0.0, 0.0], 5, lambda: _outstanding(svc))
     finally:
         client.close()

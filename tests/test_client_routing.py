@@ -10,7 +10,7 @@ import ray
 from flame_llm.protocol.routing_key import Completion, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import ClientCounters, Pending
+from flame_llm.serving.pending import ClientCounters, Pending
 from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
 from router.actor import start_router
@@ -36,13 +36,14 @@ def _outstanding(router) -> list[float]:
 
 
 def test_a_caller_cancelled_during_the_router_call_leaves_no_work_counted(router):
-    def forget(shard, ps):
-        router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0) for p in ps])
+    class Owner:
+        def forget(self, shard, ps):
+            router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0) for p in ps])
 
     async def main():
         loop = asyncio.get_running_loop()
         counters = ClientCounters()
-        routing = ClientRouting(router, [0, 1], ShardWatch({}, router, [], 5.0, counters), counters, 5.0, forget)
+        routing = ClientRouting(router, [0, 1], ShardWatch({}, router, [], 5.0, counters), counters, 5.0, Owner())
         batch = [Pending(Request(f"r{i}", np.full(64, i + 3, dtype=np.uint32), SamplingParams()),
                          prefix_chain([i + 3] * 64, "rev"), estimate_prefill_work(64), 0, loop.create_future(),
                          est_decode=16) for i in range(4)]

@@ -7,8 +7,8 @@ import pytest
 from flame_llm.fair_queue import FairQueue
 from flame_llm.protocol.types import Request
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import ClientCounters, Pending
-from flame_llm.serving.credit import Credit
+from flame_llm.serving.pending import ClientCounters, Pending
+from flame_llm.serving.shard_queue import ShardQueue
 
 
 def test_fair_queue_serves_users_in_rotation():
@@ -41,10 +41,27 @@ def _pending(loop, user: str) -> Pending:
     return Pending(Request("r", [1], SamplingParams(), user), [], 1.0, 100, loop.create_future(), shard=0)
 
 
-def _credit(sent: list) -> Credit:
-    return Credit({0: 2}, max_batch_prompts=8, max_payload_bytes=1 << 20, avoid={}, counters=ClientCounters(),
-                  send_part=lambda s, part: sent.append([p.request.user for p in part]),
-                  held_back=lambda s, gone, again: None)
+class Recorded(ShardQueue):
+    """A shard's queue whose parts are recorded (their users), not sent."""
+
+    def __init__(self, sent: list) -> None:
+        super().__init__(2, max_prompts=8, window_s=10.0, max_payload_bytes=1 << 20, counters=ClientCounters())
+        self.sent = sent
+
+    def send_part(self, part):
+        self.sent.append([p.request.user for p in part])
+
+    def held_back(self, gone, again):
+        pass
+
+    def hold(self, batch):
+        for p in batch:
+            self.add(p)
+        self.flush("formed")
+
+
+def _credit(sent: list) -> Recorded:
+    return Recorded(sent)
 
 
 @pytest.mark.parametrize("same_user", [False, True])
@@ -55,13 +72,13 @@ def test_a_second_users_stream_waits_one_turn_behind_a_backlog(same_user):
         loop = asyncio.get_running_loop()
         sent: list = []
         credit = _credit(sent)
-        credit.hold(0, [_pending(loop, "a") for _ in range(10)])
+        credit.hold([_pending(loop, "a") for _ in range(10)])
         assert sum(map(len, sent)) == 2  # the credit is full
-        task = asyncio.ensure_future(credit.take(0, "a" if same_user else "b"))
+        task = asyncio.ensure_future(credit.take("a" if same_user else "b"))
         await asyncio.sleep(0)
         gives = 0
         while not task.done():
-            credit.give(0)
+            credit.give()
             gives += 1
             await asyncio.sleep(0)
             assert gives <= 10
@@ -79,14 +96,14 @@ def test_abandoned_held_requests_leave_without_losing_their_users_turns():
         credit = _credit(sent)
         a = [_pending(loop, "a") for _ in range(5)]
         b = [_pending(loop, "b") for _ in range(2)]
-        credit.hold(0, a)
-        credit.hold(0, b)
+        credit.hold(a)
+        credit.hold(b)
         for p in a[2:4]:
             p.future.cancel()
-        assert credit.drop_abandoned(0) == a[2:4]
+        assert credit.drop_abandoned() == a[2:4]
         sent.clear()
-        credit.give(0, 2)
-        credit.give(0, 2)
+        credit.give(2)
+        credit.give(2)
         return [u for part in sent for u in part]
 
     assert asyncio.run(main()) == ["a", "b", "b"]  # a4, then b0 (turns alternate), then b1
@@ -130,7 +147,7 @@ def test_a_users_stream_is_served_ahead_of_another_users_backlog(one_shard):
         d = client.dispatch
         task = asyncio.ensure_future(client.agenerate(bulk, long, user="bulk"))
         deadline = time.monotonic() + 60
-        while len(d.credit.held[0]) < 16:  # a backlog of the bulk user's requests waits for credit
+        while len(d.channels[0].held) < 16:  # a backlog of the bulk user's requests waits for credit
             assert time.monotonic() < deadline and not task.done(), "no backlog formed"
             await asyncio.sleep(0.002)
         chunks = [c async for c in client.stream_chunks(rng.integers(3, 500, size=8).tolist(), short, stream_user)]

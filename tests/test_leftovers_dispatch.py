@@ -107,7 +107,7 @@ def test_requests_aborted_in_the_batch_window_are_never_sent(service):
     svc = service
     client = Client.for_service(svc, batch_window_ms=1500.0)
     d = client.dispatch
-    for b in d.batchers.values():  # the requests wait out the window, as resent ones do (a call's formed batch
+    for b in d.channels.values():  # the requests wait out the window, as resent ones do (a call's formed batch
         real = b.flush  # leaves at once)
         b.flush = lambda why, real=real: None if why == "formed" else real(why)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -116,8 +116,8 @@ def test_requests_aborted_in_the_batch_window_are_never_sent(service):
 
         async def main():
             await _cancel_when(client, _prompts(6, 12, seed=3), sp,
-                               lambda: sum(len(b.items) for b in d.batchers.values()) == 6, "queued")
-            return [(len(b.items), b.timer) for b in d.batchers.values()]
+                               lambda: sum(len(b.items) for b in d.channels.values()) == 6, "queued")
+            return [(len(b.items), b.timer) for b in d.channels.values()]
 
         assert _on_loop(client, main()) == [(0, None), (0, None)]
         time.sleep(2.0)  # past the window
@@ -142,13 +142,14 @@ def test_requests_aborted_while_held_for_credit_leave_at_once(service):
 
         async def main():
             full = dict(d.outstanding)
-            for s in d.outstanding:
-                d.outstanding[s] = d.credit.capacity[s]  # no room anywhere: the requests are held
+            for c in d.channels.values():
+                c.outstanding = c.capacity  # no room anywhere: the requests are held
             await _cancel_when(client, _prompts(6, 12, seed=5), sp,
-                               lambda: sum(len(q) for q in d.credit.held.values()) == 6, "held")
-            held = [len(q) for q in d.credit.held.values()]
+                               lambda: sum(len(c.held) for c in d.channels.values()) == 6, "held")
+            held = [len(c.held) for c in d.channels.values()]
             open_now = await asyncio.to_thread(_router_open, svc)
-            d.outstanding.update(full)
+            for s, c in d.channels.items():
+                c.outstanding = full[s]
             return held, open_now
 
         held, open_now = _on_loop(client, main())
@@ -176,8 +177,11 @@ def test_requests_aborted_while_waiting_to_resend_leave_at_once(service):
         before = _router_open(svc)
 
         async def main():
-            await _cancel_when(client, _prompts(48, 16, seed=7), long, lambda: len(d._retrying) >= 4, "resending")
-            return len(d._retrying), [h for h in client._loop._scheduled if not h.cancelled()
+            def resending() -> int:
+                return sum(len(c.retrying) for c in d.channels.values())
+
+            await _cancel_when(client, _prompts(48, 16, seed=7), long, lambda: resending() >= 4, "resending")
+            return resending(), [h for h in client._loop._scheduled if not h.cancelled()
                                       and getattr(h._callback, "__name__", "") == "_retry_now"]
 
         assert _on_loop(client, main()) == (0, [])
@@ -200,19 +204,20 @@ def test_a_stream_cancelled_while_waiting_for_credit_leaves_the_credit_queue(ser
 
     async def main():
         full = dict(d.outstanding)
-        for s in d.outstanding:
-            d.outstanding[s] = d.credit.capacity[s]
+        for c in d.channels.values():
+            c.outstanding = c.capacity
         task = asyncio.ensure_future(read(_prompts(1, 12, seed=9)[0]))
         deadline = time.monotonic() + 30
-        while not any(d.credit.held.values()):
+        while not any(c.held for c in d.channels.values()):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.05)  # the stream's task runs its cancellation
-        held = [len(q) for q in d.credit.held.values()]
-        d.outstanding.update(full)
+        held = [len(c.held) for c in d.channels.values()]
+        for s, c in d.channels.items():
+            c.outstanding = full[s]
         return held
 
     try:
@@ -237,7 +242,9 @@ def test_requests_left_while_their_dead_shard_restarts_are_forgotten_once(servic
         before = _router_open(svc)
 
         async def main():
-            task = asyncio.ensure_future(client.agenerate(_prompts(12, 20, seed=10), long))
+            # prompts of their own per case: the router places prompts the last case saw on the shard that lived
+            prompts = _prompts(12, 20, seed=10 if leave == "cancel" else 11)
+            task = asyncio.ensure_future(client.agenerate(prompts, long))
             deadline = time.monotonic() + 60
             while (await asyncio.to_thread(lambda: ray.get(victim.stats.remote())["inflight_requests"])) == 0:
                 assert time.monotonic() < deadline and not task.done()
@@ -273,10 +280,10 @@ def test_requests_held_for_a_dead_shards_credit_go_to_the_other_shard(service):
         async def main():
             task = asyncio.ensure_future(client.agenerate(_prompts(64, 20, seed=20), sp))
             deadline = time.monotonic() + 60
-            while not any(hasattr(p, "request") for p in d.credit.held[0]):  # requests, not stream waiters
+            while not any(hasattr(p, "request") for p in d.channels[0].held):  # requests, not stream waiters
                 assert time.monotonic() < deadline and not task.done(), "nothing was held for shard 0's credit"
                 await asyncio.sleep(0.002)
-            held = {p.request.id for p in d.credit.held[0] if hasattr(p, "request")}
+            held = {p.request.id for p in d.channels[0].held if hasattr(p, "request")}
             ray.kill(victim, no_restart=False)
             return task, held
 

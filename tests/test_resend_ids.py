@@ -3,8 +3,8 @@ bench/results/2026-12-02d-h200-session7/load-kill: 2 of 180 streams failed with 
 request_id '...' is already in flight`). There the restart wait's health probe heard the restarted shard only after
 streams had connected to it, and the client dropped that connection as the dead incarnation's: the shard aborted
 their attempts, but its engine thread, busy in a step, had not taken the aborts up when the client's resends came
-with the same ids. Now each send after the first goes under its own id (batcher.attempt_id), and a connection to
-the incarnation that answers is kept (StreamConns.drop). Real local Ray, a one-shard tiny Llama service, real TCP;
+with the same ids. Now each send after the first goes under its own id (pending.attempt_id), and a connection to
+the incarnation that answers is kept (ShardChannel.drop_conn). Real local Ray, a one-shard tiny Llama service, real TCP;
 the engine's pause after each step (EngineActor.debug_slow_engine) stands in for a long GPU step."""
 import asyncio
 import time
@@ -17,7 +17,7 @@ from helpers import service_with_a_client
 from flame_llm import SamplingParams
 from flame_llm.protocol.types import EngineLimits, Request
 from flame_llm.protocol.wire import decode_requests
-from flame_llm.serving.batcher import ClientCodec, ClientCounters, Pending, attempt_id
+from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending, attempt_id
 
 NS = "test-resend-ids"
 ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "max_num_seqs": 8, "cpu_kvcache_gib": 0.03125}
@@ -90,7 +90,7 @@ def test_a_stream_sent_again_while_its_abandoned_attempt_is_still_in_the_engine_
     try:
         # at its first token the engine thread has just begun its pause: the client walks away from the attempt
         toks, res = _stream(client, prompt, lambda: client._loop.call_soon_threadsafe(
-            client.dispatch.shards.streams.drop, 0, "test: the client walked away from a live connection"))
+            client.dispatch.channels[0].drop_conn, "test: the client walked away from a live connection"))
     finally:
         ray.get(actor.debug_slow_engine.remote(0))
     assert res.error is None, res
@@ -113,8 +113,8 @@ def test_a_restart_heard_late_keeps_the_connection_made_to_the_new_incarnation(s
     svc, client = service
     actor = svc.actors[0]
     watch = client.dispatch.shards
-    _wait(lambda: 0 in watch.streams.conns and watch.streams.conns[0].broken is None, what="not connected")
-    conn, seen, heard = watch.streams.conns[0], client.counters.restarts_seen, []
+    _wait(lambda: 0 in client.dispatch.conns and client.dispatch.conns[0].broken is None, what="not connected")
+    conn, seen, heard = client.dispatch.conns[0], client.counters.restarts_seen, []
     ray.get(actor.debug_slow_engine.remote(0.1))  # the stream outlives the probe
     try:
         toks, res = _stream(client, _prompt(2), lambda: heard.append(
@@ -124,5 +124,24 @@ def test_a_restart_heard_late_keeps_the_connection_made_to_the_new_incarnation(s
     assert heard == [True] and client.counters.restarts_seen == seen + 1  # a new incarnation, as far as it knew
     assert res.error is None and res.timings["attempts"] == 1 and res.timings["resumed"] == 0, res
     assert len(toks) == SP.max_tokens
-    assert watch.streams.conns[0] is conn and conn.broken is None
+    assert client.dispatch.conns[0] is conn and conn.broken is None
+    _wait(lambda: _idle(actor), what="an attempt is left on the shard")
+
+
+def test_a_request_while_its_only_shard_restarts_waits_for_it_without_routing_again_and_again(service):
+    """One shard, restarting: a request made meanwhile is held at its channel and sent once the shard can take it.
+    Before, the channel gave it back to routing at once, and routing (no other shard) sent it straight back: a router
+    call per loop turn while the shard restarted (3,560 calls in 9 s on CPU) and as many attempts counted."""
+    from helpers import answering
+
+    svc, client = service
+    actor = svc.actors[0]
+    answering(actor)
+    ray.kill(actor, no_restart=False)
+    _wait(lambda: 0 in client.dispatch.shards.restarting, what="the client did not see its shard die")
+    before = client.counters.route_calls
+    (res,) = client.generate([_prompt(9)], SP)
+    assert res.error is None and len(res.output_token_ids) == SP.max_tokens, res
+    assert client.counters.route_calls - before <= 3 and res.timings["attempts"] <= 3, (
+        client.counters.route_calls - before, res.timings["attempts"])
     _wait(lambda: _idle(actor), what="an attempt is left on the shard")

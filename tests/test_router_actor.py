@@ -122,7 +122,7 @@ def test_a_shard_lost_after_it_was_draining_has_its_prefixes_dropped(local_ray):
 
     from flame_llm.protocol.errors import ErrorCode, ErrorInfo
     from flame_llm.protocol.types import EngineLimits, ShardHealth
-    from flame_llm.serving.batcher import ClientCounters
+    from flame_llm.serving.pending import ClientCounters
     from flame_llm.serving.shard_watch import ShardWatch
 
     r = start_router(2, RouterConfig("cumulative"), name=f"router-{uuid.uuid4().hex[:8]}", namespace=NS)

@@ -18,7 +18,7 @@ from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import ClientCounters, Pending
+from flame_llm.serving.pending import ClientCounters, Pending
 from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
 from router.actor import replica_name, start_router
@@ -84,8 +84,9 @@ def _busy_work(n=300_000):
 
 
 def _routing(router, counters, restart_timeout_s=30.0, shards=(0, 1)):
-    def forget(shard, ps):
-        pass
+    class Owner:
+        def forget(self, shard, ps):
+            pass
 
     return ClientRouting(
         router,
@@ -93,7 +94,7 @@ def _routing(router, counters, restart_timeout_s=30.0, shards=(0, 1)):
         ShardWatch({}, router, [], restart_timeout_s, counters),
         counters,
         restart_timeout_s,
-        forget,
+        Owner(),
     )
 
 
@@ -204,7 +205,8 @@ def test_a_request_answered_with_a_shard_lost_during_the_call_is_routed_again(lo
         counters = ClientCounters()
         watch = ShardWatch({}, handle, [], 5.0, counters)
         fake = FakeLossDuringCall(handle, watch, shard=1)
-        routing = ClientRouting(fake, [0, 1], watch, counters, 5.0, lambda s, ps: forgotten.extend((s, p) for p in ps))
+        owner = type("Owner", (), {"forget": lambda self, s, ps: forgotten.extend((s, p) for p in ps)})()
+        routing = ClientRouting(fake, [0, 1], watch, counters, 5.0, owner)
         batch = _batch(asyncio.get_running_loop(), 8, seed=3)
         return await routing.route_shards(batch), batch, fake, counters
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 import zstandard
-from helpers import answering, kill_mid_burst, submitted, unbounded_credit
+from helpers import answering, kill_mid_burst, socket_items, submitted, unbounded_credit
 from ray.exceptions import RayActorError
 
 from actors.admission import Admission, Overloaded
@@ -189,23 +189,26 @@ def test_flow_control_keeps_a_burst_within_the_shards_capacity(service):
     prompts = _prompts(48, 16, seed=11)
     sp = SamplingParams(temperature=0.0, max_tokens=4)
     peak = dict.fromkeys(client.dispatch.outstanding, 0)
-    credit = client.dispatch.credit
-    real_release = credit.release
+    channels = client.dispatch.channels
 
-    def watched(shard):  # runs on the client loop after every credit change
-        real_release(shard)
-        peak[shard] = max(peak[shard], client.dispatch.outstanding[shard])
+    def watched(ch, real):
+        def release():  # runs on the client loop after every credit change
+            real()
+            peak[ch.shard] = max(peak[ch.shard], ch.outstanding)
+        return release
 
-    credit.release = watched
+    for ch in channels.values():
+        ch.release = watched(ch, ch.release)
     try:
         res = client.generate(prompts, sp)
     finally:
-        del credit.release
+        for ch in channels.values():
+            del ch.release
     assert [r.error for r in res] == [None] * 48
     assert sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) == before
     assert max(r.timings["attempts"] for r in res) == 1
     assert 0 < max(peak.values()) <= 16 and client.counters.credit_waits > 0
-    assert client.dispatch.outstanding == dict.fromkeys(peak, 0) and not any(client.dispatch.credit.held.values())
+    assert client.dispatch.outstanding == dict.fromkeys(peak, 0) and not any(c.held for c in channels.values())
 
 
 def test_streams_take_flow_control_credit_too(service):
@@ -218,12 +221,12 @@ def test_streams_take_flow_control_credit_too(service):
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     d = client.dispatch
     peak = dict.fromkeys(d.outstanding, 0)
-    real_take = d.take_credit
-
-    async def watched(shard, user=""):
-        took = await real_take(shard, user)
-        peak[shard] = max(peak[shard], d.outstanding[shard])
-        return took
+    def watched(ch, real):
+        async def take(user=""):
+            took = await real(user)
+            peak[ch.shard] = max(peak[ch.shard], ch.outstanding)
+            return took
+        return take
 
     async def one(prompt):
         chunks = [c async for c in client.stream_chunks(prompt, sp)]
@@ -234,31 +237,34 @@ def test_streams_take_flow_control_credit_too(service):
         batch = client.agenerate(_prompts(16, 16, seed=22), sp)
         return await streams, await batch
 
-    d.take_credit = watched
+    for ch in d.channels.values():
+        ch.take = watched(ch, ch.take)
     try:
         streamed, batch = asyncio.run(main())
     finally:
-        del d.take_credit
+        for ch in d.channels.values():
+            del ch.take
     assert [r.error for _, r in streamed] == [None] * 40 and [r.error for r in batch] == [None] * 16
     assert sum(ray.get(a.stats.remote())["rejected"] for a in svc.actors.values()) == before
     assert all(r.timings["attempts"] == 1 for _, r in streamed) and 0 < max(peak.values()) <= 16
     assert [toks for toks, _ in streamed] == [r.output_token_ids for r in client.generate(prompts, sp)]
-    assert d.outstanding == dict.fromkeys(peak, 0) and not any(d.credit.held.values())
+    assert d.outstanding == dict.fromkeys(peak, 0) and not any(c.held for c in d.channels.values())
 
     async def cancelled_while_waiting():
         full = dict(d.outstanding)
-        for s in d.outstanding:
-            d.outstanding[s] = d.credit.capacity[s]  # no room anywhere: the stream waits for credit
+        for c in d.channels.values():
+            c.outstanding = c.capacity  # no room anywhere: the stream waits for credit
         task = asyncio.ensure_future(one(prompts[0]))
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if any(d.credit.held.values()):  # its future waits in the shard's credit queue
+            if any(c.held for c in d.channels.values()):  # its future waits in the shard's credit queue
                 break
-        assert any(isinstance(x, asyncio.Future) for q in d.credit.held.values() for x in q)
+        assert any(isinstance(x, asyncio.Future) for c in d.channels.values() for x in c.held)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        d.outstanding.update(full)
+        for s, c in d.channels.items():
+            c.outstanding = full[s]
 
     asyncio.run_coroutine_threadsafe(cancelled_while_waiting(), client._loop).result(timeout=30)
     assert client.generate(prompts[:2], sp)[0].error is None and d.outstanding == dict.fromkeys(peak, 0)
@@ -583,6 +589,10 @@ def test_service_and_client_error_paths(service, tiny_qwen3):
         client = Client.for_service(other, restart_timeout_s=1.0)
         assert client.generate([[5, 6, 7]], sp)[0].error is None
         ray.kill(other.actors[0], no_restart=True)
+        deadline = time.monotonic() + 30  # until its connection ends, its process may still answer (ray.kill returns
+        while not (client.dispatch.shards.restarting or client.dispatch.shards.avoid):  # before it is gone)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         (res,) = client.generate([[5, 6, 7]], sp)
         assert res.error.code == "shard_unavailable" and "did not come back" in res.error.message
         ray.kill(other.router, no_restart=True)
@@ -761,10 +771,10 @@ def test_formed_batch_is_sent_without_waiting_out_the_window(service):
     10 ms formation window."""
     _, default_client = service
     sp = SamplingParams(temperature=0.0, max_tokens=2)
-    before = {s: dict(b.flushes) for s, b in default_client.dispatch.batchers.items()}
+    before = {s: dict(b.flushes) for s, b in default_client.dispatch.channels.items()}
     default_client.generate(_prompts(3, 20, seed=7), sp)
-    formed = sum(b.flushes["formed"] - before[s]["formed"] for s, b in default_client.dispatch.batchers.items())
-    window = sum(b.flushes["window"] - before[s]["window"] for s, b in default_client.dispatch.batchers.items())
+    formed = sum(b.flushes["formed"] - before[s]["formed"] for s, b in default_client.dispatch.channels.items())
+    window = sum(b.flushes["window"] - before[s]["window"] for s, b in default_client.dispatch.channels.items())
     assert formed >= 1 and window == 0
 
 
@@ -803,7 +813,7 @@ def test_a_cancelled_agenerate_and_a_killed_client_process_abort_their_requests(
 
     asyncio.run(cancel_one())
     assert _wait_idle(svc, 3.0) < 3.0
-    aborted = sum(ray.get(a.stats.remote())["aborted_dead_caller"] for a in svc.actors.values())
+    aborted = sum(ray.get(a.stats.remote())["aborted"] for a in svc.actors.values())
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     address = ray.get_runtime_context().gcs_address  # this cluster's, not "auto": another may run on the machine
     script = ("import ray, sys\nfrom flame_llm import SamplingParams\nfrom flame_llm.serving.client import Client\n"
@@ -822,37 +832,28 @@ def test_a_cancelled_agenerate_and_a_killed_client_process_abort_their_requests(
         child.kill()
         child.wait(timeout=30)
     assert _wait_idle(svc, 5.0) < 5.0
-    assert sum(ray.get(a.stats.remote())["aborted_dead_caller"] for a in svc.actors.values()) - aborted == 6
+    # its connections ended with it (or, had they not, its Ray job is seen dead): each request aborted once
+    assert sum(ray.get(a.stats.remote())["aborted"] for a in svc.actors.values()) - aborted == 6
     (res,) = client.generate([[9, 9, 9]], SamplingParams(temperature=0.0, max_tokens=2))
     assert res.error is None
 
 
 def test_abort_before_arrival_and_the_stream_server_on_the_wire(service):
-    """The actor's abort remembers an id that has not arrived (that request answers 'abort' without running);
-    its stream server yields token lists, then the result payload."""
-    from flame_llm.serving.batcher import ClientCounters
-    from flame_llm.serving.stream_conn import StreamConns
-
-    async def over_socket(payload):
-        conns = StreamConns({0: actor}, ClientCounters())
-        try:
-            return [item async for item in conns.items(0, payload, None, None)]
-        finally:
-            await conns.close()
-
+    """An ABORT frame remembers an id of its connection that has not arrived (that request answers 'abort' without
+    running); the stream server yields token lists, then the result payload."""
     svc, _ = service
     actor = svc.actors[0]
     rev = svc.health[0].model_revision
-    assert ray.get(actor.abort.remote(["early"])) == 0
-    (rec,) = submitted(actor, encode_requests([Request("early", [1, 2, 3], SamplingParams(max_tokens=4))], rev))
+    (rec,) = submitted(actor, encode_requests([Request("early", [1, 2, 3], SamplingParams(max_tokens=4))], rev),
+                       abort_first=["early"])
     assert rec.finish_reason == "abort" and rec.error is None and rec.output_token_ids == []
-    items = asyncio.run(over_socket(encode_requests(
-        [Request("s1", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))], rev)))
+    items = socket_items(actor, encode_requests(
+        [Request("s1", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))], rev))
     tokens = [t for x in items[:-1] for t in x]
     (final,) = decode_results(items[-1])
     assert len(tokens) == 5 and final.output_token_ids == tokens and final.finish_reason == "length"
     two = encode_requests([Request("a", [1], SamplingParams()), Request("b", [2], SamplingParams())], rev)
-    (bad,) = decode_results(asyncio.run(over_socket(two))[0])
+    (bad,) = decode_results(socket_items(actor, two)[0])
     assert bad.error.code == "bad_request" and "exactly one request" in bad.error.message
 
 
@@ -895,7 +896,7 @@ def test_a_watcher_outlives_a_router_that_does_not_answer(service):
     """An avoided shard seen back as a new incarnation is served again even when the router's drop_shard call fails
     (a restarting router): before, its RayActorError ended the watcher and the shard stayed avoided for good."""
     from flame_llm.protocol.errors import ErrorCode, ErrorInfo
-    from flame_llm.serving.batcher import ClientCounters
+    from flame_llm.serving.pending import ClientCounters
     from flame_llm.serving.shard_watch import ShardWatch
     from router.actor import start_router
     from router.policy import RouterConfig

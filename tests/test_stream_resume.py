@@ -19,9 +19,9 @@ from flame_llm import SamplingParams
 from flame_llm.models.tiny import TINY_VOCAB_SIZE
 from flame_llm.protocol.errors import ErrorCode
 from flame_llm.protocol.types import Request, prompt_digest
-from flame_llm.serving.batcher import Pending
 from flame_llm.serving.frontdoor import start_frontdoor, stop_frontdoor
 from flame_llm.serving.http_app import HttpConfig
+from flame_llm.serving.pending import Pending
 from flame_llm.serving.retry import Action, continuation, decide, stream_end
 
 NS = "test-stream-resume"
@@ -138,15 +138,15 @@ def test_a_stream_waits_for_its_restarted_shard_and_resumes_there(service):
     assert want.timings.get("resumed") is None  # a batch request is no stream
 
 
-def _dies_before_the_result(streams, actors):
-    """The socket's items, with the shard killed as its result arrives: the client sees the death after the
+def _dies_before_the_result(channel, actors):
+    """The channel's stream items, with the shard killed as its result arrives: the client sees the death after the
     stream's last token and before its result (the window a real death can hit)."""
-    real = streams.items
+    real = channel.stream_items
 
-    async def items(shard, payload, caller, client):
-        async for item in real(shard, payload, caller, client):
+    async def items(payload):
+        async for item in real(payload):
             if isinstance(item, bytes):
-                ray.kill(actors[shard], no_restart=False)
+                ray.kill(actors[channel.shard], no_restart=False)
                 raise RayActorError()
             yield item
     return items
@@ -169,8 +169,8 @@ def test_a_death_after_the_last_token_ends_the_stream_with_what_it_had(service, 
         assert len(want.output_token_ids) == 1
     assert want.finish_reason == how
     old, retries = answering(svc.actors[0]).incarnation, client.counters.retries
-    streams = client.dispatch.shards.streams
-    monkeypatch.setattr(streams, "items", _dies_before_the_result(streams, svc.actors))
+    channel = client.dispatch.channels[0]
+    monkeypatch.setattr(channel, "stream_items", _dies_before_the_result(channel, svc.actors))
 
     async def main():
         return [c async for c in client.stream_chunks(prompt, sp)]

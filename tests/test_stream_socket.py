@@ -74,7 +74,7 @@ def test_socket_streams_equal_the_batch_path(service):
     assert all({"arrived_at", "first_chunk_at", "sent_at", "first_chunk_at_client"} <= r.timings.keys()
                for r in results)
     assert sum(s.get("socket_streams", 0) for s in _stats(svc)) - before == 6  # over TCP
-    conns = client.dispatch.shards.streams.conns
+    conns = client.dispatch.conns
     assert conns and all(c.broken is None for c in conns.values())  # one persistent connection per shard used
     assert client_conn_count(svc) == len(conns)
 
@@ -117,7 +117,7 @@ def test_a_stream_closed_before_its_result_is_aborted_on_its_shard(service):
     payload = _payload(svc, "closed-early", _prompts(1, 16, seed=3)[0], LONG)
 
     async def close_early():
-        items = d.shards.streams.items(0, payload, d.caller, d.client_id)
+        items = d.channels[0].stream_items(payload)
         first = await items.__anext__()
         await items.aclose()
         return first
@@ -236,7 +236,7 @@ def test_a_shard_dying_before_the_first_token_is_retried_after_its_restart(servi
     assert toks == want.output_token_ids == res.output_token_ids
     assert answering(svc.actors[shard]).incarnation != old.incarnation
     if res.shard == shard:  # the new incarnation's server, over a new connection
-        assert client.dispatch.shards.streams.conns[shard].endpoint.incarnation != old.incarnation
+        assert client.dispatch.conns[shard].endpoint.incarnation != old.incarnation
     _wait(lambda: _idle(svc), what="work left on the shards")
 
 
@@ -279,7 +279,7 @@ def test_a_shard_that_dies_idle_is_routed_around_at_once_not_waited_for(service)
     (first,) = client.generate([doc + [1]], GREEDY)
     victim = first.shard
     asyncio.run(_chunks(client, doc + [2], GREEDY))  # the stream connection to the victim now exists
-    assert victim in client.dispatch.shards.streams.conns
+    assert victim in client.dispatch.conns
     ray.kill(svc.actors[victim], no_restart=False)
     _wait(lambda: victim in client.dispatch.shards.restarting, timeout_s=10.0,
           what="the client did not notice its shard's connection end")
@@ -300,12 +300,12 @@ def test_a_batch_only_client_sees_an_idle_shard_die_and_routes_its_batches_aroun
     svc, _ = service
     client = Client.for_service(svc)
     try:
-        _wait(lambda: len(client.dispatch.shards.streams.conns) == len(svc.actors), timeout_s=30.0,
+        _wait(lambda: len(client.dispatch.conns) == len(svc.actors), timeout_s=30.0,
               what="the client did not connect to every shard at its start")
         doc = _prompts(1, 300, seed=40)[0]
         (first,) = client.generate([doc + [1]], GREEDY)
         victim = first.shard
-        old = client.dispatch.shards.streams.conns[victim].endpoint.incarnation
+        old = client.dispatch.conns[victim].endpoint.incarnation
         ray.kill(svc.actors[victim], no_restart=False)
         _wait(lambda: victim in client.dispatch.shards.restarting, timeout_s=10.0,
               what="the client did not notice its idle shard die")
@@ -313,9 +313,9 @@ def test_a_batch_only_client_sees_an_idle_shard_die_and_routes_its_batches_aroun
         (again,) = client.generate([doc + [2]], GREEDY)
         assert again.error is None and again.shard != victim and time.monotonic() - t0 < 5.0, again
         assert answering(svc.actors[victim]).incarnation != old
-        _wait(lambda: victim in client.dispatch.shards.streams.conns
-              and client.dispatch.shards.streams.conns[victim].broken is None
-              and client.dispatch.shards.streams.conns[victim].endpoint.incarnation != old, timeout_s=30.0,
+        _wait(lambda: victim in client.dispatch.conns
+              and client.dispatch.conns[victim].broken is None
+              and client.dispatch.conns[victim].endpoint.incarnation != old, timeout_s=30.0,
               what="the client did not reconnect to the restarted shard")
     finally:
         client.close()

@@ -21,10 +21,15 @@ class Items:
         self.closed = 0
         self.seen: list[tuple] = []
 
-    async def __call__(self, payload: bytes, caller, client, owner=None):
+    async def __call__(self, payload: bytes, caller, client, owner=None, batch=False):
         self.seen.append((payload, caller, client))
         done = False
         try:
+            if batch:  # a batch of int(payload) requests: one result payload per request, no chunks
+                for i in range(int(payload)):
+                    yield b"results-%d" % i
+                done = True
+                return
             if payload == b"fail":
                 yield [1]
                 raise ValueError("a bug in the shard")
@@ -40,8 +45,8 @@ class Items:
                 self.closed += 1
 
 
-async def _server(items: Items, max_payload_bytes: int = 1 << 16):
-    server = StreamServer(items, max_payload_bytes, "test", "inc-1")
+async def _server(items: Items, max_payload_bytes: int = 1 << 16, abort=None):
+    server = StreamServer(items, max_payload_bytes, "test", "inc-1", abort=abort)
     return server, await server.start("127.0.0.1")
 
 
@@ -90,8 +95,31 @@ def test_streams_multiplex_over_one_connection_and_a_failed_one_raises():
         assert await asyncio.wait_for(qf.get(), 10) == [1]
         with pytest.raises(StreamFailed, match="ValueError: a bug in the shard"):
             await _drain(qf)
+        conn.done(a)
+        conn.done(b)  # a stream's reader says when it is done (a batch has several RESULT frames)
         assert items.seen[0] == (b"3", "job", "cl") and conn.broken is None and not conn.streams
         assert server.counters["socket_streams"] == 3 and server.counters["socket_connections"] == 1
+        conn.close("done")
+        await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_batch_answers_in_several_result_frames_and_abort_frames_reach_the_shard():
+    """A BATCH frame: its results come back as RESULT frames, one per group finished, on one stream id (its reader
+    counts them); an ABORT frame names request ids of the connection's batches, aborted as the connection's own."""
+    async def main():
+        items, aborted = Items(), []
+        server, ep = await _server(items, abort=lambda ids, owner: aborted.append((ids, owner)))
+        conn = await _conn(ep)
+        sid, q = conn.open(b"3", "job", "cl", Frame.BATCH)
+        got = [await asyncio.wait_for(q.get(), 10) for _ in range(3)]
+        assert got == [b"results-0", b"results-1", b"results-2"] and sid in conn.streams
+        conn.done(sid)
+        conn.abort(["r1", "r2"])
+        await _until(lambda: aborted)
+        assert aborted[0][0] == ["r1", "r2"] and aborted[0][1].startswith("socket-")
+        assert server.counters["socket_batches"] == 1 and server.counters["socket_streams"] == 0
         conn.close("done")
         await server.stop()
 
@@ -156,7 +184,7 @@ def test_frames_that_break_the_framing_close_the_connection():
         assert server.counters["socket_refused"] == 1
         await server.stop()
         r = asyncio.StreamReader()
-        r.feed_data(encode_frame(7, 1))
+        r.feed_data(encode_frame(99, 1))
         with pytest.raises(FrameError, match="not a frame"):
             await read_frame(r, 100)
 

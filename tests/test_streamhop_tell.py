@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from flame_llm import SamplingParams
-from flame_llm.serving import client_stream
+from flame_llm.serving import channel
 from flame_llm.serving.client import make_client
 from flame_llm.serving.service import start_service
 from flame_llm.serving.service_config import ServiceConfig
@@ -73,10 +73,10 @@ def test_the_router_hears_of_a_running_stream_after_its_first_token(service):
 
 
 def test_a_stream_ending_before_the_timer_is_told_once(service, monkeypatch):
-    """The stream ends before TELL_AFTER_S: stream_request tells the router before the completion, and the timer,
+    """The stream ends before TELL_AFTER_S: the channel tells the router before the completion, and the timer,
     firing later, tells nothing (a second tell would leave its work at the router for good)."""
     svc, client = service
-    monkeypatch.setattr(client_stream, "TELL_AFTER_S", 1.0)
+    monkeypatch.setattr(channel, "TELL_AFTER_S", 1.0)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     async def main():

@@ -84,17 +84,22 @@ class Paths:
                 timings = c.result.timings
         return {"ttft": chunks[0], "chunks": chunks, "tokens": tokens, "split": split_of(timings, wall0, first_at)}
 
-    async def actor_stream(self, prompt) -> dict:
-        from flame_llm.protocol.wire import decode_results
-        from flame_llm.serving.batcher import ClientCounters
-        from flame_llm.serving.stream_conn import StreamConns
+    def _link(self):
+        """This bench's own connection to the actor's stream server (its one request entry point)."""
+        from flame_llm.serving.pending import ClientCounters
+        from flame_llm.serving.stream_conn import ShardLink
 
         if self.conns is None:
-            self.conns = StreamConns({0: self.actor}, ClientCounters())
+            self.conns = ShardLink(0, {0: self.actor}, ClientCounters(), None, None)
+        return self.conns
+
+    async def actor_stream(self, prompt) -> dict:
+        from flame_llm.protocol.wire import decode_results
+
         payload = self._payload(prompt, self.sp)
         t0 = time.perf_counter()
         chunks, tokens, res = [], 0, None
-        async for item in self.conns.items(0, payload, None, None):
+        async for item in self._link().stream_items(payload):
             if isinstance(item, list):
                 chunks.append(time.perf_counter() - t0)
                 tokens += len(item)
@@ -132,10 +137,15 @@ class Paths:
         return time.perf_counter() - t0
 
     async def actor_once(self, prompt) -> float:
+        from flame_llm.protocol.stream_frames import Frame
+
         payload = self._payload(prompt, self.sp1)
         t0 = time.perf_counter()
-        async for ref in self.actor.submit_streaming.remote(payload, None):
-            await ref
+        conn = await self._link().connection()
+        sid, q = conn.open(payload, None, None, Frame.BATCH)  # a batch of one: its one result payload
+        item = await q.get()
+        conn.done(sid)
+        assert isinstance(item, bytes), item
         return time.perf_counter() - t0
 
 

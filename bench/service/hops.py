@@ -8,7 +8,8 @@ One request at a time, the same prompts shape on every path, the paths interleav
 - `client`: the same Python client in this process (no front door, no HTTP),
 - `actor`: this process streams from the engine actor's stream server (no router call, no client loop, no credit),
 - `router`: the router's `route` call alone; `ray`: a bare actor call (`health`) for scale,
-- the non-streamed answers of one token: `serve-http` / `door` over HTTP, `client.agenerate`, `actor.submit_streaming`.
+- the non-streamed answers of one token: `serve-http` / `door` over HTTP, `client.agenerate`, the actor's socket
+  (a BATCH frame of one).
 
 The engine's own figures come back in the stream's result (queue_s: admission wait; ttft: arrival in the engine to
 its first token). Per hop (p50 of TTFT differences): engine TTFT; actor admission; the stream socket hop (actor

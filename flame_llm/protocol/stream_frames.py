@@ -1,16 +1,19 @@
-"""The socket stream transport's framing: how a client and an engine
-actor's stream server (actors/stream_server.py, flame_llm/serving/stream_conn.py) carry many streams over one
-TCP connection. Only the framing is here: a stream's request payload and its result payload are the bytes of the
-one wire codec (flame_llm/protocol/wire.py), exactly what EngineActor.stream_items takes and yields.
+"""The socket transport's framing: how a client and an engine actor's stream server (actors/stream_server.py,
+flame_llm/serving/stream_conn.py) carry many streams and batches over one TCP connection, the engine actor's one
+request entry point. Only the framing is here: a request payload and a result payload are the bytes of the one wire
+codec (flame_llm/protocol/wire.py), exactly what EngineActor.stream_items takes and yields.
 
 A frame is a 4-byte big-endian length, then a msgpack array whose first element is its kind:
 
     client -> shard   [HELLO, token]                         first frame of a connection, else it is closed
-                      [OPEN, stream id, payload, caller, client]
+                      [OPEN, stream id, payload, caller, client]    one request, its tokens streamed
+                      [BATCH, stream id, payload, caller, client]   a batch, its results as they finish
+                      [ABORT, [request ids]]                 abort these requests of this connection's (batches)
                       [CANCEL, stream id]                    the caller left: the stream is aborted on the shard
                       [PING]                                 an idle connection's sign of life (see idle_timeout_s)
     shard -> client   [CHUNK, stream id, [token ids]]        as the engine samples them
-                      [RESULT, stream id, result payload]    the stream's last frame
+                      [RESULT, stream id, result payload]    a stream's last frame; a batch's results, one
+                                                             frame per group finished (the client counts them)
                       [FAIL, stream id, message]             the shard could not serve it (a bug): its last frame
 
 A connection that closes ends every stream on it: the shard aborts them, the client's raise as a lost shard.
@@ -46,6 +49,8 @@ class Frame(IntEnum):
     RESULT = 4
     FAIL = 5
     PING = 6
+    BATCH = 7
+    ABORT = 8
 
 
 class FrameError(ValueError):

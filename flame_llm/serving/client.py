@@ -1,11 +1,11 @@
 """The Python client: checks prompts against the limits every shard publishes, hands them to its
-Dispatcher (flame_llm/serving/dispatch.py: routing, per-shard batchers, compressed payloads, retries) and
+Dispatcher (flame_llm/serving/dispatch.py: routing, one channel per shard: batches, credit, retries) and
 returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_completed` as they finish
 (client_generate.py); streams one request's tokens (client_stream.py). A result whose error is retryable does not
 reach the caller while the retry policy (retry.py) says to send it again.
 
 All client work runs on one event loop, so `generate` (sync) and `agenerate` (from any asyncio loop) share the
-batchers and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
+shard channels and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
 loop given as `loop=` (an asyncio server such as the front door: its calls and streams then run on that loop with
 no hand-off between threads; `generate` must then be called from another thread, `aclose` from that loop)."""
 from __future__ import annotations
@@ -26,11 +26,11 @@ from flame_llm.protocol.checks import fits_utf8
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result
 from flame_llm.sampling_params import SamplingParams, brief
-from flame_llm.serving.batcher import ClientCounters
 from flame_llm.serving.client_config import ClientConfig, check_retired
 from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
+from flame_llm.serving.pending import ClientCounters
 from flame_llm.serving.prompts import RequestMaker
 from flame_llm.serving.ray_attach import attach, find_service, resolve_namespace
 
@@ -77,7 +77,7 @@ class Client:
             self._thread = threading.Thread(target=self._loop.run_forever, name="flame-client", daemon=True)
             self._thread.start()
         # a connection per shard from now on: a shard's death is seen at once
-        self._loop.call_soon_threadsafe(self.dispatch.shards.keep_connected)
+        self._loop.call_soon_threadsafe(self.dispatch.keep_connected)
 
     @classmethod
     def connect(cls, namespace: str | None = None, address: str | None = "auto", **kwargs) -> Client:

@@ -1,5 +1,5 @@
 """One generate call of the client (Client.generate, agenerate, as_completed): its prompts checked and made into
-requests (prompts.py), handed to the Dispatcher (dispatch.py), whose batchers coalesce them with other calls'
+requests (prompts.py), handed to the Dispatcher (dispatch.py), whose shard channels coalesce them with other calls'
 requests, and each Result handed on as it lands (its text decoded when the prompts were text, a progress bar
 advanced); the call returns them in input order. A call its caller gives up on (cancelled) takes its unanswered
 requests out of the client's queues unsent and has the shards abort the others."""
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from flame_llm.protocol.types import Result
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending, attempt_id
 from flame_llm.serving.dispatch import Dispatcher
+from flame_llm.serving.pending import Pending, attempt_id
 from flame_llm.serving.prompts import RequestMaker
 
 
@@ -81,4 +81,4 @@ def abort(d: Dispatcher, pend: list[Pending]) -> None:
         if p.shard >= 0:
             by_shard.setdefault(p.shard, []).append(attempt_id(p))
     for shard, ids in by_shard.items():
-        d.abort_on(shard, ids)
+        d.channels[shard].abort(ids)

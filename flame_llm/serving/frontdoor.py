@@ -1,6 +1,6 @@
 """The service's HTTP front door: a Ray actor (named FRONTDOOR_NAME in the service's namespace, held to the
 node that started it) serving the OpenAI API (flame_llm/serving/http_app.py) over a Client, so every HTTP
-request takes the Python client's path: router -> per-shard batcher -> msgpack+zstd -> the engine actor's
+request takes the Python client's path: router -> per-shard channel -> msgpack+zstd -> the engine actor's
 admission. It has no other way to the engines. /metrics renders the whole service's figures (every shard's,
 the router's, this client's, and the front door's own latencies)."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from flame_llm.models.tokenizer import load_tokenizer
 from flame_llm.protocol.types import Result
 from flame_llm.serving.http_app import HttpConfig
+from flame_llm.serving.prompts import CheckedPrompt
 from flame_llm.serving.service_config import ClientConfig
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,12 @@ class ClientBackend:
         self.hist[name].observe(seconds)
 
     async def generate(self, prompts: list, sampling: list, user: str = "") -> list[Result]:
-        return await self.client.agenerate(prompts, sampling, user=user)
+        """prompts: parse's (checked against the client's limits there: the client does not check them again)."""
+        return await self.client.agenerate([CheckedPrompt(p) for p in prompts], sampling, user=user)
 
     def stream(self, prompt, sp, user: str = ""):
         """user: the end user whose turn the request takes at a busy shard's credit (ApiRequest.user)."""
-        return self.client.stream_chunks(prompt, sp, user)
+        return self.client.stream_chunks(CheckedPrompt(prompt), sp, user)
 
     async def health(self) -> dict:
         """Every shard's health() and live() at once (a probe target: no stats, no actor lookups); a shard that does

@@ -110,11 +110,12 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
         raise ApiError(413, f"the request asks for {len(prompts)} prompt(s) x n={n} = {len(prompts) * n} "
                             f"completions; the limit is {limits.max_prompts} per request (max_prompts_per_request)",
                        "prompt")
-    for p in prompts:
+    for p in prompts:  # the one check of the prompts (the client takes them as checked: prompts.CheckedPrompt)
         try:
             engine.check_prompt(p)
         except RequestError as e:
             raise ApiError(400, f"field 'prompt': {e}", "prompt", code=e.code.value) from None
+    prompts = [p.astype(np.uint32) for p in prompts]
     stop = stop_strings(body.get("stop"), tokenizer)
     stream, options = body.get("stream", False), body.get("stream_options")
     if stream is None:

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,7 +15,14 @@ from flame_llm.protocol.errors import ErrorCode, RequestError
 from flame_llm.protocol.types import EngineLimits, Request
 from flame_llm.protocol.wire import BATCH_OVERHEAD, request_wire_size
 from flame_llm.sampling_params import SamplingParams
-from flame_llm.serving.batcher import Pending, failed_result, set_estimates
+from flame_llm.serving.pending import Pending, failed_result, set_estimates
+
+
+@dataclass(slots=True, frozen=True)
+class CheckedPrompt:
+    """Token ids already checked against the limits every shard publishes (the front door's parse:
+    openai_api.parse): the client takes them as they are instead of checking them again."""
+    token_ids: np.ndarray  # uint32, 1..max_prompt_tokens ids in the vocabulary
 
 
 class RequestMaker:
@@ -37,7 +45,8 @@ class RequestMaker:
         try:
             tokens = p.request.prompt_token_ids = self.tokens(prompt)
             p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))
-            self.limits.check_prompt(tokens)
+            if not isinstance(prompt, CheckedPrompt):
+                self.limits.check_prompt(tokens)
             if p.wire_bytes + BATCH_OVERHEAD > self.limits.max_payload_bytes:
                 raise RequestError(ErrorCode.OVER_BUDGET, f"request needs {p.wire_bytes} decoded bytes; "
                                    f"max_payload_bytes is {self.limits.max_payload_bytes}", "prompt")
@@ -49,6 +58,8 @@ class RequestMaker:
 
     def tokens(self, prompt) -> np.ndarray:
         """The prompt as uint32 token ids; RequestError (bad_prompt) when it cannot be one."""
+        if isinstance(prompt, CheckedPrompt):
+            return prompt.token_ids
         if isinstance(prompt, str):
             return np.asarray(self.tokenize(prompt), dtype=np.uint32)
         arr = prompt if isinstance(prompt, np.ndarray) else np.asarray(prompt)

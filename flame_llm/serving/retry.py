@@ -15,8 +15,8 @@ can cure):
 - its shard died: once the shard is back (or given up on), routed again (RESTART);
 - REROUTE and RESTART count against max_retries; past them the error is the result (FAIL for a death).
 
-Dispatcher (dispatch.py) carries the decisions out for batches (shard_watch.ShardLoss after a shard died under
-them), client_stream.py for streams. Each send after the first goes under its own id (batcher.attempt_id): the
+Each shard's ShardChannel (channel.py) carries the decisions out, for its batches and with client_stream.py for
+streams. Each send after the first goes under its own id (pending.attempt_id): the
 attempt before it may still be on its shard, being aborted, when it arrives.
 
 Resuming a stream whose shard died after some of its tokens reached the caller (when to do it is decide's rule,
@@ -47,7 +47,7 @@ import numpy as np
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import Request, Result
 from flame_llm.sampling_params import SEED_LIMIT, stop_reason
-from flame_llm.serving.batcher import Pending
+from flame_llm.serving.pending import Pending
 
 
 class Action(str, Enum):

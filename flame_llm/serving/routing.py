@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from typing import Protocol
 
 from ray.exceptions import RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.routing_key import RouteItem
-from flame_llm.serving.batcher import ClientCounters, Pending, failed_result
+from flame_llm.serving.pending import ClientCounters, Pending, failed_result
 from flame_llm.serving.shard_watch import ShardWatch
 from router.replica_client import Charge, RouterReplicas
 from router.replicas import RouteCache
@@ -30,14 +31,19 @@ REROUTE_ROUNDS = 3  # route calls again for requests answered with a shard lost 
 ROUTE_RETRY_MAX_S = 0.5  # a call lost with a restarting router is made again, after 0.1, 0.2, .. up to this, s
 
 
+class RoutingOwner(Protocol):
+    def forget(self, shard: int, ps: list[Pending]) -> None:
+        """Routed requests the shard will not be sent (their work leaves the router's count): the Dispatcher's."""
+
+
 class ClientRouting:
     def __init__(self, router: RouterReplicas, shards: list[int], watch: ShardWatch, counters: ClientCounters,
-                 restart_timeout_s: float, forget, policy: str = "cumulative",
+                 restart_timeout_s: float, owner: RoutingOwner, policy: str = "cumulative",
                  max_entries: int = 100_000, ttl_s: float = 0.0) -> None:
-        """forget(shard, pendings): routed requests that will not be sent there (their work leaves the router's
+        """owner.forget(shard, pendings): routed requests that will not be sent there (their work leaves the router's
         count). policy, max_entries and ttl_s (placement_ttl_s): the router's."""
         self.router, self.shards, self.watch, self.counters = RouterReplicas.of(router), list(shards), watch, counters
-        self.restart_timeout_s, self.forget = restart_timeout_s, forget
+        self.restart_timeout_s, self.owner = restart_timeout_s, owner
         self.local = len(self.shards) == 1 or policy in ("cumulative", "events")  # streams placed here
         self.cache = RouteCache(ttl_s, max_entries) if policy == "events" else None
         self.single = self.shards[0] if len(self.shards) == 1 else None
@@ -132,7 +138,7 @@ class ClientRouting:
                 elif self.local:
                     self._learn(p.chain, s)
                 continue
-            self.forget(s, [p])
+            self.owner.forget(s, [p])
         if again:
             self.counters.route_retries += 1
             for i, r in zip(again, await self.route_shards([batch[i] for i in again], rounds - 1), strict=True):
@@ -144,7 +150,7 @@ class ClientRouting:
             return
         for p, s, c in zip(batch, *call.result(), strict=True):
             p.charged = c
-            self.forget(s, [p])
+            self.owner.forget(s, [p])
 
     async def route_call(self, items: list[RouteItem], avoid: list[int]) -> tuple[list[int], list[Charge]]:
         """One routing call (each item to its router replica, router/replica_client.py), made again while the

@@ -1,13 +1,13 @@
-"""The client's end of the socket stream transport: one persistent TCP
-connection per shard incarnation to its engine actor's stream server (actors/stream_server.py; framing in
-flame_llm/protocol/stream_frames.py), opened on first use from the endpoint the actor's `stream_endpoint` call
-gives, and again from a fresh endpoint once the connection broke (the shard died or restarted). A reader task
-routes each frame to the stream it belongs to. Lives on the client's event loop.
+"""The client's end of the socket transport: one persistent TCP connection to a shard incarnation's stream server
+(actors/stream_server.py; framing in flame_llm/protocol/stream_frames.py), carrying its streams and batches; its
+shard's ShardChannel (channel.py) opens it from the endpoint the actor's `stream_endpoint` call gives, and again from
+a fresh endpoint once it broke (the shard died or restarted). A reader task routes each frame to the stream (or
+batch) it belongs to. Lives on the client's event loop.
 
-A connection that breaks under a stream raises what the Ray transport raises when a shard dies under it
-(RayActorError), so that the one retry policy (retry.py) treats both transports alike. A connection the shard's
-side ends, with or without streams on it, is also reported (`on_lost`): the shard's process is gone within
-milliseconds of its death, so new requests go around it from then on instead of waiting out its restart."""
+A connection that breaks under a stream raises what Ray raises when an actor dies under a call (RayActorError), so
+that the one retry policy (retry.py) treats both alike. A connection the shard's side ends, with or without streams
+on it, is also reported (`on_lost`): the shard's process is gone within milliseconds of its death, so new requests
+go around it from then on instead of waiting out its restart."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 from flame_llm.protocol.stream_frames import (
     FRAME_OVERHEAD,
@@ -27,14 +27,14 @@ from flame_llm.protocol.stream_frames import (
     read_frame,
 )
 from flame_llm.protocol.types import MAX_RESULT_PAYLOAD_BYTES
-from flame_llm.serving.batcher import ClientCounters
+from flame_llm.serving.pending import ClientCounters
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 
 
 class StreamFailed(RuntimeError):
-    """The shard could not serve a stream (a FAIL frame: a bug on the shard, as the Ray transport would raise)."""
+    """The shard could not serve a stream or batch (a FAIL frame: a bug on the shard)."""
 
 
 class StreamConn:
@@ -56,14 +56,21 @@ class StreamConn:
         return RayActorError(error_msg=f"the stream connection to shard {self.shard} ({ep.host}:{ep.port}, "
                                        f"incarnation {ep.incarnation[:8]}) broke: {self.broken}")
 
-    def open(self, payload: bytes, caller: str | None, client: str | None) -> tuple[int, asyncio.Queue]:
-        """Send a stream's request payload; (its id, the queue its items arrive in)."""
+    def open(self, payload: bytes, caller: str | None, client: str | None, kind: Frame = Frame.OPEN
+             ) -> tuple[int, asyncio.Queue]:
+        """Send a stream's (kind BATCH: a batch's) request payload; (its id, the queue its items arrive in: token
+        id lists, result payloads, or the exception that ended it). Its reader says when it is done (`done`)."""
         if self.broken is not None:
             raise self.lost()
         sid, self.next_sid = self.next_sid, self.next_sid + 1
         q = self.streams[sid] = asyncio.Queue()
-        self.writer.write(encode_frame(Frame.OPEN, sid, payload, caller, client))
+        self.writer.write(encode_frame(kind, sid, payload, caller, client))
         return sid, q
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort these requests of this connection's batches on the shard (when the connection is gone, it has)."""
+        if self.broken is None:
+            self.writer.write(encode_frame(Frame.ABORT, request_ids))
 
     def cancel(self, sid: int) -> None:
         """The caller left: the shard aborts the stream (when the connection is gone, it has already)."""
@@ -93,10 +100,7 @@ class StreamConn:
                     if sid is None or not isinstance(sid, int) or sid >= self.next_sid:
                         raise FrameError(f"unexpected frame {str(frame)[:80]}")
                     continue
-                if kind == Frame.CHUNK:
-                    q.put_nowait(frame[2])
-                elif kind == Frame.RESULT:
-                    self.streams.pop(sid)
+                if kind in (Frame.CHUNK, Frame.RESULT):  # a batch has several RESULT frames: its reader counts
                     q.put_nowait(frame[2])
                 else:
                     self.streams.pop(sid)
@@ -129,22 +133,86 @@ class StreamConn:
                 pass
 
 
-class StreamConns:
-    """The client's connections, one per shard (to its current incarnation), made on first use."""
+class ShardLink:
+    """A shard's connection to its current incarnation, made on first use and again after the shard restarted (its
+    ShardChannel, channel.py, is one). `conn_lost` hears of a connection the shard's side ended."""
 
-    def __init__(self, actors: dict[int, ray.actor.ActorHandle], counters: ClientCounters,
-                 on_lost: Callable[[int, RayActorError], None] | None = None) -> None:
-        self.actors, self.counters = actors, counters  # actors: the dispatcher's (a replacement's handle lands)
-        self.on_lost = on_lost  # (shard, error): a connection its shard's side ended (the shard likely died)
-        self.conns: dict[int, StreamConn] = {}
-        self._connecting: dict[int, asyncio.Future] = {}
+    def __init__(self, shard: int, actors: dict[int, ray.actor.ActorHandle], counters: ClientCounters,
+                 caller: str | None, client_id: str | None) -> None:
+        """actors: the client's (a replacement's handle lands there); caller, client_id: the client's Ray job and
+        id, sent with each stream and batch."""
+        self.shard, self.actors, self.counters, self.caller, self.client_id = shard, actors, counters, caller, client_id
+        self.conn: StreamConn | None = None  # to the shard's current incarnation, once made
+        self._connecting: asyncio.Future | None = None
+        self.connects: set[asyncio.Task] = set()
 
-    async def items(self, shard: int, payload: bytes, caller: str | None, client: str | None
-                    ) -> AsyncIterator[list[int] | bytes]:
-        """One stream on the shard: lists of token ids, then the result payload (as EngineActor.stream_items yields).
-        RayActorError when the connection cannot be made or breaks; cancelled, the shard is told to abort it."""
-        conn = await self.get(shard)
-        sid, q = conn.open(payload, caller, client)
+    def conn_lost(self, shard: int, e: RayActorError) -> None:
+        pass
+
+    async def connection(self) -> StreamConn:
+        """The connection to the shard's current incarnation, made on first use (one connect, shared)."""
+        if self.conn is not None and self.conn.broken is None:
+            return self.conn
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+
+            def over(f: asyncio.Future) -> None:
+                self._connecting = None
+                if not f.cancelled():
+                    f.exception()  # retrieved: each waiter raises it (none may be left)
+
+            self._connecting.add_done_callback(over)
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> StreamConn:
+        # this node's id: a shard on it answers its loopback address (actors/engine_actor.py stream_endpoint)
+        node = ray.get_runtime_context().get_node_id()
+        ep: StreamEndpoint = await self.actors[self.shard].stream_endpoint.remote(node)  # RayActorError: dead
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(ep.host, ep.port), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise RayActorError(error_msg=f"shard {self.shard}'s stream server at {ep.host}:{ep.port} does not "
+                                          f"answer: {type(e).__name__}: {e}") from None
+        keepalive(writer.get_extra_info("socket"))
+        writer.write(encode_frame(Frame.HELLO, ep.token))
+        self.conn = StreamConn(self.shard, ep, reader, writer, self.conn_lost)
+        log.debug("shard %d: connection to %s:%d", self.shard, ep.host, ep.port)
+        return self.conn
+
+    def keep_connected(self) -> None:
+        """Open the connection now (and again after each restart: ShardWatch), whether or not a request uses it:
+        when the shard's process dies its connection ends, and the client routes around it at once."""
+        async def quietly() -> None:
+            try:
+                await self.connection()
+            except (RayError, OSError, asyncio.TimeoutError):  # dead now: its requests find out
+                pass
+
+        task = asyncio.get_running_loop().create_task(quietly())
+        self.connects.add(task)
+        task.add_done_callback(self.connects.discard)
+
+    def drop_conn(self, why: str, keep: str | None = None) -> None:
+        """The shard is a new incarnation: the old connection (broken with it) goes. keep: the incarnation that
+        answers now; a connection already made to it stays (a stream sent since the restart runs on it)."""
+        if self.conn is not None and self.conn.endpoint.incarnation != keep:
+            conn, self.conn = self.conn, None
+            conn.close(why)
+
+    async def close(self) -> None:
+        """The client goes: its connection closes (the shard ends what is left on it)."""
+        for t in list(self.connects):
+            t.cancel()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close("the client closed")
+        await asyncio.gather(*self.connects, *([conn.reader] if conn is not None else []), return_exceptions=True)
+
+    async def stream_items(self, payload: bytes) -> AsyncIterator[list[int] | bytes]:
+        """One stream on the shard: lists of token ids, then the result payload. RayActorError when the connection
+        cannot be made or breaks; closed before its result (cancelled), the shard is told to abort it."""
+        conn = await self.connection()
+        sid, q = conn.open(payload, self.caller, self.client_id)
         item = None
         try:
             while True:
@@ -161,49 +229,3 @@ class StreamConns:
             raise
         finally:
             conn.done(sid)
-
-    async def get(self, shard: int) -> StreamConn:
-        conn = self.conns.get(shard)
-        if conn is not None and conn.broken is None:
-            return conn
-        fut = self._connecting.get(shard)
-        if fut is None:  # one connect per shard, whoever asks meanwhile waits for it
-            fut = self._connecting[shard] = asyncio.ensure_future(self._connect(shard))
-
-            def over(f: asyncio.Future) -> None:
-                self._connecting.pop(shard, None)
-                if not f.cancelled():
-                    f.exception()  # retrieved: each waiter raises it (none may be left)
-
-            fut.add_done_callback(over)
-        return await asyncio.shield(fut)
-
-    async def _connect(self, shard: int) -> StreamConn:
-        # this node's id: a shard on it answers its loopback address (actors/engine_actor.py stream_endpoint)
-        node = ray.get_runtime_context().get_node_id()
-        endpoint: StreamEndpoint = await self.actors[shard].stream_endpoint.remote(node)  # RayActorError: it is dead
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(endpoint.host, endpoint.port),
-                                                    CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise RayActorError(error_msg=f"shard {shard}'s stream server at {endpoint.host}:{endpoint.port} does "
-                                          f"not answer: {type(e).__name__}: {e}") from None
-        keepalive(writer.get_extra_info("socket"))
-        writer.write(encode_frame(Frame.HELLO, endpoint.token))
-        conn = self.conns[shard] = StreamConn(shard, endpoint, reader, writer, self.on_lost)
-        log.debug("shard %d: stream connection to %s:%d", shard, endpoint.host, endpoint.port)
-        return conn
-
-    def drop(self, shard: int, why: str, keep: str | None = None) -> None:
-        """The shard is a new incarnation: its old connection (broken with it) goes. keep: the incarnation that
-        answers now; a connection already made to it stays (a stream sent since the restart runs on it)."""
-        conn = self.conns.get(shard)
-        if conn is not None and conn.endpoint.incarnation != keep:
-            del self.conns[shard]
-            conn.close(why)
-
-    async def close(self) -> None:
-        conns, self.conns = list(self.conns.values()), {}
-        for c in conns:
-            c.close("the client closed")
-        await asyncio.gather(*(c.reader for c in conns), return_exceptions=True)

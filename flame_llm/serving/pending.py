@@ -1,10 +1,6 @@
-"""The client's request state (Pending, ClientCounters) and its per-shard request queues: a formed batch leaves
-when it reaches max_prompts, its window runs out, the next request would pass the decoded payload budget, or
-the client says the batch is formed.
-
-ClientCodec: the client's use of the one wire codec (flame_llm/protocol/wire.py): request payloads encoded for the
-service's model revision and zstd level, result payloads decoded, their sizes and times added to the client's
-counters. Batches (batch_send.py) and streams (client_stream.py) alike."""
+"""The client's request state (Pending, ClientCounters) and ClientCodec: the client's use of the one wire codec
+(flame_llm/protocol/wire.py): request payloads encoded for the service's model revision and zstd level, result
+payloads decoded, their sizes and times added to the client's counters. Batches and streams alike (channel.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +13,7 @@ from flame_llm.limits import max_output_tokens
 from flame_llm.protocol.errors import ErrorInfo
 from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request, Result
-from flame_llm.protocol.wire import BATCH_OVERHEAD, decode_results, decoded_size, encode_requests
+from flame_llm.protocol.wire import decode_results, decoded_size, encode_requests
 from router.replica_client import NO_CHARGE, Charge
 
 
@@ -60,7 +56,7 @@ def failed_result(p: Pending, error: ErrorInfo) -> Result:
 
 @dataclass(slots=True)
 class ClientCounters:
-    """One client's running totals, owned by its Dispatcher (Client.counters, ShardWatch see the same object)."""
+    """One client's running totals, owned by its Dispatcher (Client.counters and the shard channels see it)."""
     batches: int = 0  # request payloads sent
     result_payloads: int = 0  # result payloads received (several per batch when results come as they finish)
     streams: int = 0
@@ -85,62 +81,12 @@ class ClientCounters:
         return asdict(self)
 
 
-class ShardBatcher:
-    """One shard's queue: flushes at max_prompts, after window_s from its first request, before the
-    decoded payload would pass max_payload_bytes, or when the client says a generate() call's batch is
-    formed, whichever comes first. `send(shard, batch)` is awaited in its own task, so batches to one
-    shard overlap."""
-
-    def __init__(self, shard: int, send, max_prompts: int, window_s: float, max_payload_bytes: int):
-        """max_prompts and window_s: ClientConfig's max_batch_prompts and batch_window_ms."""
-        self.shard, self.send = shard, send
-        self.max_prompts, self.window_s, self.max_payload_bytes = max_prompts, window_s, max_payload_bytes
-        self.items: list[Pending] = []
-        self.nbytes = BATCH_OVERHEAD
-        self.timer: asyncio.TimerHandle | None = None
-        self.tasks: set[asyncio.Task] = set()
-        self.flushes = {"prompts": 0, "window": 0, "bytes": 0, "formed": 0}
-
-    def add(self, p: Pending) -> None:
-        assert p.wire_bytes + BATCH_OVERHEAD <= self.max_payload_bytes, "oversized requests are refused before batching"
-        if self.nbytes + p.wire_bytes > self.max_payload_bytes:
-            self.flush("bytes")
-        self.items.append(p)
-        self.nbytes += p.wire_bytes
-        if len(self.items) >= self.max_prompts:
-            self.flush("prompts")
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.window_s, self.flush, "window")
-
-    def drop_abandoned(self) -> list[Pending]:
-        """Take the queued requests whose callers gave up (their futures are done) out of the queue: never sent."""
-        gone = [p for p in self.items if p.future.done()]
-        if gone:
-            self.items = [p for p in self.items if not p.future.done()]
-            self.nbytes = BATCH_OVERHEAD + sum(p.wire_bytes for p in self.items)
-            if not self.items and self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-        return gone
-
-    def flush(self, why: str) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        batch, self.items, self.nbytes = self.items, [], BATCH_OVERHEAD
-        if batch:
-            self.flushes[why] += 1
-            task = asyncio.get_running_loop().create_task(self.send(self.shard, batch))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-
 class ClientCodec:
     def __init__(self, model_revision: str, zstd_level: int, counters: ClientCounters) -> None:
         self.model_revision, self.zstd_level, self.counters = model_revision, zstd_level, counters
 
     def encode(self, batch: list[Pending]) -> bytes:
-        """The batch's payload; a request sent again goes under its attempt's id (batcher.attempt_id)."""
+        """The batch's payload; a request sent again goes under its attempt's id (pending.attempt_id)."""
         t0 = time.perf_counter()
         reqs = [p.request if not p.attempts else dataclasses.replace(p.request, id=attempt_id(p)) for p in batch]
         payload = encode_requests(reqs, self.model_revision, self.zstd_level)

@@ -1,0 +1,35 @@
+"""What a shard's channel (channel.py) takes from the Dispatcher that owns it (dispatch.py): the client's parts that
+every shard shares, named here so that the channel does not import the dispatcher."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import ray
+
+from flame_llm.protocol.types import Result
+from flame_llm.serving.client_config import ClientConfig
+from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending
+from flame_llm.serving.routing import ClientRouting
+from flame_llm.serving.shard_watch import ShardWatch
+
+
+class ChannelOwner(Protocol):
+    config: ClientConfig
+    max_payload_bytes: int  # the tightest of the shards' limits
+    max_retries: int
+    counters: ClientCounters
+    codec: ClientCodec
+    actors: dict[int, ray.actor.ActorHandle]  # shard -> its actor now (ShardWatch puts a replacement's here)
+    caller: str  # this client's Ray job (the shards abort its requests when it dies)
+    client_id: str  # with caller: this client's turn in the shards' fair admission
+    shards: ShardWatch
+    routing: ClientRouting
+
+    def forget(self, shard: int, ps: list[Pending]) -> None:
+        """Routed requests the shard will not answer: their work leaves the router's count."""
+
+    def complete(self, shard: int, done: list[tuple[Pending, Result | None]]) -> None:
+        """The router's completions of requests the shard answered (or not: None)."""
+
+    async def route_again(self, ps: list[Pending]) -> None:
+        """Requests sent again: routed anew."""
