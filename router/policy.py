@@ -19,6 +19,10 @@ Policies:
   failing that, the least-loaded shard. A placement deeper than the holdings wins over them. The load guard
   of load_guarded applies to the choice.
 
+Load view (load_view, router/load_view.py): 'own' (the default) balances on this router's own outstanding counts, as
+before; with N replicas 'engines' adds the load the shards report with their cache events, 'peers' the outstanding
+work the other replicas last told, and load_choices k > 1 picks at random among the k least-loaded.
+
 A client may place a request itself (place_batch: a stream whose prefix it learned from earlier answers, or any
 request of a one-shard service) and tell the router after the fact, without waiting: the placement is
 registered and counted exactly as a routed request's, so outstanding work and cumulative work stay right.
@@ -37,11 +41,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from flame_llm.protocol.kv_events import KvEventBatch
+from flame_llm.protocol.kv_events import KvEventBatch, ShardLoad
 from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
 from flame_llm.validate import check_bool, check_choice, check_int, check_number
 from router.holdings import Holdings
 from router.least import LeastLoaded
+from router.load_view import LOAD_VIEWS, LoadView
 
 POLICIES = ("cumulative", "load_guarded", "round_robin", "events")
 MAX_REPLICAS = 64
@@ -58,6 +63,10 @@ class RouterConfig:
     event_poll_ms: float = 20.0  # events: the router actor pulls the shards' cache events this often
     spill_moves_prefix: bool = False  # load_guarded: a spilled request's prefix moves to the shard it spilled to
     replicas: int = 1  # router actors; N > 1 splits prefixes among them by their first block (router/replicas.py)
+    load_view: str = "own"  # own | engines | peers: whose load a replica balances on (router/load_view.py)
+    load_choices: int = 1  # engines/peers: an unseen prefix goes to a random one of this many least-loaded shards
+    load_grace_s: float = 0.005  # engines: own placements this recent count on top of a shard's load report
+    load_bucket: float = 0.0  # engines/peers: loads within one bucket of work tie (broken by a replica's own order)
 
     def __post_init__(self) -> None:
         check_choice("policy", self.policy, POLICIES, where="router field")
@@ -68,12 +77,19 @@ class RouterConfig:
         check_number("event_poll_ms", self.event_poll_ms, 1, where="router field")
         check_bool("spill_moves_prefix", self.spill_moves_prefix, where="router field")
         check_int("replicas", self.replicas, 1, MAX_REPLICAS, where="router field")
+        check_choice("load_view", self.load_view, LOAD_VIEWS, where="router field")
+        check_int("load_choices", self.load_choices, 1, 64, where="router field")
+        check_number("load_grace_s", self.load_grace_s, 0, where="router field")
+        check_number("load_bucket", self.load_bucket, 0, where="router field")
+        if self.load_choices > 1 and self.load_view == "own":
+            raise ValueError(f"router field 'load_choices' > 1 needs load_view 'engines' or 'peers'; got "
+                             f"load_choices={self.load_choices} with load_view 'own'")
 
 
 class RouterPolicy:
 
     def __init__(self, num_shards: int, config: RouterConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an integer >= 1; got {num_shards!r}")
         config = config or RouterConfig()
@@ -99,6 +115,11 @@ class RouterPolicy:
         self.holdings = Holdings(num_shards) if config.policy == "events" else None
         self._recent: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self.clock, self.placement_ttl_s = clock, float(config.placement_ttl_s)
+        # what placement balances on: own outstanding counts, or a LoadView that adds the other replicas' work
+        self.view = None if config.load_view == "own" else LoadView(
+            config.load_view, self._outstanding, self._cumulative, self.decode_cost, float(config.load_grace_s), clock,
+            config.load_choices, config.load_bucket, seed)
+        self._load = self._outstanding if self.view is None else self.view.load
         self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0,
                          "placed": 0, "held": 0, "recent": 0}
 
@@ -112,7 +133,7 @@ class RouterPolicy:
         if not allowed:
             raise ValueError(f"avoid must leave at least one shard; got {sorted(avoid)} of {self.num_shards}")
         self._check_items(items)
-        out, cum, counters = self._outstanding, self._cumulative, self.counters
+        cum, counters = self._cumulative, self.counters
         n = self.num_shards
         shards = []
         for chain, work, dec in items:
@@ -127,10 +148,10 @@ class RouterPolicy:
                 moved = known in avoid
                 move_from = avoid if moved else ()
                 if known is None or moved:
-                    s = self._least(cum if self.policy == "cumulative" else out, allowed)
+                    s = self._least(cum if self.policy == "cumulative" else self._load, allowed)
                     counters["moved" if moved else "new"] += 1
                 elif self.policy in ("load_guarded", "events") and self._should_spill(known, work):
-                    s = self._least(out, allowed)
+                    s = self._least(self._load, allowed)
                     counters["spill"] += 1
                     move_from = (known,) if self.config.spill_moves_prefix else ()
                 else:
@@ -197,6 +218,8 @@ class RouterPolicy:
         self._cumulative[s] += work
         self._by_load.changed(s)
         self._by_cum.changed(s)
+        if self.view is not None:
+            self.view.charged(s, load)
         self._routed[s] += 1
 
     def _should_spill(self, owner: int, work: float) -> bool:
@@ -222,7 +245,7 @@ class RouterPolicy:
     def _events_match(self, chain: Sequence[int], avoid: Collection[int]) -> int | None:
         """events: the least-loaded shard holding the chain's deepest held key, unless this router placed a
         deeper key within placement_ttl_s (then that placement's shard); None when neither knows the chain."""
-        out, recent, holders = self._outstanding, self._recent, self.holdings.holders
+        out, recent, holders = self._load, self._recent, self.holdings.holders
         horizon = self.clock() - self.placement_ttl_s
         for h in reversed(chain):
             held = [s for s in holders(h) if s not in avoid] if avoid else holders(h)
@@ -240,11 +263,37 @@ class RouterPolicy:
         applied before (a gap, or a restarted engine): ask each for a snapshot and apply that."""
         if self.holdings is None:
             raise ValueError(f"apply_events needs policy 'events'; this router's is {self.policy!r}")
-        return sorted({b.shard for b in batches if not self.holdings.apply(b)})
+        gaps = sorted({b.shard for b in batches if not self.holdings.apply(b)})
+        if self.view is not None and self.view.mode == "engines":
+            for b in batches:
+                if b.load is not None and b.shard not in gaps:
+                    self.view.report(b.shard, (b.epoch, b.seq), b.load)
+        return gaps
+
+    def apply_load(self, shard: int, stamp: tuple[int, int], load: ShardLoad) -> bool:
+        """load_view 'engines': shard's load as of stamp (epoch, seq); False for one older than the last applied."""
+        self._check_shard(shard)
+        if self.view is None or self.view.mode != "engines":
+            raise ValueError(f"apply_load needs load_view 'engines'; this router's is {self.config.load_view!r}")
+        return self.view.report(shard, stamp, load)
+
+    def outstanding(self) -> list[float]:
+        """This router's own outstanding work per shard (what load_view 'peers' exchanges)."""
+        return list(self._outstanding)
+
+    def set_peer_load(self, peer_load: Sequence[float]) -> None:
+        """load_view 'peers': the other replicas' outstanding work per shard, summed."""
+        if self.view is None or self.view.mode != "peers":
+            raise ValueError(f"set_peer_load needs load_view 'peers'; this router's is {self.config.load_view!r}")
+        if len(peer_load) != self.num_shards:
+            raise ValueError(f"peer_load needs one value per shard ({self.num_shards}); got {len(peer_load)}")
+        self.view.set_peers(peer_load)
 
     def _least(self, load: list[float], allowed: Sequence[int]) -> int:
         # ties go to the shard with less cumulative work, then the lower index
         if len(allowed) == self.num_shards:
+            if self.view is not None and load is self._load:
+                return self.view.least()
             return (self._by_load if load is self._outstanding else self._by_cum).least()
         cum = self._cumulative
         return min(allowed, key=lambda i: (load[i], cum[i]))
@@ -262,6 +311,8 @@ class RouterPolicy:
         done = min(self._outstanding[shard], est_work + self.decode_cost * est_decode_tokens)
         self._outstanding[shard] -= done
         self._by_load.changed(shard)
+        if self.view is not None:
+            self.view.completed(shard)
         self._total_outstanding = max(0.0, self._total_outstanding - done)
         self._completed[shard] += 1
         self._prompt_tokens[shard] += prompt_tokens
@@ -287,6 +338,8 @@ class RouterPolicy:
         self._total_outstanding = max(0.0, self._total_outstanding - self._outstanding[shard])
         self._outstanding[shard] = 0.0
         self._by_load.changed(shard)
+        if self.view is not None:
+            self.view.drop_shard(shard)
 
     def _check_shard(self, shard: int) -> None:
         if not isinstance(shard, int) or not 0 <= shard < self.num_shards:
