@@ -7,7 +7,8 @@ adds the others' work to a replica's counts:
 - 'engines': each shard reports its real load with its cache events (KvEventBatch.load: the prefill work of the
   prompt tokens it has not computed yet, and the tokens it has still to decode, in waiting and running requests).
   A shard's view is its last report plus the work this replica placed there since, less the placements older than
-  grace_s at the report (those the report already counts); completions change nothing (the next report does).
+  grace_s at the report (those the report already counts); completions change nothing (the next report does). A
+  shard that has not reported (engines that publish no load) counts as in 'own': this replica's outstanding work.
 - 'peers': the replicas exchange their outstanding work per shard every so often (set_peers); a shard's view is
   this replica's own outstanding work plus the others' as last heard (stale by up to the exchange period).
 
@@ -24,9 +25,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from flame_llm.protocol.kv_events import ShardLoad
+from router.config import LOAD_VIEWS
 from router.least import LeastLoaded
 
-LOAD_VIEWS = ("own", "engines", "peers")
+MAX_SINCE = 4096  # placements remembered per shard between two of its load reports
 
 
 class LoadView:
@@ -50,7 +52,8 @@ class LoadView:
         self.peer = [0.0] * n  # peers: the other replicas' outstanding work, as last heard
         self.reported = [0.0] * n  # engines: each shard's last report (prefill work + decode_cost x decode tokens)
         self.stamp: list[tuple[int, int] | None] = [None] * n  # engines: the (epoch, seq) of that report
-        self.since: list[deque[tuple[float, float]]] = [deque() for _ in range(n)]  # engines: (when, work) placed
+        # engines: (when, work) placed since the shard's last report, the last MAX_SINCE
+        self.since: list[deque[tuple[float, float]]] = [deque(maxlen=MAX_SINCE) for _ in range(n)]
         self.choices, self.rng = choices, random.Random(seed)
         # ties break by this replica's cumulative work, then its own random order of the shards (a jitter below one
         # unit of work), so replicas that place at the same moment on the same view mostly pick different shards
@@ -73,8 +76,11 @@ class LoadView:
             self.heap.changed(s)
 
     def charged(self, s: int, work: float) -> None:
-        """This replica placed `work` on shard s."""
+        """This replica placed `work` on shard s (already in its own outstanding counts)."""
         if self.mode == "engines":
+            if self.stamp[s] is None:  # no report from this shard yet: its own counts, as 'own' has them
+                self._set(s, self.own[s])
+                return
             self.since[s].append((self.clock(), work))
         self._set(s, self.load[s] + work)
 
@@ -82,6 +88,8 @@ class LoadView:
         """This replica's outstanding work on s fell (a completion, a dropped shard)."""
         if self.mode == "peers":
             self._set(s, self.own[s] + self.peer[s])
+        elif self.stamp[s] is None:
+            self._set(s, self.own[s])
 
     def report(self, s: int, stamp: tuple[int, int], load: ShardLoad) -> bool:
         """engines: shard s's load as of (epoch, seq); an older report than the last applied is ignored (False)."""

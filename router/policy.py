@@ -39,51 +39,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 
 from flame_llm.protocol.kv_events import KvEventBatch, ShardLoad
-from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
-from flame_llm.validate import check_bool, check_choice, check_int, check_number
+from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work
+from router.config import MAX_REPLICAS, POLICIES, RouterConfig  # noqa: F401 - imported from here too
 from router.holdings import Holdings
 from router.least import LeastLoaded
-from router.load_view import LOAD_VIEWS, LoadView
-
-POLICIES = ("cumulative", "load_guarded", "round_robin", "events")
-MAX_REPLICAS = 64
-
-
-@dataclass(slots=True, frozen=True)
-class RouterConfig:
-    """The router's settings (the service YAML's `router` section); each checked, naming the field."""
-    policy: str = "cumulative"  # cumulative | load_guarded | round_robin | events (module doc)
-    spill_factor: float = 1.25  # load_guarded: spill when the owner's outstanding work exceeds this x the mean
-    max_entries: int = 100_000  # prefix chain hashes remembered (LRU)
-    decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
-    placement_ttl_s: float = 1.0  # events: how long the router's own placement of a prefix counts
-    event_poll_ms: float = 20.0  # events: the router actor pulls the shards' cache events this often
-    spill_moves_prefix: bool = False  # load_guarded: a spilled request's prefix moves to the shard it spilled to
-    replicas: int = 1  # router actors; N > 1 splits prefixes among them by their first block (router/replicas.py)
-    load_view: str = "own"  # own | engines | peers: whose load a replica balances on (router/load_view.py)
-    load_choices: int = 1  # engines/peers: an unseen prefix goes to a random one of this many least-loaded shards
-    load_grace_s: float = 0.005  # engines: own placements this recent count on top of a shard's load report
-    load_bucket: float = 0.0  # engines/peers: loads within one bucket of work tie (broken by a replica's own order)
-
-    def __post_init__(self) -> None:
-        check_choice("policy", self.policy, POLICIES, where="router field")
-        check_number("spill_factor", self.spill_factor, 1.0, where="router field")
-        check_int("max_entries", self.max_entries, 1, where="router field")
-        check_number("decode_cost", self.decode_cost, 0, where="router field")
-        check_number("placement_ttl_s", self.placement_ttl_s, 0, where="router field")
-        check_number("event_poll_ms", self.event_poll_ms, 1, where="router field")
-        check_bool("spill_moves_prefix", self.spill_moves_prefix, where="router field")
-        check_int("replicas", self.replicas, 1, MAX_REPLICAS, where="router field")
-        check_choice("load_view", self.load_view, LOAD_VIEWS, where="router field")
-        check_int("load_choices", self.load_choices, 1, 64, where="router field")
-        check_number("load_grace_s", self.load_grace_s, 0, where="router field")
-        check_number("load_bucket", self.load_bucket, 0, where="router field")
-        if self.load_choices > 1 and self.load_view == "own":
-            raise ValueError(f"router field 'load_choices' > 1 needs load_view 'engines' or 'peers'; got "
-                             f"load_choices={self.load_choices} with load_view 'own'")
+from router.load_view import LoadView
 
 
 class RouterPolicy:
@@ -266,7 +228,7 @@ class RouterPolicy:
         gaps = sorted({b.shard for b in batches if not self.holdings.apply(b)})
         if self.view is not None and self.view.mode == "engines":
             for b in batches:
-                if b.load is not None and b.shard not in gaps:
+                if b.load is not None:  # a load report stands alone (its stamp orders it), gap or not
                     self.view.report(b.shard, (b.epoch, b.seq), b.load)
         return gaps
 
