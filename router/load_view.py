@@ -13,8 +13,9 @@ adds the others' work to a replica's counts:
   this replica's own outstanding work plus the others' as last heard (stale by up to the exchange period).
 
 Either way an unseen prefix goes to the least of the view (LeastLoaded; loads within one `bucket` of work tie), ties
-broken by this replica's cumulative work and then its own random order of the shards (seeded), so replicas that place
-at the same moment on the same view mostly pick different shards; with choices k > 1 it goes to a random one of the
+broken by the replica's home shards first (replica r of N: shard s with s % N == r), then the least recently placed,
+then its own random order of the shards (seeded), so replicas that place at about the same moment on the same view
+mostly pick different shards; with choices k > 1 it goes to a random one of the
 k least. RouterPolicy keeps its own outstanding counts (and its load guard on them); 'own' has no LoadView at all:
 the same placement as before the view existed."""
 
@@ -28,6 +29,7 @@ from flame_llm.protocol.kv_events import ShardLoad
 from router.config import LOAD_VIEWS
 from router.least import LeastLoaded
 
+AWAY = 1e12  # a tie order term that puts the shards of other replicas' homes after this one's
 MAX_SINCE = 4096  # placements remembered per shard between two of its load reports
 
 
@@ -36,13 +38,13 @@ class LoadView:
         self,
         mode: str,
         own: list[float],
-        cumulative: list[float],
         decode_cost: float,
         grace_s: float,
         clock: Callable[[], float],
         choices: int = 1,
         bucket: float = 0.0,
         seed: int | None = None,
+        home: tuple[int, int] | None = None,
     ) -> None:
         assert mode in LOAD_VIEWS[1:] and choices >= 1
         n = len(own)
@@ -55,28 +57,36 @@ class LoadView:
         # engines: (when, work) placed since the shard's last report, the last MAX_SINCE
         self.since: list[deque[tuple[float, float]]] = [deque(maxlen=MAX_SINCE) for _ in range(n)]
         self.choices, self.rng = choices, random.Random(seed)
-        # ties break by this replica's cumulative work, then its own random order of the shards (a jitter below one
+        # ties break by when this replica last placed work on the shard (least recently first: new prefixes spread over
+        # the near-idle shards instead of refilling the one that just finished), then its own random order (a jitter)
         # unit of work), so replicas that place at the same moment on the same view mostly pick different shards
-        self.cum, self.jitter = cumulative, [r / n for r in self.rng.sample(range(n), n)]
-        self.tie = [c + j for c, j in zip(cumulative, self.jitter)]
+        self.last, self.jitter = [0.0] * n, [r / n * 1e-6 for r in self.rng.sample(range(n), n)]
+        self.tie = [0.0] * n
         self.bucket = bucket  # loads within one bucket of work tie (0: exact loads)
-        self.key = [self._key(x) for x in self.load]
+        # home (replica r of N): among ties, shards s with s % N == r come first (the others' home shards after)
+        self.away = [0 if home is None or s % home[1] == home[0] else 1 for s in range(n)]
+        self.key = [self._key(x, s) for s, x in enumerate(self.load)]
+        self.tie = [self._tie(s) for s in range(n)]
         self.heap = LeastLoaded(self.key, self.tie)
         self.counters = {"reports": 0, "stale_reports": 0, "peer_updates": 0}
 
-    def _key(self, load: float) -> float:
+    def _key(self, load: float, s: int) -> float:
         return float(int(load / self.bucket)) if self.bucket > 0 else load
+
+    def _tie(self, s: int) -> float:
+        return AWAY * self.away[s] + self.last[s] + self.jitter[s]
 
     def _set(self, s: int, value: float) -> None:
         self.total += value - self.load[s]
         self.load[s] = value
-        key, tie = self._key(value), self.cum[s] + self.jitter[s]
+        key, tie = self._key(value, s), self._tie(s)
         if key != self.key[s] or tie != self.tie[s]:
             self.key[s], self.tie[s] = key, tie
             self.heap.changed(s)
 
     def charged(self, s: int, work: float) -> None:
         """This replica placed `work` on shard s (already in its own outstanding counts)."""
+        self.last[s] = self.clock()
         if self.mode == "engines":
             if self.stamp[s] is None:  # no report from this shard yet: its own counts, as 'own' has them
                 self._set(s, self.own[s])

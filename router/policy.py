@@ -51,7 +51,8 @@ from router.load_view import LoadView
 class RouterPolicy:
 
     def __init__(self, num_shards: int, config: RouterConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, seed: int | None = None,
+                 home: tuple[int, int] | None = None) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an integer >= 1; got {num_shards!r}")
         config = config or RouterConfig()
@@ -79,8 +80,8 @@ class RouterPolicy:
         self.clock, self.placement_ttl_s = clock, float(config.placement_ttl_s)
         # what placement balances on: own outstanding counts, or a LoadView that adds the other replicas' work
         self.view = None if config.load_view == "own" else LoadView(
-            config.load_view, self._outstanding, self._cumulative, self.decode_cost, float(config.load_grace_s), clock,
-            config.load_choices, config.load_bucket, seed)
+            config.load_view, self._outstanding, self.decode_cost, float(config.load_grace_s), clock,
+            config.load_choices, config.load_bucket, seed, home)
         self._load = self._outstanding if self.view is None else self.view.load
         self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0,
                          "placed": 0, "held": 0, "recent": 0}
@@ -194,7 +195,11 @@ class RouterPolicy:
         out = self._outstanding
         if out[owner] <= self.spill_factor * self._total_outstanding / self.num_shards:
             return False
-        return out[owner] - out[self._by_load.least()] > self.spill_factor * work
+        if out[owner] - out[self._by_load.least()] <= self.spill_factor * work:
+            return False
+        # with a load view, the owner must be over in the view too (the shards' real load, or all replicas' work)
+        view = self.view
+        return view is None or view.load[owner] - view.load[view.heap.least()] > self.spill_factor * work
 
     def _longest_match(self, chain: Sequence[int]) -> int | None:
         owner = self._owner

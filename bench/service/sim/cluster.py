@@ -64,6 +64,7 @@ class SimConfig:
     load_view: str = "own"  # RouterConfig.load_view: own | engines | peers
     load_choices: int = 1  # RouterConfig.load_choices
     load_bucket: float = 0.0  # RouterConfig.load_bucket
+    load_home: int = 1  # replica r prefers shards s % num_replicas == r among tied loads (RouterPolicy home)
     load_poll_s: float = 0.0  # engines: 0 = each shard reports its load at each step start; > 0 = replicas poll
     peer_exchange_s: float = 0.05  # peers: the replicas exchange their outstanding work this often
 
@@ -116,7 +117,8 @@ class Cluster:
 
     def _replica(self, rep: int) -> RouterPolicy:
         """A router replica as it starts: with events, synced from every shard's snapshot (empty at the start)."""
-        policy = RouterPolicy(self.cfg.num_shards, self.rc, clock=lambda: self.now, seed=self.cfg.seed * 1000 + rep)
+        policy = RouterPolicy(self.cfg.num_shards, self.rc, clock=lambda: self.now, seed=self.cfg.seed * 1000 + rep,
+                              home=(rep, self.cfg.num_replicas) if self.cfg.load_home else None)
         if self.rc.policy == "events":
             c0 = time.thread_time()
             policy.apply_events([s.log.snapshot() for s in self.shards])
