@@ -96,6 +96,40 @@ def test_loads_within_a_bucket_tie_and_replicas_break_ties_differently():
     assert len(firsts) > 1  # not all four on shard 0, as exact least-loaded would do
 
 
+def test_replicas_prefer_their_home_shards_among_tied_loads():
+    clock = Clock()
+    cfg = RouterConfig(policy="events", load_view="engines", load_bucket=512.0)
+    reps = [RouterPolicy(8, cfg, clock=clock, seed=r, home=(r, 2)) for r in range(2)]
+    for r, p in enumerate(reps):
+        for s in range(8):
+            p.apply_load(s, (1, 1), ShardLoad(0.0, 0))
+        got = []
+        for key in range(4):
+            clock.t += 0.01
+            got += p.route_batch([item(100 * r + key, 100.0, 0)])
+        assert sorted(got) == [s for s in range(8) if s % 2 == r]  # its four home shards, least recently used first
+    # a busier home shard (another bucket) loses to an idle shard of the other replica's home
+    reps[0].apply_load(0, (1, 2), ShardLoad(5000.0, 0))
+    for s in (2, 4, 6):
+        reps[0].apply_load(s, (1, 2), ShardLoad(5000.0, 0))
+    assert reps[0].route_batch([item(999)])[0] % 2 == 1
+
+
+def test_with_a_view_a_hit_spills_only_when_its_owner_is_over_in_the_view_too():
+    def setup(view):
+        _, (p,) = replicas(view, n=1, shards=4)
+        p.apply_events([KvEventBatch(0, 1, 1, [7], [], True)])  # shard 0 holds prefix 7
+        for _ in range(3):  # this router's own counts: shard 0 well over the mean
+            p.place_batch([item(50, 3000.0, 0)], [0])
+        return p
+
+    assert setup("own").route_batch([item(7, 1000.0)]) != [0]  # own counts alone: spills
+    p = setup("engines")
+    for s in range(4):  # the engines say shard 0 is as idle as the others (its work done)
+        p.apply_load(s, (1, 2), ShardLoad(0.0, 0))
+    assert p.route_batch([item(7, 1000.0)]) == [0]  # stays with its holder: no recompute
+
+
 def test_choices_pick_among_the_least_loaded():
     _, (a,) = replicas("engines", n=1, shards=16, load_choices=3)
     for s in range(16):
