@@ -83,6 +83,7 @@ class RouterPolicy:
             config.load_view, self._outstanding, self.decode_cost, float(config.load_grace_s), clock,
             config.load_choices, config.load_bucket, seed, home)
         self._load = self._outstanding if self.view is None else self.view.load
+        self._replicas = 1 if home is None else home[1]  # routers sharing the shards (this one is home[0])
         self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0,
                          "placed": 0, "held": 0, "recent": 0}
 
@@ -191,14 +192,21 @@ class RouterPolicy:
         none of the prefix). The second condition keeps the first requests of a burst on a new prefix
         together. Known limit: a hit is charged its full estimated work (the router does not know how
         much of the prompt the owner has cached beyond the first 1,024 tokens), so a long burst on one
-        prefix still spills after a couple of requests; `cumulative` never spills."""
+        prefix still spills after a couple of requests; `cumulative` never spills. With a load view: one router
+        needs both its own counts and the view over; one of N replicas (its counts a share) the view alone."""
+        view = self.view
+        if view is not None and self._replicas > 1:
+            # N replicas: its own counts are a share of each shard's work; the view alone says who is over
+            load = view.load
+            if load[owner] <= self.spill_factor * view.total / self.num_shards:
+                return False
+            return load[owner] - load[view.heap.least()] > self.spill_factor * work
         out = self._outstanding
         if out[owner] <= self.spill_factor * self._total_outstanding / self.num_shards:
             return False
         if out[owner] - out[self._by_load.least()] <= self.spill_factor * work:
             return False
-        # with a load view, the owner must be over in the view too (the shards' real load, or all replicas' work)
-        view = self.view
+        # one router with a view: the owner must be over in the view too (the shards' real load)
         return view is None or view.load[owner] - view.load[view.heap.least()] > self.spill_factor * work
 
     def _longest_match(self, chain: Sequence[int]) -> int | None:

@@ -130,6 +130,19 @@ def test_with_a_view_a_hit_spills_only_when_its_owner_is_over_in_the_view_too():
     assert p.route_batch([item(7, 1000.0)]) == [0]  # stays with its holder: no recompute
 
 
+def test_one_of_n_replicas_spills_on_the_view_alone():
+    cfg = RouterConfig(policy="events", load_view="engines")
+    got = {}
+    for home in (None, (0, 2)):
+        p = RouterPolicy(4, cfg, home=home)
+        p.apply_events([KvEventBatch(0, 1, 1, [7], [], True)])  # shard 0 holds prefix 7
+        for s in range(4):  # the other replicas' work: shard 0 is far over, in the engines' reports only
+            p.apply_load(s, (1, 2), ShardLoad(9000.0 if s == 0 else 0.0, 0))
+        got[home] = p.route_batch([item(7, 1000.0)])[0]
+    assert got[None] == 0  # one router: its own counts (nothing placed) say the owner is not over
+    assert got[(0, 2)] != 0  # a replica: the view alone decides
+
+
 def test_choices_pick_among_the_least_loaded():
     _, (a,) = replicas("engines", n=1, shards=16, load_choices=3)
     for s in range(16):
