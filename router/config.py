@@ -42,6 +42,9 @@ class RouterConfig:
         check_int("load_choices", self.load_choices, 1, 64, where="router field")
         check_number("load_grace_s", self.load_grace_s, 0, where="router field")
         check_number("load_bucket", self.load_bucket, 0, where="router field")
+        if self.load_view == "engines" and self.policy != "events":
+            raise ValueError(f"router field 'load_view' 'engines' reads the shards' load with their cache events: it "
+                             f"needs policy 'events'; got policy {self.policy!r}")
         if self.load_choices > 1 and self.load_view == "own":
             raise ValueError(f"router field 'load_choices' > 1 needs load_view 'engines' or 'peers'; got "
                              f"load_choices={self.load_choices} with load_view 'own'")

@@ -166,11 +166,12 @@ def test_least_loaded_smallest():
         (dict(load_choices=2), "load_choices' > 1 needs load_view"),
         (dict(load_view="engines", load_grace_s=-1.0), "load_grace_s"),
         (dict(load_view="engines", load_bucket=-1.0), "load_bucket"),
+        (dict(load_view="engines", policy="load_guarded"), "'engines' reads the shards' load .* needs policy 'events'"),
     ],
 )
 def test_bad_load_view_config_names_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
-        RouterConfig(policy="events", **kw)
+        RouterConfig(**{"policy": "events", **kw})
 
 
 def test_shard_load_of_a_schedulers_sequences():

@@ -14,3 +14,5 @@ for n in 2 4; do
   python3 -m bench.service.router_sim $common --policies events --load-view peers --load-bucket 512 --num-replicas $n \
     --out $out/a-r$n-peers.jsonl
 done
+python3 -m bench.service.router_sim $common --policies events $view --num-replicas 2 --router-rtt-s 0.002 \
+  --kill-replica-at-s 0.5 --revive-after-s 0.3 --out $out/a-r2-engines-kill.jsonl
