@@ -65,6 +65,12 @@ def test_a_report_keeps_only_the_placements_made_within_the_grace():
     assert a.view.load[3] == 100.0 + 10.0 + 700.0
 
 
+def test_row_cost_counts_every_request_a_shard_reports():
+    _, (a,) = replicas("engines", n=1, load_row_cost=2500.0)
+    a.apply_load(1, (1, 1), ShardLoad(0.0, 40, 5))  # five rows decoding
+    assert a.view.load[1] == 10.0 * 40 + 2500.0 * 5
+
+
 def test_a_shard_that_never_reports_counts_as_the_replicas_own_work():
     _, (a,) = replicas("engines", n=1)
     (s,) = a.route_batch([item(1)])
@@ -166,6 +172,7 @@ def test_least_loaded_smallest():
         (dict(load_choices=2), "load_choices' > 1 needs load_view"),
         (dict(load_view="engines", load_grace_s=-1.0), "load_grace_s"),
         (dict(load_view="engines", load_bucket=-1.0), "load_bucket"),
+        (dict(load_view="engines", load_row_cost=-1.0), "load_row_cost"),
         (dict(load_view="engines", policy="load_guarded"), "'engines' reads the shards' load .* needs policy 'events'"),
     ],
 )
@@ -179,7 +186,7 @@ def test_shard_load_of_a_schedulers_sequences():
     b = Sequence(list(range(100)), SamplingParams(max_tokens=8), 128)
     a.num_computed_tokens = 128
     load = shard_load([a, b])
-    assert load.decode_tokens == 28
+    assert load.decode_tokens == 28 and load.rows == 2
     assert load.prefill_work == pytest.approx(estimate_prefill_work(300, 128) + estimate_prefill_work(100))
 
 

@@ -32,16 +32,18 @@ class ShardLoad(NamedTuple):
     """A shard's own load (router.load_view 'engines'): what its waiting and running requests still need."""
     prefill_work: float  # estimate_prefill_work of the prompt tokens not computed yet (cached ones count as computed)
     decode_tokens: int  # tokens still to decode
+    rows: int = 0  # requests waiting or running
 
 
 def shard_load(seqs: Iterable[Sequence]) -> ShardLoad:
     """The ShardLoad of a scheduler's waiting and running sequences."""
-    work, dec = 0.0, 0
+    work, dec, rows = 0.0, 0, 0
     for s in seqs:
         if s.num_computed_tokens < s.num_prompt_tokens:
             work += estimate_prefill_work(s.num_prompt_tokens, s.num_computed_tokens)
         dec += s.max_tokens - s.num_completion_tokens
-    return ShardLoad(work, dec)
+        rows += 1
+    return ShardLoad(work, dec, rows)
 
 
 @dataclass(slots=True, frozen=True)

@@ -64,6 +64,7 @@ class SimConfig:
     load_view: str = "own"  # RouterConfig.load_view: own | engines | peers
     load_choices: int = 1  # RouterConfig.load_choices
     load_bucket: float = 0.0  # RouterConfig.load_bucket
+    load_row_cost: float = 0.0  # RouterConfig.load_row_cost
     load_home: int = 1  # replica r prefers shards s % num_replicas == r among tied loads (RouterPolicy home)
     load_poll_s: float = 0.0  # engines: 0 = each shard reports its load at each step start; > 0 = replicas poll
     peer_exchange_s: float = 0.05  # peers: the replicas exchange their outstanding work this often
@@ -93,7 +94,8 @@ class Cluster:
         self.oracle = cfg.policy == "oracle"
         rc = RouterConfig(policy="events" if self.oracle else cfg.policy, spill_factor=cfg.spill_factor,
                           placement_ttl_s=cfg.placement_ttl_s, load_view=cfg.load_view,
-                          load_choices=cfg.load_choices, load_bucket=cfg.load_bucket)
+                          load_choices=cfg.load_choices, load_bucket=cfg.load_bucket,
+                          load_row_cost=cfg.load_row_cost)
         self.rc = rc
         self.now = 0.0
         self.resync_s = 0.0
