@@ -12,3 +12,8 @@ for docs in 64000 128000; do
   python3 -m bench.service.router_sim $common --num-docs $docs --policies events $view --num-replicas 4 \
     --out $out/b-$docs-engines-r4.jsonl
 done
+# and 2x with load_row_cost 1000 (a shard's requests counted: decode progress at saturation), 1 and 4 replicas
+view="$view --load-row-cost 1000"
+python3 -m bench.service.router_sim $common --num-docs 64000 --policies events $view --out $out/b-64000-engines-rowcost1000.jsonl
+python3 -m bench.service.router_sim $common --num-docs 64000 --policies events $view --num-replicas 4 \
+  --out $out/b-64000-engines-rowcost1000-r4.jsonl
