@@ -16,3 +16,8 @@ for n in 2 4; do
 done
 python3 -m bench.service.router_sim $common --policies events $view --num-replicas 2 --router-rtt-s 0.002 \
   --kill-replica-at-s 0.5 --revive-after-s 0.3 --out $out/a-r2-engines-kill.jsonl
+# the engines view with load_row_cost 1000 (see eviction.sh), 2 and 4 replicas
+for n in 2 4; do
+  python3 -m bench.service.router_sim $common --policies events $view --load-row-cost 1000 --num-replicas $n \
+    --out $out/a-r$n-engines-rowcost1000.jsonl
+done
