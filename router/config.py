@@ -28,6 +28,7 @@ class RouterConfig:
     load_choices: int = 1  # engines/peers: an unseen prefix goes to a random one of this many least-loaded shards
     load_grace_s: float = 0.005  # engines: own placements this recent count on top of a shard's load report
     load_row_cost: float = 0.0  # engines: work a shard's report counts per request it holds (waiting or running)
+    load_row_free: int = 4  # engines: the requests a shard holds that load_row_cost does not count
     load_bucket: float = 0.0  # engines/peers: loads within one bucket of work tie (broken by a replica's own order)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,7 @@ class RouterConfig:
         check_number("load_grace_s", self.load_grace_s, 0, where="router field")
         check_number("load_bucket", self.load_bucket, 0, where="router field")
         check_number("load_row_cost", self.load_row_cost, 0, where="router field")
+        check_int("load_row_free", self.load_row_free, 0, 1 << 20, where="router field")
         if self.load_view == "engines" and self.policy != "events":
             raise ValueError(f"router field 'load_view' 'engines' reads the shards' load with their cache events: it "
                              f"needs policy 'events'; got policy {self.policy!r}")

@@ -6,10 +6,10 @@ adds the others' work to a replica's counts:
 
 - 'engines': each shard reports its real load with its cache events (KvEventBatch.load: the prefill work of the
   prompt tokens it has not computed yet, the tokens it has still to decode and its requests, waiting and running).
-  A shard's view is its last report (with row_cost per request: a new prefill delays every running row) plus the
-  work this replica placed there since, less the placements older than grace_s at the report (those the report
-  already counts); completions change nothing (the next report does). A shard that has not reported (engines
-  that publish no load) counts as in 'own': this replica's outstanding work.
+  A shard's view is its last report (with row_cost per request past row_free: a new prefill delays every running
+  row) plus the work this replica placed there since, less the placements older than grace_s at the report (those
+  the report already counts); completions change nothing (the next report does). A shard that has not reported
+  (engines that publish no load) counts as in 'own': this replica's outstanding work.
 - 'peers': the replicas exchange their outstanding work per shard every so often (set_peers); a shard's view is
   this replica's own outstanding work plus the others' as last heard (stale by up to the exchange period).
 
@@ -47,6 +47,7 @@ class LoadView:
         seed: int | None = None,
         home: tuple[int, int] | None = None,
         row_cost: float = 0.0,
+        row_free: int = 0,
     ) -> None:
         assert mode in LOAD_VIEWS[1:] and choices >= 1
         n = len(own)
@@ -64,7 +65,7 @@ class LoadView:
         # unit of work), so replicas that place at the same moment on the same view mostly pick different shards
         self.last, self.jitter = [0.0] * n, [r / n * 1e-6 for r in self.rng.sample(range(n), n)]
         self.tie = [0.0] * n
-        self.row_cost = row_cost  # engines: work units per request a shard reports waiting or running
+        self.row_cost, self.row_free = row_cost, row_free  # engines: work per request a shard holds past row_free
         self.bucket = bucket  # loads within one bucket of work tie (0: exact loads)
         # home (replica r of N): among ties, shards s with s % N == r come first (the others' home shards after)
         self.away = [0 if home is None or s % home[1] == home[0] else 1 for s in range(n)]
@@ -110,7 +111,8 @@ class LoadView:
             self.counters["stale_reports"] += 1
             return False
         self.stamp[s] = stamp
-        self.reported[s] = load.prefill_work + self.decode_cost * load.decode_tokens + self.row_cost * load.rows
+        rows = max(0, load.rows - self.row_free)
+        self.reported[s] = load.prefill_work + self.decode_cost * load.decode_tokens + self.row_cost * rows
         since, horizon = self.since[s], self.clock() - self.grace_s
         while since and since[0][0] < horizon:
             since.popleft()

@@ -81,7 +81,8 @@ class RouterPolicy:
         # what placement balances on: own outstanding counts, or a LoadView that adds the other replicas' work
         self.view = None if config.load_view == "own" else LoadView(
             config.load_view, self._outstanding, self.decode_cost, float(config.load_grace_s), clock,
-            config.load_choices, config.load_bucket, seed, home, float(config.load_row_cost))
+            config.load_choices, config.load_bucket, seed, home, float(config.load_row_cost),
+            config.load_row_free)
         self._load = self._outstanding if self.view is None else self.view.load
         self._replicas = 1 if home is None else home[1]  # routers sharing the shards (this one is home[0])
         self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0,

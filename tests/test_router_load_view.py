@@ -65,10 +65,11 @@ def test_a_report_keeps_only_the_placements_made_within_the_grace():
     assert a.view.load[3] == 100.0 + 10.0 + 700.0
 
 
-def test_row_cost_counts_every_request_a_shard_reports():
-    _, (a,) = replicas("engines", n=1, load_row_cost=2500.0)
-    a.apply_load(1, (1, 1), ShardLoad(0.0, 40, 5))  # five rows decoding
-    assert a.view.load[1] == 10.0 * 40 + 2500.0 * 5
+def test_row_cost_counts_the_requests_a_shard_reports_past_the_free_ones():
+    _, (a,) = replicas("engines", n=1, load_row_cost=2500.0, load_row_free=2)
+    a.apply_load(1, (1, 1), ShardLoad(0.0, 40, 5))  # five rows decoding: three past the two free
+    a.apply_load(2, (1, 1), ShardLoad(0.0, 8, 1))
+    assert a.view.load[1] == 10.0 * 40 + 2500.0 * 3 and a.view.load[2] == 80.0
 
 
 def test_a_shard_that_never_reports_counts_as_the_replicas_own_work():
@@ -173,6 +174,7 @@ def test_least_loaded_smallest():
         (dict(load_view="engines", load_grace_s=-1.0), "load_grace_s"),
         (dict(load_view="engines", load_bucket=-1.0), "load_bucket"),
         (dict(load_view="engines", load_row_cost=-1.0), "load_row_cost"),
+        (dict(load_view="engines", load_row_free=-1), "load_row_free"),
         (dict(load_view="engines", policy="load_guarded"), "'engines' reads the shards' load .* needs policy 'events'"),
     ],
 )

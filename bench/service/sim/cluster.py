@@ -65,6 +65,7 @@ class SimConfig:
     load_choices: int = 1  # RouterConfig.load_choices
     load_bucket: float = 0.0  # RouterConfig.load_bucket
     load_row_cost: float = 0.0  # RouterConfig.load_row_cost
+    load_row_free: int = 4  # RouterConfig.load_row_free
     load_home: int = 1  # replica r prefers shards s % num_replicas == r among tied loads (RouterPolicy home)
     load_poll_s: float = 0.0  # engines: 0 = each shard reports its load at each step start; > 0 = replicas poll
     peer_exchange_s: float = 0.05  # peers: the replicas exchange their outstanding work this often
@@ -95,7 +96,7 @@ class Cluster:
         rc = RouterConfig(policy="events" if self.oracle else cfg.policy, spill_factor=cfg.spill_factor,
                           placement_ttl_s=cfg.placement_ttl_s, load_view=cfg.load_view,
                           load_choices=cfg.load_choices, load_bucket=cfg.load_bucket,
-                          load_row_cost=cfg.load_row_cost)
+                          load_row_cost=cfg.load_row_cost, load_row_free=cfg.load_row_free)
         self.rc = rc
         self.now = 0.0
         self.resync_s = 0.0
