@@ -27,7 +27,7 @@ class RouterConfig:
     load_view: str = "own"  # own | engines | peers: whose load a replica balances on (router/load_view.py)
     load_choices: int = 1  # engines/peers: an unseen prefix goes to a random one of this many least-loaded shards
     load_grace_s: float = 0.005  # engines: own placements this recent count on top of a shard's load report
-    load_row_cost: float = 0.0  # engines: work a shard's report counts per request it holds (waiting or running)
+    load_row_cost: float = 1000.0  # engines: work a shard's report counts per request it holds (waiting or running)
     load_row_free: int = 4  # engines: the requests a shard holds that load_row_cost does not count
     load_bucket: float = 0.0  # engines/peers: loads within one bucket of work tie (broken by a replica's own order)
 

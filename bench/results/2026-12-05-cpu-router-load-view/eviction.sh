@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 19, issue 42: B, the eviction workload saturated (40k req/s offered for 1.5 s, 1,000 shards), documents 2x
-# and 4x the cluster's KV: approximate routing (load_guarded) vs event routing, one router, own counts and the
-# engines load view; and event routing with 4 replicas on the engines view.
+# and 4x the cluster's KV: approximate routing (load_guarded) vs event routing, one router on own counts, and the
+# engines load view with 1 and 4 replicas (defaults: load_row_cost 1000 past load_row_free 4). *-rowcost0 and
+# *-rowcost1000-free0: the same with --load-row-cost 0, and --load-row-cost 1000 --load-row-free 0.
 set -euo pipefail
 out=bench/results/2026-12-05-cpu-router-load-view
 common="--num-shards 1000 --num-blocks 512 --rate 40000 --duration-s 1.5 --doc-zipf 0.8"
@@ -12,8 +13,3 @@ for docs in 64000 128000; do
   python3 -m bench.service.router_sim $common --num-docs $docs --policies events $view --num-replicas 4 \
     --out $out/b-$docs-engines-r4.jsonl
 done
-# and 2x with load_row_cost 1000 (a shard's requests counted: decode progress at saturation), 1 and 4 replicas
-view="$view --load-row-cost 1000"
-python3 -m bench.service.router_sim $common --num-docs 64000 --policies events $view --out $out/b-64000-engines-rowcost1000.jsonl
-python3 -m bench.service.router_sim $common --num-docs 64000 --policies events $view --num-replicas 4 \
-  --out $out/b-64000-engines-rowcost1000-r4.jsonl

@@ -33,6 +33,7 @@ from router.policy import RouterConfig, RouterPolicy
 from router.replicas import ReplicaRing, RouteCache
 
 REVISION = "sim"
+_ROUTER = RouterConfig()  # the defaults of the router fields the simulation passes on
 
 
 @dataclass(slots=True)
@@ -64,8 +65,8 @@ class SimConfig:
     load_view: str = "own"  # RouterConfig.load_view: own | engines | peers
     load_choices: int = 1  # RouterConfig.load_choices
     load_bucket: float = 0.0  # RouterConfig.load_bucket
-    load_row_cost: float = 0.0  # RouterConfig.load_row_cost
-    load_row_free: int = 4  # RouterConfig.load_row_free
+    load_row_cost: float = _ROUTER.load_row_cost  # RouterConfig's
+    load_row_free: int = _ROUTER.load_row_free
     load_home: int = 1  # replica r prefers shards s % num_replicas == r among tied loads (RouterPolicy home)
     load_poll_s: float = 0.0  # engines: 0 = each shard reports its load at each step start; > 0 = replicas poll
     peer_exchange_s: float = 0.05  # peers: the replicas exchange their outstanding work this often
