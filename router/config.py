@@ -16,6 +16,7 @@ MAX_REPLICAS = 64
 @dataclass(slots=True, frozen=True)
 class RouterConfig:
     """The router's settings (the service YAML's `router` section); each checked, naming the field."""
+
     policy: str = "cumulative"  # cumulative | load_guarded | round_robin | events (module doc)
     spill_factor: float = 1.25  # load_guarded: spill when the owner's outstanding work exceeds this x the mean
     max_entries: int = 100_000  # prefix chain hashes remembered (LRU)
@@ -47,8 +48,12 @@ class RouterConfig:
         check_number("load_row_cost", self.load_row_cost, 0, where="router field")
         check_int("load_row_free", self.load_row_free, 0, 1 << 20, where="router field")
         if self.load_view == "engines" and self.policy != "events":
-            raise ValueError(f"router field 'load_view' 'engines' reads the shards' load with their cache events: it "
-                             f"needs policy 'events'; got policy {self.policy!r}")
+            raise ValueError(
+                f"router field 'load_view' 'engines' reads the shards' load with their cache events: it "
+                f"needs policy 'events'; got policy {self.policy!r}"
+            )
         if self.load_choices > 1 and self.load_view == "own":
-            raise ValueError(f"router field 'load_choices' > 1 needs load_view 'engines' or 'peers'; got "
-                             f"load_choices={self.load_choices} with load_view 'own'")
+            raise ValueError(
+                f"router field 'load_choices' > 1 needs load_view 'engines' or 'peers'; got "
+                f"load_choices={self.load_choices} with load_view 'own'"
+            )
