@@ -35,8 +35,9 @@ HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 class Router:
 
     def __init__(self, num_shards: int, config: RouterConfig, shard_names: Sequence[str] = (),
-                 namespace: str = "") -> None:
-        self._policy = RouterPolicy(num_shards, config)
+                 namespace: str = "", replica: int = 0) -> None:
+        # replica r of config.replicas: its home shards come first among equally loaded ones (router.load_view)
+        self._policy = RouterPolicy(num_shards, config, home=(replica, config.replicas))
         self._lock = threading.Lock()
         self._feed = None
         if config.policy == "events" and shard_names:
@@ -84,15 +85,17 @@ def start_routers(num_shards: int, config: RouterConfig, *, namespace: str, life
                   shard_names: Sequence[str] = ()) -> list[ray.actor.ActorHandle]:
     """The config.replicas router replicas (start_router each), replica 0 first."""
     return [start_router(num_shards, config, name=replica_name(ROUTER_NAME, r), namespace=namespace,
-                         lifetime=lifetime, shard_names=shard_names) for r in range(config.replicas)]
+                         lifetime=lifetime, shard_names=shard_names, replica=r) for r in range(config.replicas)]
 
 
 def start_router(num_shards: int, config: RouterConfig | None = None, *, name: str = ROUTER_NAME, namespace: str,
-                 lifetime: str | None = None, shard_names: Sequence[str] = ()) -> ray.actor.ActorHandle:
+                 lifetime: str | None = None, shard_names: Sequence[str] = (),
+                 replica: int = 0) -> ray.actor.ActorHandle:
     """The named router, created or, when one of that name already lives in the namespace, joined.
     Joining a router configured differently raises ValueError naming the differing fields.
     lifetime="detached" keeps it alive after the creating driver exits. shard_names: the engine actors' names in the
-    namespace, shard by shard (policy 'events' pulls their cache events)."""
+    namespace, shard by shard (policy 'events' pulls their cache events). replica: this router's index among
+    config.replicas (its home shards under a load view)."""
     config = RouterConfig() if config is None else config
     if not isinstance(config, RouterConfig):
         raise ValueError(f"config must be a RouterConfig; got {config!r:.80}")
@@ -100,7 +103,8 @@ def start_router(num_shards: int, config: RouterConfig | None = None, *, name: s
     if lifetime not in (None, "detached", "non_detached"):
         raise ValueError(f"lifetime must be None, 'detached' or 'non_detached'; got {lifetime!r}")
     handle = Router.options(name=name, namespace=namespace, get_if_exists=True, lifetime=lifetime,
-                            resources={HEAD_RESOURCE: 0.001}).remote(num_shards, config, list(shard_names), namespace)
+                            resources={HEAD_RESOURCE: 0.001}).remote(num_shards, config, list(shard_names), namespace,
+                                                                     replica)
     running_shards, running = ray.get(handle.config.remote())
     diff = {"num_shards": (running_shards, num_shards)} if running_shards != num_shards else {}
     diff.update({f: (getattr(running, f), getattr(config, f)) for f in RouterConfig.__dataclass_fields__
@@ -131,7 +135,7 @@ def revive_routers(handles: list, num_shards: int, config: RouterConfig, *, name
         while True:  # the dead actor's name is released shortly after its death
             try:
                 handles[r] = start_router(num_shards, config, name=name, namespace=namespace, lifetime=lifetime,
-                                          shard_names=shard_names)
+                                          shard_names=shard_names, replica=r)
                 break
             except (ValueError, ray.exceptions.RayActorError):
                 if time.monotonic() > deadline:

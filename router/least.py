@@ -33,3 +33,15 @@ class LeastLoaded:
             if w == load[s] and c == cum[s]:
                 return s
             heapq.heappop(heap)
+
+    def smallest(self, k: int) -> list[int]:
+        """The k least-loaded shards (fewer when there are fewer), least first."""
+        heap, load, cum, out, seen = self.heap, self.load, self.cum, [], set()
+        while heap and len(out) < k:
+            w, c, s = heapq.heappop(heap)
+            if w == load[s] and c == cum[s] and s not in seen:
+                out.append(s)
+                seen.add(s)
+        for s in out:
+            heapq.heappush(heap, (load[s], cum[s], s))
+        return out

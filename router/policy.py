@@ -19,6 +19,10 @@ Policies:
   failing that, the least-loaded shard. A placement deeper than the holdings wins over them. The load guard
   of load_guarded applies to the choice.
 
+Load view (load_view, router/load_view.py): 'own' (the default) balances on this router's own outstanding counts, as
+before; with N replicas 'engines' adds the load the shards report with their cache events, 'peers' the outstanding
+work the other replicas last told, and load_choices k > 1 picks at random among the k least-loaded.
+
 A client may place a request itself (place_batch: a stream whose prefix it learned from earlier answers, or any
 request of a one-shard service) and tell the router after the fact, without waiting: the placement is
 registered and counted exactly as a routed request's, so outstanding work and cumulative work stay right.
@@ -35,45 +39,20 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 
-from flame_llm.protocol.kv_events import KvEventBatch
-from flame_llm.protocol.routing_key import DECODE_TOKEN_COST, Completion, RouteItem, estimate_prefill_work
-from flame_llm.validate import check_bool, check_choice, check_int, check_number
+from flame_llm.protocol.kv_events import KvEventBatch, ShardLoad
+from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work
+from router.config import MAX_REPLICAS, POLICIES, RouterConfig  # noqa: F401 - imported from here too
 from router.holdings import Holdings
 from router.least import LeastLoaded
-
-POLICIES = ("cumulative", "load_guarded", "round_robin", "events")
-MAX_REPLICAS = 64
-
-
-@dataclass(slots=True, frozen=True)
-class RouterConfig:
-    """The router's settings (the service YAML's `router` section); each checked, naming the field."""
-    policy: str = "cumulative"  # cumulative | load_guarded | round_robin | events (module doc)
-    spill_factor: float = 1.25  # load_guarded: spill when the owner's outstanding work exceeds this x the mean
-    max_entries: int = 100_000  # prefix chain hashes remembered (LRU)
-    decode_cost: float = DECODE_TOKEN_COST  # one decoded token in prefill-token units
-    placement_ttl_s: float = 1.0  # events: how long the router's own placement of a prefix counts
-    event_poll_ms: float = 20.0  # events: the router actor pulls the shards' cache events this often
-    spill_moves_prefix: bool = False  # load_guarded: a spilled request's prefix moves to the shard it spilled to
-    replicas: int = 1  # router actors; N > 1 splits prefixes among them by their first block (router/replicas.py)
-
-    def __post_init__(self) -> None:
-        check_choice("policy", self.policy, POLICIES, where="router field")
-        check_number("spill_factor", self.spill_factor, 1.0, where="router field")
-        check_int("max_entries", self.max_entries, 1, where="router field")
-        check_number("decode_cost", self.decode_cost, 0, where="router field")
-        check_number("placement_ttl_s", self.placement_ttl_s, 0, where="router field")
-        check_number("event_poll_ms", self.event_poll_ms, 1, where="router field")
-        check_bool("spill_moves_prefix", self.spill_moves_prefix, where="router field")
-        check_int("replicas", self.replicas, 1, MAX_REPLICAS, where="router field")
+from router.load_view import LoadView
 
 
 class RouterPolicy:
 
     def __init__(self, num_shards: int, config: RouterConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, seed: int | None = None,
+                 home: tuple[int, int] | None = None) -> None:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an integer >= 1; got {num_shards!r}")
         config = config or RouterConfig()
@@ -99,6 +78,13 @@ class RouterPolicy:
         self.holdings = Holdings(num_shards) if config.policy == "events" else None
         self._recent: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self.clock, self.placement_ttl_s = clock, float(config.placement_ttl_s)
+        # what placement balances on: own outstanding counts, or a LoadView that adds the other replicas' work
+        self.view = None if config.load_view == "own" else LoadView(
+            config.load_view, self._outstanding, self.decode_cost, float(config.load_grace_s), clock,
+            config.load_choices, config.load_bucket, seed, home, float(config.load_row_cost),
+            config.load_row_free)
+        self._load = self._outstanding if self.view is None else self.view.load
+        self._replicas = 1 if home is None else home[1]  # routers sharing the shards (this one is home[0])
         self.counters = {"hit": 0, "new": 0, "spill": 0, "moved": 0, "round_robin": 0, "evicted": 0, "dropped": 0,
                          "placed": 0, "held": 0, "recent": 0}
 
@@ -112,7 +98,7 @@ class RouterPolicy:
         if not allowed:
             raise ValueError(f"avoid must leave at least one shard; got {sorted(avoid)} of {self.num_shards}")
         self._check_items(items)
-        out, cum, counters = self._outstanding, self._cumulative, self.counters
+        cum, counters = self._cumulative, self.counters
         n = self.num_shards
         shards = []
         for chain, work, dec in items:
@@ -127,10 +113,10 @@ class RouterPolicy:
                 moved = known in avoid
                 move_from = avoid if moved else ()
                 if known is None or moved:
-                    s = self._least(cum if self.policy == "cumulative" else out, allowed)
+                    s = self._least(cum if self.policy == "cumulative" else self._load, allowed)
                     counters["moved" if moved else "new"] += 1
                 elif self.policy in ("load_guarded", "events") and self._should_spill(known, work):
-                    s = self._least(out, allowed)
+                    s = self._least(self._load, allowed)
                     counters["spill"] += 1
                     move_from = (known,) if self.config.spill_moves_prefix else ()
                 else:
@@ -197,6 +183,8 @@ class RouterPolicy:
         self._cumulative[s] += work
         self._by_load.changed(s)
         self._by_cum.changed(s)
+        if self.view is not None:
+            self.view.charged(s, load)
         self._routed[s] += 1
 
     def _should_spill(self, owner: int, work: float) -> bool:
@@ -205,11 +193,22 @@ class RouterPolicy:
         none of the prefix). The second condition keeps the first requests of a burst on a new prefix
         together. Known limit: a hit is charged its full estimated work (the router does not know how
         much of the prompt the owner has cached beyond the first 1,024 tokens), so a long burst on one
-        prefix still spills after a couple of requests; `cumulative` never spills."""
+        prefix still spills after a couple of requests; `cumulative` never spills. With a load view: one router
+        needs both its own counts and the view over; one of N replicas (its counts a share) the view alone."""
+        view = self.view
+        if view is not None and self._replicas > 1:
+            # N replicas: its own counts are a share of each shard's work; the view alone says who is over
+            load = view.load
+            if load[owner] <= self.spill_factor * view.total / self.num_shards:
+                return False
+            return load[owner] - load[view.heap.least()] > self.spill_factor * work
         out = self._outstanding
         if out[owner] <= self.spill_factor * self._total_outstanding / self.num_shards:
             return False
-        return out[owner] - out[self._by_load.least()] > self.spill_factor * work
+        if out[owner] - out[self._by_load.least()] <= self.spill_factor * work:
+            return False
+        # one router with a view: the owner must be over in the view too (the shards' real load)
+        return view is None or view.load[owner] - view.load[view.heap.least()] > self.spill_factor * work
 
     def _longest_match(self, chain: Sequence[int]) -> int | None:
         owner = self._owner
@@ -222,7 +221,7 @@ class RouterPolicy:
     def _events_match(self, chain: Sequence[int], avoid: Collection[int]) -> int | None:
         """events: the least-loaded shard holding the chain's deepest held key, unless this router placed a
         deeper key within placement_ttl_s (then that placement's shard); None when neither knows the chain."""
-        out, recent, holders = self._outstanding, self._recent, self.holdings.holders
+        out, recent, holders = self._load, self._recent, self.holdings.holders
         horizon = self.clock() - self.placement_ttl_s
         for h in reversed(chain):
             held = [s for s in holders(h) if s not in avoid] if avoid else holders(h)
@@ -240,11 +239,37 @@ class RouterPolicy:
         applied before (a gap, or a restarted engine): ask each for a snapshot and apply that."""
         if self.holdings is None:
             raise ValueError(f"apply_events needs policy 'events'; this router's is {self.policy!r}")
-        return sorted({b.shard for b in batches if not self.holdings.apply(b)})
+        gaps = sorted({b.shard for b in batches if not self.holdings.apply(b)})
+        if self.view is not None and self.view.mode == "engines":
+            for b in batches:
+                if b.load is not None:  # a load report stands alone (its stamp orders it), gap or not
+                    self.view.report(b.shard, (b.epoch, b.seq), b.load)
+        return gaps
+
+    def apply_load(self, shard: int, stamp: tuple[int, int], load: ShardLoad) -> bool:
+        """load_view 'engines': shard's load as of stamp (epoch, seq); False for one older than the last applied."""
+        self._check_shard(shard)
+        if self.view is None or self.view.mode != "engines":
+            raise ValueError(f"apply_load needs load_view 'engines'; this router's is {self.config.load_view!r}")
+        return self.view.report(shard, stamp, load)
+
+    def outstanding(self) -> list[float]:
+        """This router's own outstanding work per shard (what load_view 'peers' exchanges)."""
+        return list(self._outstanding)
+
+    def set_peer_load(self, peer_load: Sequence[float]) -> None:
+        """load_view 'peers': the other replicas' outstanding work per shard, summed."""
+        if self.view is None or self.view.mode != "peers":
+            raise ValueError(f"set_peer_load needs load_view 'peers'; this router's is {self.config.load_view!r}")
+        if len(peer_load) != self.num_shards:
+            raise ValueError(f"peer_load needs one value per shard ({self.num_shards}); got {len(peer_load)}")
+        self.view.set_peers(peer_load)
 
     def _least(self, load: list[float], allowed: Sequence[int]) -> int:
         # ties go to the shard with less cumulative work, then the lower index
         if len(allowed) == self.num_shards:
+            if self.view is not None and load is self._load:
+                return self.view.least()
             return (self._by_load if load is self._outstanding else self._by_cum).least()
         cum = self._cumulative
         return min(allowed, key=lambda i: (load[i], cum[i]))
@@ -262,6 +287,8 @@ class RouterPolicy:
         done = min(self._outstanding[shard], est_work + self.decode_cost * est_decode_tokens)
         self._outstanding[shard] -= done
         self._by_load.changed(shard)
+        if self.view is not None:
+            self.view.completed(shard)
         self._total_outstanding = max(0.0, self._total_outstanding - done)
         self._completed[shard] += 1
         self._prompt_tokens[shard] += prompt_tokens
@@ -287,6 +314,8 @@ class RouterPolicy:
         self._total_outstanding = max(0.0, self._total_outstanding - self._outstanding[shard])
         self._outstanding[shard] = 0.0
         self._by_load.changed(shard)
+        if self.view is not None:
+            self.view.drop_shard(shard)
 
     def _check_shard(self, shard: int) -> None:
         if not isinstance(shard, int) or not 0 <= shard < self.num_shards:

@@ -119,6 +119,8 @@ def service(tiny_llama):
         cpu_per_shard=0.5,
         policy="events",
         replicas=2,
+        load_view="engines",  # each replica balances on a shared view (its own counts until the engines report)
+        load_bucket=512.0,
         namespace="test-router-replicas",
     )
     svc = start_service(cfg)

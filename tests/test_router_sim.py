@@ -69,3 +69,16 @@ def test_route_cache_ttl():
     assert cache.lookup([1], now=1.0) is None and (cache.hits, cache.misses) == (1, 3)
     with pytest.raises(ValueError, match="ttl_s"):
         RouteCache(-1)
+
+
+# 100 shards, 1,000 req/s, documents 3x the KV: new prefixes often, few idle shards (as session 18's workload A)
+HERD = dict(num_shards=100, num_blocks=512, rate=1000.0, duration_s=0.5, num_docs=9600, doc_zipf=0.8)
+
+
+def test_replicas_on_the_engines_load_view_stop_piling_new_prefixes_on_the_same_shards(tiny_llama):
+    own = run(SimConfig(policy="events", num_replicas=2, **HERD), tiny_llama)
+    view = run(SimConfig(policy="events", num_replicas=2, load_view="engines", load_bucket=512.0, load_poll_s=0.02,
+                         kill_replica_at_s=0.3, revive_after_s=0.1, router_rtt_s=0.002, **HERD), tiny_llama)
+    assert view["completed"] == view["requests"] and view["duplicates"] == 0  # a replica killed: none lost
+    assert own["ttft_p99_s"] > 0.1  # two prefills in one step: the herding of session 18
+    assert view["ttft_p99_s"] < 0.08 and view["hit_rate"] > own["hit_rate"] - 0.05, (own, view)

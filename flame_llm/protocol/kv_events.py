@@ -17,11 +17,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+from flame_llm.protocol.routing_key import estimate_prefill_work
 
 if TYPE_CHECKING:  # the router imports this module: no engine at run time
     from flame_llm.engine.block_manager import BlockManager
+    from flame_llm.engine.sequence import Sequence
+
+
+class ShardLoad(NamedTuple):
+    """A shard's own load (router.load_view 'engines'): what its waiting and running requests still need."""
+    prefill_work: float  # estimate_prefill_work of the prompt tokens not computed yet (cached ones count as computed)
+    decode_tokens: int  # tokens still to decode
+    rows: int = 0  # requests waiting or running
+
+
+def shard_load(seqs: Iterable[Sequence]) -> ShardLoad:
+    """The ShardLoad of a scheduler's waiting and running sequences."""
+    work, dec, rows = 0.0, 0, 0
+    for s in seqs:
+        if s.num_computed_tokens < s.num_prompt_tokens:
+            work += estimate_prefill_work(s.num_prompt_tokens, s.num_computed_tokens)
+        dec += s.max_tokens - s.num_completion_tokens
+        rows += 1
+    return ShardLoad(work, dec, rows)
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,6 +56,7 @@ class KvEventBatch:
     stored: list[int]  # block hashes the shard holds now that it did not at seq - 1
     removed: list[int]  # block hashes it held at seq - 1 and no longer holds
     reset: bool = False  # stored is everything it holds (a snapshot, or a cache cleared in this batch)
+    load: ShardLoad | None = None  # the shard's load when the batch was cut (None: not reported)
 
 
 class KvEventLog:

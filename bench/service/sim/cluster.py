@@ -5,7 +5,12 @@ RouterPolicy, and SimShards, driven by one event queue in simulated time. Router
 Policies: any RouterPolicy one ('load_guarded', 'cumulative': today's approximate routing from the router's own
 placements; 'events': the engines' cache events, delivered at each step's end plus event_delay_s), and 'oracle':
 the events policy told every cache change the moment the scheduler makes it, matching the prompt's whole block
-chain (every engine block, not the first 1,024 tokens): what a router that knew every engine's cache would do."""
+chain (every engine block, not the first 1,024 tokens): what a router that knew every engine's cache would do.
+
+Load view (router/load_view.py, load_view): 'engines' delivers each shard's load (flame_llm.protocol.kv_events
+shard_load of its waiting and running requests) to every replica at each step's start plus event_delay_s, or, with
+load_poll_s > 0, each replica reads every shard's load every load_poll_s (the real feed's pull; replicas' phases
+spread); 'peers' hands each replica the others' outstanding work every peer_exchange_s."""
 from __future__ import annotations
 
 import gc
@@ -21,13 +26,14 @@ from bench.load.loadgen import arrivals
 from bench.service.sim.shard import SimShard, StepModel
 from flame_llm.config import Config
 from flame_llm.engine.sequence import Sequence
-from flame_llm.protocol.kv_events import KvEventBatch
+from flame_llm.protocol.kv_events import KvEventBatch, shard_load
 from flame_llm.protocol.routing_key import Completion, RouteItem, estimate_prefill_work, prefix_chain
 from flame_llm.sampling_params import SamplingParams
 from router.policy import RouterConfig, RouterPolicy
 from router.replicas import ReplicaRing, RouteCache
 
 REVISION = "sim"
+_ROUTER = RouterConfig()  # the defaults of the router fields the simulation passes on
 
 
 @dataclass(slots=True)
@@ -56,6 +62,14 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     step: StepModel = field(default_factory=StepModel)
     seed: int = 0
+    load_view: str = "own"  # RouterConfig.load_view: own | engines | peers
+    load_choices: int = 1  # RouterConfig.load_choices
+    load_bucket: float = 0.0  # RouterConfig.load_bucket
+    load_row_cost: float = _ROUTER.load_row_cost  # RouterConfig's
+    load_row_free: int = _ROUTER.load_row_free
+    load_home: int = 1  # replica r prefers shards s % num_replicas == r among tied loads (RouterPolicy home)
+    load_poll_s: float = 0.0  # engines: 0 = each shard reports its load at each step start; > 0 = replicas poll
+    peer_exchange_s: float = 0.05  # peers: the replicas exchange their outstanding work this often
 
 
 @dataclass(slots=True)
@@ -81,14 +95,17 @@ class Cluster:
         self.shards = [SimShard(i, ec, cfg.num_blocks, cfg.step) for i in range(cfg.num_shards)]
         self.oracle = cfg.policy == "oracle"
         rc = RouterConfig(policy="events" if self.oracle else cfg.policy, spill_factor=cfg.spill_factor,
-                          placement_ttl_s=cfg.placement_ttl_s)
+                          placement_ttl_s=cfg.placement_ttl_s, load_view=cfg.load_view,
+                          load_choices=cfg.load_choices, load_bucket=cfg.load_bucket,
+                          load_row_cost=cfg.load_row_cost, load_row_free=cfg.load_row_free)
         self.rc = rc
         self.now = 0.0
         self.resync_s = 0.0
-        self.replicas = [self._replica() for _ in range(cfg.num_replicas)]
+        self.replicas = [self._replica(r) for r in range(cfg.num_replicas)]
         self.ring = ReplicaRing(cfg.num_replicas)
         self.cache = RouteCache(cfg.route_ttl_s) if cfg.route_ttl_s > 0 else None
         self.queue: list = []
+        self.num_arrivals = 0
         self.tie = itertools.count()
         self.pending: dict[int, list[Req]] = {}  # replica -> requests of its batch being formed
         self.done: dict[int, Req] = {}
@@ -102,9 +119,10 @@ class Cluster:
         self.counts = {"router_calls": 0, "retried": 0, "lost_answers": 0, "cache_routes": 0, "gaps": 0,
                        "duplicates": 0, "snapshots": 0}
 
-    def _replica(self) -> RouterPolicy:
+    def _replica(self, rep: int) -> RouterPolicy:
         """A router replica as it starts: with events, synced from every shard's snapshot (empty at the start)."""
-        policy = RouterPolicy(self.cfg.num_shards, self.rc, clock=lambda: self.now)
+        policy = RouterPolicy(self.cfg.num_shards, self.rc, clock=lambda: self.now, seed=self.cfg.seed * 1000 + rep,
+                              home=(rep, self.cfg.num_replicas) if self.cfg.load_home else None)
         if self.rc.policy == "events":
             c0 = time.thread_time()
             policy.apply_events([s.log.snapshot() for s in self.shards])
@@ -119,6 +137,7 @@ class Cluster:
         c = self.cfg
         rng = np.random.default_rng(c.seed)
         times = arrivals(c.rate, c.duration_s, c.seed)
+        self.num_arrivals = len(times)
         docs = rng.choice(c.num_docs, size=len(times), p=doc_weights(c.num_docs, c.doc_zipf))
         lengths = OutputLen.parse(c.output_len)
         for rid, (t, d) in enumerate(zip(times, docs)):
@@ -128,6 +147,11 @@ class Cluster:
             self.at(c.kill_replica_at_s, self.kill, 0)
             if c.revive_after_s is not None:
                 self.at(c.kill_replica_at_s + c.revive_after_s, self.revive, 0)
+        if c.load_view == "engines" and c.load_poll_s > 0:
+            for rep in range(c.num_replicas):
+                self.at(c.load_poll_s * (rep + 1) / c.num_replicas, self.poll_load, rep)
+        if c.load_view == "peers":
+            self.at(c.peer_exchange_s, self.exchange)
 
     def doc(self, d: int) -> list[int]:
         return np.random.default_rng((self.cfg.seed, d)).integers(0, self.cfg.vocab_size, self.cfg.doc_tokens).tolist()
@@ -206,6 +230,8 @@ class Cluster:
             self.step(s)
 
     def step(self, s: int) -> None:
+        if self.cfg.load_view == "engines" and self.cfg.load_poll_s <= 0:  # the load with this step's work in it
+            self.report_load(s)
         res = self.shards[s].step()
         if res is None:
             self.shards[s].busy = False
@@ -250,13 +276,47 @@ class Cluster:
         self.router_cpu_s += dt
         self.counts["snapshots"] += 1
 
+    # ---- the shared load view --------------------------------------------------------------------------------
+    def report_load(self, s: int) -> None:
+        shard = self.shards[s]
+        shard.load_seq += 1
+        load, stamp = shard_load(itertools.chain(shard.scheduler.waiting, shard.scheduler.running)), (0, shard.load_seq)
+        if self.cfg.event_delay_s > 0:
+            self.at(self.now + self.cfg.event_delay_s, self.deliver_load, s, stamp, load)
+        else:
+            self.deliver_load(s, stamp, load)
+
+    def deliver_load(self, s: int, stamp: tuple[int, int], load) -> None:
+        for rep in self.ring.alive:
+            self._timed(self.replicas[rep].apply_load, s, stamp, load)
+
+    def poll_load(self, rep: int) -> None:
+        """Replica rep reads every shard's load (the feed's pull), then again load_poll_s later."""
+        if rep in self.ring.alive:
+            for s, shard in enumerate(self.shards):
+                shard.load_seq += 1
+                load = shard_load(itertools.chain(shard.scheduler.waiting, shard.scheduler.running))
+                self._timed(self.replicas[rep].apply_load, s, (0, shard.load_seq), load)
+        if len(self.done) < self.num_arrivals:  # periodic until the last request ends
+            self.at(self.now + self.cfg.load_poll_s, self.poll_load, rep)
+
+    def exchange(self) -> None:
+        """Every live replica gets the sum of the others' outstanding work per shard."""
+        alive = sorted(self.ring.alive)
+        own = {rep: self._timed(self.replicas[rep].outstanding) for rep in alive}
+        total = [sum(col) for col in zip(*own.values())]
+        for rep in alive:
+            self._timed(self.replicas[rep].set_peer_load, [t - o for t, o in zip(total, own[rep])])
+        if len(self.done) < self.num_arrivals:  # periodic until the last request ends
+            self.at(self.now + self.cfg.peer_exchange_s, self.exchange)
+
     # ---- replica faults -----------------------------------------------------------------------------------
     def kill(self, rep: int) -> None:
         self.ring.kill(rep)
         self.replicas[rep] = None  # its state is gone
 
     def revive(self, rep: int) -> None:
-        self.replicas[rep] = self._replica()
+        self.replicas[rep] = self._replica(rep)
         self.counts["snapshots"] += self.cfg.num_shards if self.rc.policy == "events" else 0
         self.ring.revive(rep)
 

@@ -48,6 +48,7 @@ class SimShard:
         self.log = KvEventLog(shard, self.bm) if kv_events else None
         self.busy = False
         self.prefill_tokens = 0
+        self.load_seq = 0  # load reports made (their stamps)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
