@@ -175,6 +175,11 @@ class RunnerConfig:
     # the rows whose logits are sampled only: same outputs, ~1/num_layers fewer prefill FLOPs (issue 19; on the
     # H200 +2.7% req/s on 8K-token prompts, tokens identical: bench/RESULTS.md, bench.prune_ab)
     prune_last_layer: bool = True  # last layer after its KV store on sampled rows only (eager steps)
+    # decode steps on our Triton kernel split each row's keys until the (row, kv head, split) programs reach this
+    # many times the SM count (a graph's grid is its bucket's: 19 rows replay bucket 32, whose 256 programs got no
+    # split, 152 of them 8K keys long on 132 SMs; bench.engine.decode_splits). 0: split only while the programs are
+    # fewer than the SMs (as before)
+    decode_split_waves: int = 0  # decode split-KV target, in multiples of the SM count (0: as before)
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)
@@ -183,6 +188,7 @@ class RunnerConfig:
         check_choice("mixed_decode_attention", self.mixed_decode_attention, MIXED_DECODE_ATTENTION, **_F)
         check_int("cuda_graph_mixed_tokens", self.cuda_graph_mixed_tokens, 0, optional=True, **_F)
         check_bool("prune_last_layer", self.prune_last_layer, **_F)
+        check_int("decode_split_waves", self.decode_split_waves, 0, 64, **_F)
 
 
 @dataclass(slots=True)

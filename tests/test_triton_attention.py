@@ -54,6 +54,32 @@ def test_auto_split_kv_is_used_for_small_decode_batches():
     assert ta.pick_num_splits(64 * 8, 32768, 132) == 1  # enough programs: no split
 
 
+def test_decode_split_waves_off_is_pick_num_splits_and_on_splits_padded_buckets(tiny_llama):
+    from flame_llm.config import Config
+    from flame_llm.validate import FieldError
+
+    try:
+        ta.set_decode_split_waves(0)  # off: exactly the rule before the flag
+        for programs in (1, 8, 12, 64, 128, 131, 132, 192, 256, 512):
+            for max_k in (256, 1024, 8192, 32768):
+                assert ta.decode_num_splits(programs, max_k, 132) == ta.pick_num_splits(programs, max_k, 132)
+        assert ta.decode_num_splits(32 * 8, 32768, 132) == 1  # bucket 32: 256 programs, no split before
+        ta.set_decode_split_waves(8)
+        assert ta.decode_num_splits(32 * 8, 32768, 132) == 4  # 1,056 programs wanted: 4 splits of a row's keys
+        assert ta.decode_num_splits(64 * 8, 32768, 132) == 2
+        assert ta.decode_num_splits(16 * 8, 32768, 132) == 8
+        assert ta.decode_num_splits(32 * 8, 512, 132) == 2  # still at least MIN_SPLIT_KEYS keys a split
+        assert ta.decode_num_splits(1 * 8, 32768, 132) == ta.MAX_SPLITS
+        # the kernel follows it: a decode step on the interpreter picks the waves' split, same output
+        run_and_check(CASES["decode_pad_split_gqa4_d128_bs16"], config=ta.TileConfig(16, 32, 4, 1))
+    finally:
+        ta.set_decode_split_waves(0)
+    assert Config.from_kwargs(tiny_llama, decode_split_waves=8).runner_config.decode_split_waves == 8
+    for bad in (-1, 65, 2.5, True):
+        with pytest.raises(FieldError, match="decode_split_waves"):
+            Config.from_kwargs(tiny_llama, decode_split_waves=bad)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_split_counts(num_splits):
     run_and_check(CASES["decode_pad_split_gqa4_d128_bs16"], num_splits=num_splits,

@@ -79,6 +79,9 @@ class ModelRunner:
         self.split_decodes = self.backend == "fa4" and rc.mixed_decode_attention == "triton"
         self.prune = rc.prune_last_layer  # eager steps: the last layer past its KV store on sampled rows only
         self._jit_logged = 0
+        if self.backend != "torch":  # our Triton decode kernel runs this process's decode steps
+            from flame_llm.kernels.triton_attention import set_decode_split_waves
+            set_decode_split_waves(rc.decode_split_waves)
         if self.backend == "fa4":
             warmup_fa4(config, self.attn_layers[0])  # compiles our Triton kernel's decode-row variants too
         elif self.backend == "triton" and self.device.type == "cuda":

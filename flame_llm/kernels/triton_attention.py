@@ -80,6 +80,26 @@ def pick_num_splits(num_programs: int, max_seqlen_k: int, num_sms: int) -> int:
     return 1 << (n.bit_length() - 1)  # a power of two: NUM_SPLITS is a constexpr, so a closed set of compiles
 
 
+# RunnerConfig.decode_split_waves, set by ModelRunner for its process (set_decode_split_waves); 0: pick_num_splits
+_DECODE_SPLIT_WAVES = 0
+
+
+def set_decode_split_waves(n: int) -> None:
+    global _DECODE_SPLIT_WAVES
+    _DECODE_SPLIT_WAVES = n
+
+
+def decode_num_splits(num_programs: int, max_seqlen_k: int, num_sms: int) -> int:
+    """A decode step's split count. decode_split_waves N > 0: split until the programs reach N x the SMs (a decode
+    graph's grid is its bucket's, whose rows may be half padding, and one 8K-key program per (row, kv head) leaves
+    SMs idle at the end of a wave); 0: pick_num_splits, which stops splitting once the programs reach the SMs."""
+    n_waves = _DECODE_SPLIT_WAVES
+    if not n_waves:
+        return pick_num_splits(num_programs, max_seqlen_k, num_sms)
+    n = max(1, min(triton.cdiv(n_waves * num_sms, num_programs), max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)
+
+
 def split_choices() -> list[int]:
     """Every num_splits pick_num_splits can return (powers of two up to MAX_SPLITS)."""
     return [1 << i for i in range(MAX_SPLITS.bit_length()) if 1 << i <= MAX_SPLITS]
@@ -150,8 +170,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     q_tiles = 1 if meta.is_decode else triton.cdiv(meta.max_seqlen_q, cfg.block_m // group_pad)
     if num_splits is None:
-        num_splits = pick_num_splits(q_tiles * num_seqs * num_kv_heads, meta.max_seqlen_k,
-                                     _sm_count(q.device))
+        num_splits = (decode_num_splits if meta.is_decode else pick_num_splits)(
+            q_tiles * num_seqs * num_kv_heads, meta.max_seqlen_k, _sm_count(q.device))
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         part_out = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32,
