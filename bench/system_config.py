@@ -22,7 +22,7 @@ weights quantized at load, per-token activation scales; issue 40), "flame-fp8kv"
 --quantization fp8` (the same scheme: dynamic per-token activations; its KV cache stays bf16). "flame-proc" and
 "engine-proc" run the engine's step loop in a child process of its own (engine_process: the A/B of the engine thread
 sharing the GIL with its callers' loop, issue 39; vLLM's EngineCore runs apart too). "flame-splits" and
-"engine-splits" split decode attention until its programs reach 8x the SMs (decode_split_waves: a decode graph's
+"engine-splits" split decode attention until its programs reach 4x the SMs (decode_split_waves: a decode graph's
 split count from its bucket left 17-31 rows with one 8K-key program per row and kv head, issue 39).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {
                 "flame-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
                 "engine-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
                 "flame-proc": {"engine_process": True}, "engine-proc": {"engine_process": True},
-                "flame-splits": {"decode_split_waves": 8}, "engine-splits": {"decode_split_waves": 8}}
+                "flame-splits": {"decode_split_waves": 4}, "engine-splits": {"decode_split_waves": 4}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's (none now: issue 38
 # retired the client switches the labels selected)
 LABEL_CLIENT: dict[str, dict] = {}

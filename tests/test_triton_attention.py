@@ -64,11 +64,13 @@ def test_decode_split_waves_off_is_pick_num_splits_and_on_splits_padded_buckets(
             for max_k in (256, 1024, 8192, 32768):
                 assert ta.decode_num_splits(programs, max_k, 132) == ta.pick_num_splits(programs, max_k, 132)
         assert ta.decode_num_splits(32 * 8, 32768, 132) == 1  # bucket 32: 256 programs, no split before
-        ta.set_decode_split_waves(8)
-        assert ta.decode_num_splits(32 * 8, 32768, 132) == 4  # 1,056 programs wanted: 4 splits of a row's keys
-        assert ta.decode_num_splits(64 * 8, 32768, 132) == 2
-        assert ta.decode_num_splits(16 * 8, 32768, 132) == 8
-        assert ta.decode_num_splits(32 * 8, 512, 132) == 2  # still at least MIN_SPLIT_KEYS keys a split
+        ta.set_decode_split_waves(4)  # the H200's best or near-best at 8-64 rows (bench.engine.decode_splits)
+        assert ta.decode_num_splits(32 * 8, 32768, 132) == 2  # bucket 32: 528 programs wanted, 2 splits a row
+        assert ta.decode_num_splits(16 * 8, 32768, 132) == 4
+        assert ta.decode_num_splits(8 * 8, 32768, 132) == 8
+        assert ta.decode_num_splits(48 * 8, 32768, 132) == 1  # half of 4 x the SMs filled: no split
+        assert ta.decode_num_splits(64 * 8, 32768, 132) == 1
+        assert ta.decode_num_splits(16 * 8, 512, 132) == 2  # still at least MIN_SPLIT_KEYS keys a split
         assert ta.decode_num_splits(1 * 8, 32768, 132) == ta.MAX_SPLITS
         # the kernel follows it: a decode step on the interpreter picks the waves' split, same output
         run_and_check(CASES["decode_pad_split_gqa4_d128_bs16"], config=ta.TileConfig(16, 32, 4, 1))

@@ -90,12 +90,16 @@ def set_decode_split_waves(n: int) -> None:
 
 
 def decode_num_splits(num_programs: int, max_seqlen_k: int, num_sms: int) -> int:
-    """A decode step's split count. decode_split_waves N > 0: split until the programs reach N x the SMs (a decode
-    graph's grid is its bucket's, whose rows may be half padding, and one 8K-key program per (row, kv head) leaves
-    SMs idle at the end of a wave); 0: pick_num_splits, which stops splitting once the programs reach the SMs."""
+    """A decode step's split count. decode_split_waves N > 0: no split once the programs fill half of N x the SMs,
+    else split until they reach N x the SMs (a decode graph's grid is its bucket's, whose rows may be half padding,
+    and one 8K-key program per (row, kv head) leaves SMs idle at the end of a wave: on the H200, N = 4 was the best
+    or near-best split at every batch of 8-64 rows, bench.engine.decode_splits); 0: pick_num_splits, which stops
+    splitting once the programs reach the SMs."""
     n_waves = _DECODE_SPLIT_WAVES
     if not n_waves:
         return pick_num_splits(num_programs, max_seqlen_k, num_sms)
+    if 2 * num_programs >= n_waves * num_sms:
+        return 1
     n = max(1, min(triton.cdiv(n_waves * num_sms, num_programs), max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
     return 1 << (n.bit_length() - 1)
 
