@@ -15,7 +15,8 @@ from bench.system_config import parse_system
 
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
          "--question-tokens", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512",
-         "--max-num-seqs", "16", "--engine-json", '{"cpu_kvcache_gib": 0.0625}', "--policy", "cumulative"]
+         "--max-num-seqs", "16", "--engine-json", '{"cpu_kvcache_gib": 0.0625}', "--policy", "cumulative",
+         "--warmup-rounds", "1"]  # one round: the measured burst's service figures still exclude it (the diff)
 
 
 def _config(**kw) -> TraceConfig:
@@ -129,6 +130,7 @@ def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smok
         for label in ("flame", "engine"):
             raw = json.load(open(os.path.join(out, "raw", trace, label, "pair00.json")))
             assert raw["checks"] == {"ok": True, "failures": {}, "examples": [], "requests": n, "expected": n}
+            assert len(raw["warmup_shifts"]) == 1
             reqs = raw["requests"]
             assert sorted(r["id"] for r in reqs) == sorted({r["id"] for r in reqs}) and len(reqs) == n
             assert all(r["device"] == ["cpu-0", "cpu-1"][r["shard"]] and r["output_len"] == 16 for r in reqs)
