@@ -216,6 +216,7 @@ def test_serve_http_names_a_bad_engine_field_in_one_line(capsys, engine_json, wo
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.serial  # the demo's local service refuses to start beside another Ray cluster, as serve does
 def test_demo_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO}
     out = subprocess.run([sys.executable, "-m", "flame_llm.cli", "demo"], cwd=tmp_path, env=env,
