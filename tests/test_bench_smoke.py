@@ -2,6 +2,8 @@
 processes) and report, on the tiny model with scaled-down traces; plus the pieces that need no engine."""
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -15,7 +17,9 @@ from bench.system_config import parse_system
 
 SCALE = ["--model", "tiny", "--load-format", "auto", "--docs", "4", "--questions", "2", "--doc-tokens", "256",
          "--question-tokens", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "512",
-         "--max-num-seqs", "16", "--engine-json", '{"cpu_kvcache_gib": 0.0625}', "--policy", "cumulative"]
+         "--max-num-seqs", "16", "--engine-json", '{"cpu_kvcache_gib": 0.0625}', "--policy", "cumulative",
+         "--warmup-rounds", "1"]  # one round: the measured burst's service figures still exclude it (the diff)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(**kw) -> TraceConfig:
@@ -132,6 +136,7 @@ def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smok
         for label in ("flame", "engine"):
             raw = json.load(open(os.path.join(out, "raw", trace, label, "pair00.json")))
             assert raw["checks"] == {"ok": True, "failures": {}, "examples": [], "requests": n, "expected": n}
+            assert len(raw["warmup_shifts"]) == 1
             reqs = raw["requests"]
             assert sorted(r["id"] for r in reqs) == sorted({r["id"] for r in reqs}) and len(reqs) == n
             assert all(r["device"] == ["cpu-0", "cpu-1"][r["shard"]] and r["output_len"] == 16 for r in reqs)
@@ -166,6 +171,42 @@ def test_cpu_smoke_flame_vs_engine_runs_checks_and_reports_from_raw_records(smok
     # one pair of sub-second bursts: the report says beside the ratios that they are not evidence
     assert md.count("**Warning: these ratios are not evidence.** only 1 complete pair(s)") == 2
     assert all(any("under 2 s" in w for w in rep["traces"][t]["warnings"]) for t in ("no-reuse", "reuse"))
+
+
+def test_a_second_call_with_pair_start_merges_with_the_first_into_one_report(smoke, tmp_path):
+    """The real driver on CPU (issue 20): the smoke's call ran pair 0; a second call, --pair-start 1, into a copy of
+    its --out; one report over both calls, each pair traced to its call."""
+    _, first = smoke
+    out = str(tmp_path / "r")
+    shutil.copytree(first, out)
+    common = ["--systems", "flame,engine", "--traces", "reuse", "--pairs", "1", "--out", out, *SCALE]
+    assert pairs.main([*common, "--pair-start", "1"]) == 0
+    calls = sorted(os.listdir(os.path.join(out, "calls")))
+    assert len(calls) == 2
+    metas = sorted((json.load(open(os.path.join(out, "calls", c))) for c in calls),
+                   key=lambda m: m["call"]["pair_start"])
+    assert [m["call"]["pair_start"] for m in metas] == [0, 1]
+    for p, meta in enumerate(metas):
+        for label in ("flame", "engine"):
+            raw = json.load(open(os.path.join(out, "raw", "reuse", label, f"pair{p:02d}.json")))
+            assert raw["call"] == meta["call"] and raw["call"]["via"] == "direct"
+            assert raw["machine"]["id"] == meta["machine"]["id"] and raw["checks"]["ok"]
+    rep = json.load(open(os.path.join(out, "report.json")))  # written by the second call, over both
+    t = rep["traces"]["reuse"]
+    assert t["stats"]["flame"]["runs_ok"] == t["stats"]["engine"]["runs_ok"] == 2
+    (r,) = t["ratios"]
+    assert sorted(r["paired"]) == ["0", "1"] and r["pairs"] == 2
+    prov = t["provenance"]
+    assert list(prov["machines"]) == ["M1"] and prov["machines"]["M1"]["pairs"] == [0, 1] and not prov["mixed"]
+    assert [x["call"] for x in prov["pairs"]] == [m["call"]["id"] for m in metas]
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert all(x["commit"].startswith(head) for x in prov["pairs"])
+    assert rep["traces"]["no-reuse"]["stats"]["flame"]["runs_ok"] == 1  # the first call's other trace, kept
+    # `flame-llm report DIR` over the same records: the same ratios
+    again = report.write_report(out, str(tmp_path / "again"))["traces"]["reuse"]["ratios"][0]
+    assert again["paired"] == {int(k): pytest.approx(v) for k, v in r["paired"].items()}
+    with pytest.raises(SystemExit, match="--pair-start 2"):
+        pairs.main([*common, "--pair-start", "1"])
 
 
 def _stats(bursts: list[float]) -> dict:

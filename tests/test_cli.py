@@ -216,6 +216,7 @@ def test_serve_http_names_a_bad_engine_field_in_one_line(capsys, engine_json, wo
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.serial  # the demo's local service refuses to start beside another Ray cluster, as serve does
 def test_demo_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO}
     out = subprocess.run([sys.executable, "-m", "flame_llm.cli", "demo"], cwd=tmp_path, env=env,
@@ -273,18 +274,23 @@ def test_serve_submit_status_stop(tmp_path, tiny_llama):
                                      .encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 3
+        # two refusals, started together (each is a process start, seconds of imports on a loaded machine):
         # without the cluster's token: one line that says so, not Ray's twenty InvalidAuthToken warnings
         t0 = time.monotonic()
-        denied = subprocess.run([sys.executable, "-m", "flame_llm.cli", "status", "--address", address],
-                                cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                                env={**env, "PYTHONPATH": REPO, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "no-token"),
-                                     "RAY_gcs_server_port_wait_time_s": "2"})  # Ray gives up after 2 tries, not 20
+        denied_p = subprocess.Popen([sys.executable, "-m", "flame_llm.cli", "status", "--address", address],
+                                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**env, "PYTHONPATH": REPO, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "no-token"),
+                                         "RAY_gcs_server_port_wait_time_s": "2"})  # Ray gives up after 2 tries
+        # a second serve on this machine is refused: one service, one local Ray, status never guesses between two
+        second_p = subprocess.Popen([sys.executable, "-m", "flame_llm.cli", "serve", "--config", str(cfg)],
+                                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**env, "PYTHONPATH": REPO})
+        denied, second = (subprocess.CompletedProcess(p.args, None, *p.communicate(timeout=120))
+                          for p in (denied_p, second_p))
+        denied.returncode, second.returncode = denied_p.returncode, second_p.returncode
         assert denied.returncode == 2 and "uses token authentication" in denied.stderr, denied.stderr[-2000:]
         assert "InvalidAuthToken" not in denied.stderr and len(denied.stderr.strip().splitlines()) == 1
-        print(f"auth refusal took {time.monotonic() - t0:.1f}s")
-        # a second serve on this machine is refused: one service, one local Ray, status never guesses between two
-        second = subprocess.run([sys.executable, "-m", "flame_llm.cli", "serve", "--config", str(cfg)], cwd=tmp_path,
-                                capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": REPO})
+        print(f"both refusals took {time.monotonic() - t0:.1f}s")
         assert second.returncode == 2 and "a Ray cluster already runs on this machine" in second.stderr
         assert "flame-llm stop" in second.stderr and len(second.stderr.strip().splitlines()) == 1
         common = ["--address", address]

@@ -5,6 +5,9 @@ Every fenced block of README.md is either marked for CI (its info string: `bash 
 order from the repository root, as a newcomer pastes them: `ci-serve` starts in the background (the test waits
 for its "serving" line), `ci` blocks run to completion (bash with -euo pipefail and curl failing on an HTTP
 error; python as a script), `ci-stop` stops the service and the serve process must then exit.
+The blocks from `ci-serve` to `ci-stop` run in one test, marked serial (serve refuses to start beside another Ray
+cluster on the machine); the blocks outside them (the offline engine, the quick benchmark) in another, marked
+slow, which runs beside other tests.
 
 Ports and clusters: the README says 127.0.0.1:8000 and lets every command find "the" Ray on the machine. To run
 beside anything else there (other tests, other Ray clusters), the test picks a free port P, starts serve with
@@ -105,16 +108,51 @@ def _wait_for_no_local_ray(timeout_s: float = 600.0) -> None:
         time.sleep(5)
 
 
+def _in_service(found: list[tuple[str, str, str, int]]) -> list[bool]:
+    """Per block: whether it runs against the service (from its ci-serve block to its ci-stop block)."""
+    inside, out = False, []
+    for _, mark, _, _ in found:
+        inside = inside or mark == "ci-serve"
+        out.append(inside)
+        inside = inside and mark != "ci-stop"
+    return out
+
+
+def test_the_service_blocks_are_told_apart_from_the_others():
+    found = [("bash", "ci", "", 1), ("bash", "ci-serve", "", 2), ("bash", "ci", "", 3), ("bash", "ci-stop", "", 4),
+             ("python", "ci", "", 5)]
+    assert _in_service(found) == [False, True, True, True, False]
+    real = blocks()
+    flags = _in_service(real)
+    assert {f for (_, mark, _, _), f in zip(real, flags) if mark} == {True, False}  # marked blocks of both kinds
+
+
 @pytest.mark.slow
+def test_readme_blocks_outside_the_service_run_as_written():
+    """The blocks before `ci-serve` and after `ci-stop` (the offline engine, the quick benchmark: two fresh runs,
+    about two minutes on 2 cores, hence slow): they start no `flame-llm serve`, so they run beside other tests."""
+    env, outputs = _env(), {}
+    found = blocks()
+    try:
+        for (lang, mark, code, line), inside in zip(found, _in_service(found)):
+            if mark and not inside:
+                outputs[line] = _run(lang, code, line, env)
+    finally:
+        shutil.rmtree(os.path.join(REPO, "out", "bench-quick"), ignore_errors=True)
+    assert len(outputs) >= 2 and "| flame / engine |" in "\n".join(outputs.values())  # bench-quick's report
+
+
 @pytest.mark.serial
-def test_readme_examples_run_as_written():
+def test_readme_service_blocks_run_as_written():
+    """From `ci-serve` to `ci-stop`, in document order, against the one service they start and stop."""
     _wait_for_no_local_ray()
     port = _free_port()
     env = _env()
     serve, outputs = None, {}
+    found = blocks()
     try:
-        for lang, mark, code, line in blocks():
-            if not mark:
+        for (lang, mark, code, line), inside in zip(found, _in_service(found)):
+            if not mark or not inside:
                 continue
             code = code.replace(":8000", f":{port}")
             if mark == "ci-serve":
@@ -149,4 +187,3 @@ def test_readme_examples_run_as_written():
                 serve.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(serve.pid, signal.SIGKILL)
-        shutil.rmtree(os.path.join(REPO, "out", "bench-quick"), ignore_errors=True)
