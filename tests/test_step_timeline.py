@@ -10,12 +10,18 @@ from flame_llm.serving.metrics import render_engine
 
 
 class FakeCudaEvent:
-    """Stands in for torch.cuda.Event, which needs a GPU (none here): it holds the GPU time it was reached at."""
+    """Stands in for torch.cuda.Event, which needs a GPU (none here): it holds the GPU time it was reached at, and
+    like torch's refuses elapsed_time until both events have completed."""
 
-    def __init__(self, t_ms: float) -> None:
-        self.t_ms = t_ms
+    def __init__(self, t_ms: float, done: bool = True) -> None:
+        self.t_ms, self.done = t_ms, done
+
+    def query(self) -> bool:
+        return self.done
 
     def elapsed_time(self, other: "FakeCudaEvent") -> float:
+        if not (self.done and other.done):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
         return other.t_ms - self.t_ms
 
 
@@ -43,6 +49,26 @@ def test_busy_idle_and_late_launch_gaps():
     assert tl.stats()["timeline_steps"] == 4
     tl.count_host(0.005, 0.003)
     assert tl.stats()["host_step_s"] == pytest.approx(0.002) and tl.stats()["sync_wait_s"] == pytest.approx(0.003)
+
+
+def test_a_step_read_before_its_end_event_completes_is_counted_later_in_order():
+    """On an H100 (session 20) a step's tokens were read while its end event had not completed, and elapsed_time
+    raised inside the engine loop, failing every request: finish() must defer such a step, not wait or raise."""
+    tl = StepTimeline(cuda=False)
+    tl.finish(_step(0.0, 10.0))
+    late = _step(12.0, 20.0)
+    late.end.done = False
+    tl.finish(late)                                # not completed: nothing raised, not yet counted
+    tl.idle_break()                                # an idle break after it applies after it
+    assert tl.stats()["timeline_steps"] == 1
+    nxt = _step(500.0, 510.0)
+    nxt.end.done = False
+    tl.finish(nxt)
+    late.end.done = nxt.end.done = True
+    c = tl.stats()                                 # both counted now, in order: idle 2 ms before `late`, none after
+    assert c["timeline_steps"] == 3
+    assert c["gpu_busy_s"] == pytest.approx(0.028)
+    assert c["gpu_idle_s"] == pytest.approx(0.002) and c["gpu_idle_gaps"] == 1
 
 
 def test_cpu_engine_counts_host_time_only(tiny_llama):

@@ -9,6 +9,7 @@ GPU sat idle from the previous step's end event to this step's begin event when 
 CPU (no events) only the host figures are kept."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,9 @@ class StepTimeline:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self._last_end: torch.cuda.Event | None = None
+        # steps whose end event had not completed when finish() saw them (their tokens can be read before the end
+        # event's own completion: H100, session 20), counted in order once it has; None marks an idle break
+        self._pending: deque[StepEvents | None] = deque()
         self.counts = {"timeline_steps": 0, "gpu_busy_s": 0.0, "gpu_idle_s": 0.0, "gpu_idle_gaps": 0,
                        "gpu_idle_gaps_s": 0.0, "host_step_s": 0.0, "sync_wait_s": 0.0}
         for p in PATHS:
@@ -55,10 +59,25 @@ class StepTimeline:
         events.path, events.rows = path, rows
 
     def finish(self, events: StepEvents | None) -> None:
-        """Count a step whose end event has completed (its tokens were read): its GPU time, and the idle time since
-        the step before it ended."""
+        """Count a read step once its end event has completed (never waiting for it: a later call counts it): its
+        GPU time, and the idle time since the step before it ended."""
         if events is None or events.end is None:
             return
+        self._pending.append(events)
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._pending:
+            ev = self._pending[0]
+            if ev is not None and not ev.end.query():
+                return
+            self._pending.popleft()
+            if ev is None:
+                self._last_end = None
+            else:
+                self._count(ev)
+
+    def _count(self, events: StepEvents) -> None:
         c = self.counts
         busy = events.begin.elapsed_time(events.end) / 1000
         c["timeline_steps"] += 1
@@ -77,7 +96,10 @@ class StepTimeline:
 
     def idle_break(self) -> None:
         """The engine had nothing to run: the next step's wait is not a late launch."""
-        self._last_end = None
+        if self._pending:
+            self._pending.append(None)
+        else:
+            self._last_end = None
 
     def count_host(self, step_s: float, sync_s: float) -> None:
         """One engine step's wall seconds on the host and the part of them spent waiting for the GPU."""
@@ -85,4 +107,5 @@ class StepTimeline:
         self.counts["sync_wait_s"] += sync_s
 
     def stats(self) -> dict:
+        self._drain()
         return dict(self.counts)
