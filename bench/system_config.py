@@ -23,7 +23,8 @@ weights quantized at load, per-token activation scales; issue 40), "flame-fp8kv"
 "engine-proc" run the engine's step loop in a child process of its own (engine_process: the A/B of the engine thread
 sharing the GIL with its callers' loop, issue 39; vLLM's EngineCore runs apart too). "flame-splits" and
 "engine-splits" split decode attention until its programs reach 4x the SMs (decode_split_waves: a decode graph's
-split count from its bucket left 17-31 rows with one 8K-key program per row and kv head, issue 39).
+split count from its bucket left 17-31 rows with one 8K-key program per row and kv head, issue 39); the default
+since session 20, so "flame-nosplits" and "engine-nosplits" (decode_split_waves 0: the rule before) are its A/B.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ KINDS = ("flame", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-noearly"
          "engine-mix2k", "engine-noprune",
          "engine-noearly", "flame-gil", "engine-gil", "vllm", "vllm-seed",
          "flame-fp8", "engine-fp8", "vllm-fp8", "flame-fp8kv", "engine-fp8kv", "flame-proc", "engine-proc",
-         "flame-splits", "engine-splits")
+         "flame-splits", "engine-splits", "flame-nosplits", "engine-nosplits")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
@@ -44,7 +45,8 @@ LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {
                 "flame-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
                 "engine-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
                 "flame-proc": {"engine_process": True}, "engine-proc": {"engine_process": True},
-                "flame-splits": {"decode_split_waves": 4}, "engine-splits": {"decode_split_waves": 4}}
+                "flame-splits": {"decode_split_waves": 4}, "engine-splits": {"decode_split_waves": 4},
+                "flame-nosplits": {"decode_split_waves": 0}, "engine-nosplits": {"decode_split_waves": 0}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's (none now: issue 38
 # retired the client switches the labels selected)
 LABEL_CLIENT: dict[str, dict] = {}

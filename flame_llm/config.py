@@ -178,8 +178,9 @@ class RunnerConfig:
     # decode steps on our Triton kernel split each row's keys until the (row, kv head, split) programs reach this
     # many times the SM count (a graph's grid is its bucket's: 19 rows replay bucket 32, whose 256 programs got no
     # split, 152 of them 8K keys long on 132 SMs; bench.engine.decode_splits). 0: split only while the programs are
-    # fewer than the SMs (as before)
-    decode_split_waves: int = 0  # decode split-KV target, in multiples of the SM count (0: as before)
+    # fewer than the SMs (the rule before). 4 since session 20: the H200's best or near-best split at 8-64 rows, and
+    # under load on an H100 (12 req/s, answers 32-512) decode-graph GPU time 13.48 -> 11.99 ms a step
+    decode_split_waves: int = 4  # decode split-KV target, in multiples of the SM count (0: the rule before)
 
     def __post_init__(self) -> None:
         check_bool("enforce_eager", self.enforce_eager, **_F)

@@ -108,11 +108,12 @@ def test_engine_decode_graphs_equal_eager_steps(quantization, kv, monkeypatch):
     x = runner.prepare(scheduled.seqs, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens)
     bucket = next(b for b in runner.graphs.buckets if b >= len(scheduled.seqs))
     num_kv_heads = runner.kv_cache.shape[-2]
-    splits = ta.pick_num_splits(bucket * num_kv_heads, runner.graphs.max_model_len, ta._sm_count(runner.device))
+    splits = ta.decode_num_splits(bucket * num_kv_heads, runner.graphs.max_model_len, ta._sm_count(runner.device))
     assert splits > 1  # the case this test is about: the graph splits keys an eager step would not
     with torch.inference_mode():
         graph_logits = runner.graphs.replay(x, runner.staging, None).clone()
         monkeypatch.setattr(ta, "pick_num_splits", lambda *a: splits)
+        monkeypatch.setattr(ta, "decode_num_splits", lambda *a: splits)
         eager = runner.model.compute_logits(runner.forward(runner.upload(x)))
     # the graph's bucket may give cuBLASLt another M, so another kernel: close, not bitwise
     rows = ((graph_logits - eager).norm(dim=-1) / eager.norm(dim=-1)).tolist()

@@ -71,12 +71,14 @@ def test_decode_split_waves_off_is_pick_num_splits_and_on_splits_padded_buckets(
         assert ta.decode_num_splits(48 * 8, 32768, 132) == 1  # half of 4 x the SMs filled: no split
         assert ta.decode_num_splits(64 * 8, 32768, 132) == 1
         assert ta.decode_num_splits(16 * 8, 512, 132) == 2  # still at least MIN_SPLIT_KEYS keys a split
-        assert ta.decode_num_splits(1 * 8, 32768, 132) == ta.MAX_SPLITS
+        for b in (1, 2, 4):  # buckets 1-4: the rule before (32 / 16 / 8 splits), not N = 4's doubling
+            assert ta.decode_num_splits(b * 8, 32768, 132) == ta.pick_num_splits(b * 8, 32768, 132) >= 8
         # the kernel follows it: a decode step on the interpreter picks the waves' split, same output
         run_and_check(CASES["decode_pad_split_gqa4_d128_bs16"], config=ta.TileConfig(16, 32, 4, 1))
     finally:
         ta.set_decode_split_waves(0)
     assert Config.from_kwargs(tiny_llama, decode_split_waves=8).runner_config.decode_split_waves == 8
+    assert Config.from_kwargs(tiny_llama).runner_config.decode_split_waves == 4  # the default since session 20
     for bad in (-1, 65, 2.5, True):
         with pytest.raises(FieldError, match="decode_split_waves"):
             Config.from_kwargs(tiny_llama, decode_split_waves=bad)

@@ -80,6 +80,9 @@ def pick_num_splits(num_programs: int, max_seqlen_k: int, num_sms: int) -> int:
     return 1 << (n.bit_length() - 1)  # a power of two: NUM_SPLITS is a constexpr, so a closed set of compiles
 
 
+# buckets 1-4 (8-32 programs of 8 kv heads) get this many splits or more from pick_num_splits; there more (N = 4's
+# 64 / 32 / 16) measured 0-2 us a layer slower on the H100 (bench.engine.decode_splits, RESULTS session 20)
+SMALL_BATCH_SPLITS = 8
 # RunnerConfig.decode_split_waves, set by ModelRunner for its process (set_decode_split_waves); 0: pick_num_splits
 _DECODE_SPLIT_WAVES = 0
 
@@ -93,11 +96,13 @@ def decode_num_splits(num_programs: int, max_seqlen_k: int, num_sms: int) -> int
     """A decode step's split count. decode_split_waves N > 0: no split once the programs fill half of N x the SMs,
     else split until they reach N x the SMs (a decode graph's grid is its bucket's, whose rows may be half padding,
     and one 8K-key program per (row, kv head) leaves SMs idle at the end of a wave: on the H200, N = 4 was the best
-    or near-best split at every batch of 8-64 rows, bench.engine.decode_splits); 0: pick_num_splits, which stops
-    splitting once the programs reach the SMs."""
+    or near-best split at every batch of 8-64 rows, bench.engine.decode_splits), except where the rule before already
+    gives SMALL_BATCH_SPLITS or more (buckets 1-4: N = 4's doubling measured slower, H100 session 20); 0:
+    pick_num_splits, which stops splitting once the programs reach the SMs."""
+    before = pick_num_splits(num_programs, max_seqlen_k, num_sms)
     n_waves = _DECODE_SPLIT_WAVES
-    if not n_waves:
-        return pick_num_splits(num_programs, max_seqlen_k, num_sms)
+    if not n_waves or before >= SMALL_BATCH_SPLITS:
+        return before
     if 2 * num_programs >= n_waves * num_sms:
         return 1
     n = max(1, min(triton.cdiv(n_waves * num_sms, num_programs), max_seqlen_k // MIN_SPLIT_KEYS, MAX_SPLITS))
