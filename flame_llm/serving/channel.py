@@ -60,7 +60,7 @@ class ShardChannel(ShardQueue, ShardLink):
         self.spawn(self.send(part))
 
     def held_back(self, gone: list[Pending], again: list[Pending]) -> None:
-        self.d.forget(self.shard, gone + again)
+        self.d.routing.forget(self.shard, gone + again)
         if again:
             self.spawn(self.d.route_again(again))
 
@@ -132,7 +132,7 @@ class ShardChannel(ShardQueue, ShardLink):
     def _left(self, waiting: dict[str, Pending], conn: StreamConn | None, sid: int | None) -> None:
         """Unanswered requests of a batch given up: the router stops counting them, the shard aborts them."""
         left = list(waiting.values())
-        self.d.forget(self.shard, left)
+        self.d.routing.forget(self.shard, left)
         if left and conn is not None and sid is not None:
             self.d.counters.aborts_sent += len(left)
             conn.cancel(sid)
@@ -161,7 +161,7 @@ class ShardChannel(ShardQueue, ShardLink):
                              done_at=t_done)
             done.append((p, r))
             p.future.set_result(r)
-        self.d.complete(self.shard, done)
+        self.d.routing.complete(self.shard, done)
         if reroute:
             await self.d.route_again(reroute)
 
@@ -175,7 +175,7 @@ class ShardChannel(ShardQueue, ShardLink):
     def _retry_now(self, p: Pending) -> None:
         self.retrying.pop(id(p), None)
         if p.future.done():  # abandoned during its retry delay
-            self.d.forget(self.shard, [p])
+            self.d.routing.forget(self.shard, [p])
         else:
             self.add(p)
 
@@ -186,7 +186,7 @@ class ShardChannel(ShardQueue, ShardLink):
         dead one's cache is gone either way), else once it is back; when it does not come back, or cannot (its node
         is gone), the other shards serve it. Its work leaves the shard's count at the router now, once."""
         log.warning("shard %d failed with %d requests in flight (%s)", self.shard, len(batch), type(e).__name__)
-        self.d.forget(self.shard, batch)
+        self.d.routing.forget(self.shard, batch)
         restarted = await self.after_death(e)
         again = []
         for p in batch:
@@ -251,9 +251,9 @@ class ShardChannel(ShardQueue, ShardLink):
         finally:
             self._tell(untold)  # before the completion or forget below
             if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered here
-                self.d.forget(self.shard, [p])
+                self.d.routing.forget(self.shard, [p])
         if r is not None:
-            self.d.complete(self.shard, [(p, r)])
+            self.d.routing.complete(self.shard, [(p, r)])
         return r, lost
 
     async def _stream_once(self, payload: bytes, streamed: list[int], push: Callable[[list[int]], None],
