@@ -26,7 +26,7 @@ from flame_llm.protocol.checks import fits_utf8
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result
 from flame_llm.sampling_params import SamplingParams, brief
-from flame_llm.serving.client_config import ClientConfig, check_retired
+from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
@@ -262,12 +262,11 @@ def make_client(cfg: ServiceConfig | None, router, actors: dict,
     """A client for the router (a handle, the replicas' handles, or a RouterReplicas) and shards given, with cfg's
     client section (defaults without cfg) and `overrides` of its fields; the shards' health gives the model revision
     and limits. With `service`, closing the client stops that service. loop: run it on that loop (Client's `loop`)."""
-    check_retired("client", overrides)
+    config = dataclasses.replace(cfg.client if cfg is not None else ClientConfig(), **overrides)  # names a bad one
     health = ray.get([a.health.remote() for a in actors.values()])
     revisions = {h.model_revision for h in health}
     if len(revisions) != 1:
         raise RuntimeError(f"shards serve different model revisions: {sorted(revisions)}")
-    config = dataclasses.replace(cfg.client if cfg is not None else ClientConfig(), **overrides)
     zstd_level = cfg.shard.zstd_level if cfg is not None else DEFAULT_ZSTD_LEVEL
     namespace = namespace or (cfg.ray.namespace if cfg is not None else None)
     return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0].model, service=service,
