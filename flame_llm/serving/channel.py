@@ -41,8 +41,8 @@ SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died,
 class ShardChannel(ShardQueue, ShardLink):
     def __init__(self, d: ChannelOwner, shard: int, capacity: int) -> None:
         cfg = d.config
-        ShardQueue.__init__(self, capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0, d.max_payload_bytes,
-                            d.counters)
+        ShardQueue.__init__(self, capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0,
+                            d.limits.max_payload_bytes, d.counters)
         ShardLink.__init__(self, shard, d.actors, d.counters, d.caller, d.client_id)
         self.d = d
         self.tasks: set[asyncio.Task] = set()  # sends, reroutes and restart waits: awaited or cancelled on close
@@ -147,7 +147,7 @@ class ShardChannel(ShardQueue, ShardLink):
             if p.future.done():  # abandoned by its caller (and aborted on the shard)
                 done.append((p, None))
                 continue
-            dec = decide(p, self.d.max_retries, r, shard=self.shard, now=now)
+            dec = decide(p, self.d.config.max_retries, r, shard=self.shard, now=now)
             if dec.action is Action.RETRY:  # the same shard, once its queue has room
                 self.retry(p, dec.delay_s)
                 continue
@@ -192,7 +192,7 @@ class ShardChannel(ShardQueue, ShardLink):
         for p in batch:
             if p.future.done():
                 continue
-            dec = decide(p, self.d.max_retries, lost=e, shard=self.shard)
+            dec = decide(p, self.d.config.max_retries, lost=e, shard=self.shard)
             if dec.action is Action.RESTART:
                 again.append(p)
             elif restarted is not False:  # a request that keeps killing shards stops here

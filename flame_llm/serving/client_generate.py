@@ -12,7 +12,6 @@ from collections.abc import Callable
 from flame_llm.protocol.types import Result
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.dispatch import Dispatcher
-from flame_llm.serving.pending import Pending, attempt_id
 from flame_llm.serving.prompts import RequestMaker
 
 
@@ -60,25 +59,9 @@ async def generate_call(d: Dispatcher, requests: RequestMaker, prompts: list,
             await d.route(routed)
         return await asyncio.gather(*(p.future for p in pend))  # after each `landed`: added first
     except asyncio.CancelledError:
-        abort(d, pend)
+        d.abandon(pend)
         raise
     finally:
         if bar is not None:
             bar.close()
 
-
-def abort(d: Dispatcher, pend: list[Pending]) -> None:
-    """The caller gave up on these requests: the unanswered ones still queued at the client leave their queues
-    unsent (Dispatcher.abandon); the shards are told to abort the others (fire and forget: a shard that is gone
-    has nothing to abort)."""
-    gone = []
-    for p in pend:
-        if not p.future.done() or p.future.cancelled():
-            p.future.cancel()
-            gone.append(p)
-    by_shard: dict[int, list[str]] = {}
-    for p in d.abandon(gone):
-        if p.shard >= 0:
-            by_shard.setdefault(p.shard, []).append(attempt_id(p))
-    for shard, ids in by_shard.items():
-        d.channels[shard].abort(ids)

@@ -11,10 +11,10 @@ import logging
 import ray
 
 from flame_llm.protocol.errors import ErrorInfo
-from flame_llm.protocol.types import ShardHealth
+from flame_llm.protocol.types import EngineLimits, ShardHealth
 from flame_llm.serving.channel import ShardChannel
 from flame_llm.serving.client_config import ClientConfig
-from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending
+from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending, attempt_id
 from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
 from flame_llm.serving.stream_conn import StreamConn
@@ -26,11 +26,10 @@ ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left a
 
 class Dispatcher:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str, config: ClientConfig,
-                 zstd_level: int, health: list[ShardHealth], max_payload_bytes: int, namespace: str,
-                 client_id: str):
+                 zstd_level: int, health: list[ShardHealth], limits: EngineLimits, namespace: str, client_id: str):
+        """limits: what every shard accepts (EngineLimits.tightest of their health's)."""
         self.router, self.actors, self.model_revision = RouterReplicas.of(router, namespace), actors, model_revision
-        self.config, self.max_retries, self.max_payload_bytes = config, config.max_retries, max_payload_bytes
-        self.max_model_len = min(h.limits.max_model_len for h in health)
+        self.config, self.limits = config, limits
         self.eos_token_ids = frozenset(t for h in health for t in h.eos_token_ids)  # one model revision: one set
         self.namespace, self.counters = namespace, ClientCounters()
         self.codec = ClientCodec(model_revision, zstd_level, self.counters)
@@ -71,24 +70,32 @@ class Dispatcher:
             self.channels[shard].drop_conn("the shard restarted", keep=incarnation)
             self.channels[shard].keep_connected()
 
-    def abandon(self, ps: list[Pending]) -> list[Pending]:
-        """The callers gave up on ps (their futures are done): those still queued at the client (batch window,
-        flow-control credit, overload resend delay) leave the queue and the router's count now and are never
-        sent. The others are returned: in flight (to be aborted on their shards), or between shards (being
-        routed, or their shard died: routing or ShardChannel.lost forgets them)."""
-        queued: list[Pending] = []
-        for s in {p.shard for p in ps if p.shard >= 0}:
-            gone = self.channels[s].drop_abandoned()
-            self.routing.forget(s, gone)
-            queued += gone
+    def abandon(self, ps: list[Pending]) -> None:
+        """The caller gave up on ps: those not answered yet are cancelled. Those still queued at the client (batch
+        window, flow-control credit, overload resend delay) leave the queue and the router's count now and are never
+        sent; those in flight are aborted on their shards (fire and forget: a shard that is gone has nothing to
+        abort); those between shards (being routed, or their shard died) are forgotten by routing or
+        ShardChannel.lost."""
+        gone = []
         for p in ps:
+            if not p.future.done() or p.future.cancelled():
+                p.future.cancel()
+                gone.append(p)
+        queued: set[int] = set()
+        for s in {p.shard for p in gone if p.shard >= 0}:
+            dropped = self.channels[s].drop_abandoned()
+            self.routing.forget(s, dropped)
+            queued.update(map(id, dropped))
+        by_shard: dict[int, list[str]] = {}
+        for p in gone:
             resend = self.channels[p.shard].retrying.pop(id(p), None) if p.shard >= 0 else None
             if resend is not None:
                 resend[0].cancel()
                 self.routing.forget(p.shard, [p])
-                queued.append(p)
-        left = {id(p) for p in queued}
-        return [p for p in ps if id(p) not in left]
+            elif p.shard >= 0 and id(p) not in queued:
+                by_shard.setdefault(p.shard, []).append(attempt_id(p))
+        for s, ids in by_shard.items():
+            self.channels[s].abort(ids)
 
     async def route(self, batch: list[Pending]) -> None:
         """Route the requests and hand each to its shard's channel (the failed ones get their result)."""

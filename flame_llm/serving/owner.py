@@ -6,6 +6,7 @@ from typing import Protocol
 
 import ray
 
+from flame_llm.protocol.types import EngineLimits
 from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending
 from flame_llm.serving.routing import ClientRouting
@@ -14,8 +15,7 @@ from flame_llm.serving.shard_watch import ShardWatch
 
 class ChannelOwner(Protocol):
     config: ClientConfig
-    max_payload_bytes: int  # the tightest of the shards' limits
-    max_retries: int
+    limits: EngineLimits  # what every shard accepts
     counters: ClientCounters
     codec: ClientCodec
     actors: dict[int, ray.actor.ActorHandle]  # shard -> its actor now (ShardWatch puts a replacement's here)
