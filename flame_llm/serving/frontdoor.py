@@ -93,7 +93,7 @@ class FrontDoor:
 
     def _connect(self, loop: asyncio.AbstractEventLoop):
         from flame_llm.serving.client import make_client
-        from flame_llm.serving.service import find_service
+        from flame_llm.serving.ray_attach import find_service
 
         router, actors = find_service(self.namespace)
         # the client runs on this actor's loop, the HTTP server's: a stream's chunks reach the response with no
