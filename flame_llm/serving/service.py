@@ -20,7 +20,7 @@ from flame_llm.serving.ray_attach import SHARD_PREFIX, find_service, init_ray, r
 from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
-MAX_CONCURRENCY = 1024  # concurrent submit calls (batches) per engine actor
+MAX_CONCURRENCY = 1024  # concurrent calls in an engine actor's default group (its serving loop)
 UNHEALTHY_STRIKES = 2  # failed liveness looks in a row before a shard is restarted
 LIVE_CALL_GRACE_S = 10.0  # a liveness call answers within its probe's timeout plus this, or counts as failed
 
