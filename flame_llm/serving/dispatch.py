@@ -1,8 +1,7 @@
 """How the client's requests reach the shards: one router call per formed batch (routing.py), then each request to
 its shard's channel (channel.py: its connection, queue, credit and the retry policy carried out on its answers).
-The Dispatcher holds the channels (shard -> ShardChannel), the routing, what it knows of the shards' lives
-(shard_watch.py).
-Runs on the client's loop."""
+The Dispatcher holds the channels (shard -> ShardChannel), the routing (which also tells the router which routed
+requests are done) and what it knows of the shards' lives (shard_watch.py). Runs on the client's loop."""
 from __future__ import annotations
 
 import asyncio

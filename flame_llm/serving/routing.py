@@ -10,7 +10,10 @@ places a known prefix on its owner whatever the load, so only there (and on one 
 anything itself; the router alone places unseen prefixes, and every request of a batch (one call per batch).
 Under the `events` policy the client's answers last the router's placement_ttl_s (router/replicas.py RouteCache):
 a stream on a document routed that recently goes without a router call, and after it the router decides again
-from what the engines hold (an eviction is seen within a TTL)."""
+from what the engines hold (an eviction is seen within a TTL).
+
+The router counts each shard's outstanding work; the requests it routed come back to it as completions (the shard's
+answer, or none: not served there), one `complete` call per loop tick."""
 from __future__ import annotations
 
 import asyncio
