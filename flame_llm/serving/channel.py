@@ -69,10 +69,6 @@ class ShardChannel(ShardQueue, ShardLink):
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def conn_lost(self, shard: int, e: RayActorError) -> None:
-        """The shard's side ended the connection: the shard likely died; new requests go around it meanwhile."""
-        self.watch_loss(e)
-
     def abort(self, request_ids: list[str]) -> None:
         """Abort these requests of this client's batches on the shard (request_ids: their attempts' ids)."""
         self.d.counters.aborts_sent += len(request_ids)
@@ -223,8 +219,8 @@ class ShardChannel(ShardQueue, ShardLink):
         return False
 
     def watch_loss(self, e: BaseException) -> None:
-        """The shard died under no request that is sent again: its restart is still waited for, so new requests
-        avoid it meanwhile."""
+        """The shard died under no request that is sent again (or its side ended the connection): its restart is
+        still waited for, so new requests avoid it meanwhile."""
         self.spawn(self.wait_restart(e))
 
     # --- streams ---
