@@ -13,6 +13,7 @@ from flame_llm.protocol.types import Result
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.dispatch import Dispatcher
 from flame_llm.serving.prompts import RequestMaker
+from flame_llm.validate import check_number
 
 
 async def generate_call(d: Dispatcher, requests: RequestMaker, prompts: list,
@@ -25,9 +26,7 @@ async def generate_call(d: Dispatcher, requests: RequestMaker, prompts: list,
         sampling_params = [sampling_params] * len(prompts)
     if len(sampling_params) != len(prompts):
         raise ValueError(f"sampling_params has {len(sampling_params)} entries; prompts has {len(prompts)}")
-    if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
-                                   or not deadline_s >= 0):
-        raise ValueError(f"overload_deadline_s must be a number >= 0 (seconds); got {deadline_s!r}")
+    check_number("overload_deadline_s", deadline_s, 0, optional=True, where="argument")  # as ClientConfig's
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
     bar = None
