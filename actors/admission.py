@@ -1,5 +1,5 @@
 """Admission gate of one engine actor: bounds in-flight tokens and requests, FIFO waiting, rejection
-with a retry hint past the queue limit. Lives on one asyncio loop (the actor's submit group).
+with a retry hint past the queue limit. Lives on one asyncio loop (the actor's serving loop).
 
 Retry hints track when capacity frees, not when everything drains: a queue slot frees each time the
 queue's head is admitted, which takes a release (or, for a head too big for the free tokens, enough
@@ -127,18 +127,17 @@ class Admission:
         """Reserve `cost` tokens and one request slot for `caller`; wait in the caller's FIFO queue (served
         in turn with the other callers') when over the bounds; raise Overloaded when the queue is full for
         this caller (see the module docstring)."""
-        key = caller
         if not self._queued and self._fits(cost):
-            self._take(cost, key)
+            self._take(cost, caller)
             return
-        why = self._full_for(key)
+        why = self._full_for(caller)
         if why:
             self.rejected += 1
             hint, position = self._reject_hint(cost)
             raise Overloaded(hint, self._queued, self.max_queued, position, why)
         fut = asyncio.get_running_loop().create_future()
         entry = (cost, fut)
-        self._queues.append(entry, key)
+        self._queues.append(entry, caller)
         self._queued += 1
         self.queued_tokens += cost
         self.waited += 1
@@ -156,14 +155,13 @@ class Admission:
             raise
 
     def release(self, cost: int, caller: Hashable = None) -> None:
-        key = caller
-        assert self.requests >= 1 and self.tokens >= cost and self._held.get(key, 0) >= 1
+        assert self.requests >= 1 and self.tokens >= cost and self._held.get(caller, 0) >= 1
         now = self._advance()
         self.tokens -= cost
         self.requests -= 1
-        self._held[key] -= 1
-        if not self._held[key]:
-            del self._held[key]
+        self._held[caller] -= 1
+        if not self._held[caller]:
+            del self._held[caller]
         self._releases.append((now, cost, self._area))
         self._released_tokens += cost
         if len(self._releases) > RATE_WINDOW:
@@ -173,13 +171,12 @@ class Admission:
     def _grant(self) -> None:
         """Admit waiting requests while the one whose turn it is fits; its caller's turn then passes."""
         while (head := self._head()) is not None and self._fits(head[1]):
-            key = head[0]
             c, fut = self._queues.popleft()  # its caller goes to the back of the turn
             self._queued -= 1
             self.queued_tokens -= c
             if fut.cancelled():  # its waiter was cancelled and has not run its cleanup yet: nobody to admit
                 continue
-            self._take(c, key)
+            self._take(c, head[0])
             fut.set_result(None)
 
     # ---- retry hints ------------------------------------------------------------------------------

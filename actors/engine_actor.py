@@ -100,13 +100,13 @@ class EngineActor:
                                               self.incarnation, self.stream_limits, self.inflight.abort)
         return await self.stream_server.start(await stream_host(client_node, self.node_id, self.name))
 
-    async def stream_items(self, payload: bytes, caller: str | None = None, client: str | None = None,
-                           owner: str | None = None, batch: bool = False):
+    async def stream_items(self, payload: bytes, caller: str | None, client: str | None, owner: str,
+                           batch: bool = False):
         """The items of one stream (the stream server's): lists of new token ids as the engine samples them, then
         the result payload (its timings add arrived_at and first_chunk_at, time.time() when the payload arrived and
         the first chunk left). Aborting the request (an ABORT frame), its caller's job dying, or the reader leaving
-        ends it in the engine. `owner`: the sender's identity here (a stream connection; None: the caller), which its
-        request id is unique within (`caller`: the sender's Ray job, whose requests are aborted when it dies;
+        ends it in the engine. `owner`: the sender's identity here (its stream connection), which its request id is
+        unique within (`caller`: the sender's Ray job, whose requests are aborted when it dies;
         (caller, client) is the sender's turn in admission). `batch`: the payload is a batch, each request's result
         sent as it finishes (_batch_items)."""
         arrived_at = time.time()  # the hop split (bench/service/hops.py): one host clock with the client's sent_at
@@ -124,8 +124,8 @@ class EngineActor:
             return
         self.metrics.counters["streams"] += 1
         chunks: asyncio.Queue = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller,
-                                                                  chunks.put_nowait, client, owner))
+        task = asyncio.get_running_loop().create_task(self._serve(items[0], time.perf_counter(), caller, owner,
+                                                                  client, chunks.put_nowait))
         task.add_done_callback(lambda _: chunks.put_nowait(None))
         first_chunk_at = None
         try:
@@ -140,10 +140,10 @@ class EngineActor:
             yield self._encode([res])
         finally:
             if not task.done():  # its reader left (a cancel, a closed connection): an abort, counted
-                self.inflight.abort([items[0].id], owner if owner is not None else caller)
+                self.inflight.abort([items[0].id], owner)
 
     async def _batch_items(self, items: list[Request | RequestError], t0: float, caller: str | None,
-                           client: str | None, owner: str | None):
+                           client: str | None, owner: str):
         """A batch's result payloads, each request's result as it finishes: every request gets exactly one result,
         in finishing order (match them by id); an unreadable batch is one result with id None. Results finishing
         within result_window_ms of a payload's first travel with it (a payload leaves at once when none of the
@@ -151,7 +151,7 @@ class EngineActor:
         t1 = time.perf_counter()
         self.metrics.counters["decode_s"] += t1 - t0
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self._serve(item, t1, caller, client=client, owner=owner)) for item in items]
+        tasks = [loop.create_task(self._serve(item, t1, caller, owner, client)) for item in items]
         try:
             async for results in as_finished(tasks, self.result_window_s):
                 for r in results:
@@ -160,12 +160,11 @@ class EngineActor:
         finally:
             left = [it.id for it, t in zip(items, tasks, strict=True) if not t.done() and isinstance(it, Request)]
             if left:  # its reader left (a cancel, a closed connection): aborts, counted
-                self.inflight.abort(left, owner if owner is not None else caller)
+                self.inflight.abort(left, owner)
 
-    async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None = None,
-                     emit=None, client: str | None = None, owner: str | None = None) -> Result:
+    async def _serve(self, item: Request | RequestError, t_start: float, caller: str | None, owner: str,
+                     client: str | None, emit=None) -> Result:
         self.serve_loop = asyncio.get_running_loop()
-        owner = owner if owner is not None else caller
         if isinstance(item, RequestError):
             self.metrics.counters["errors"] += 1
             return self._result(item.id, error=item.info())

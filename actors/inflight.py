@@ -65,7 +65,7 @@ class Inflight:
         self.tasks: dict[Key, asyncio.Task] = {}  # (owner, request id) -> the task serving it
         self.callers: dict[str, set[Key]] = {}  # caller job id -> its requests
         self.aborted: OrderedDict[Key, float] = OrderedDict()  # (owner, request id) -> when its abort arrived
-        self.loop: asyncio.AbstractEventLoop | None = None  # the submit loop (abort comes from another thread)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (abort comes from another thread)
         self.watcher: asyncio.Task | None = None
         # caller_checks / caller_check_s: the watcher's looks at the job table and the seconds they took
         self.counters = {"aborted": 0, "aborted_dead_caller": 0, "caller_checks": 0, "caller_check_s": 0.0}

@@ -32,7 +32,8 @@ class FlameSystem:
 
     def start(self) -> dict:
         from flame_llm.serving.client import make_client
-        from flame_llm.serving.service import init_ray, start_service
+        from flame_llm.serving.ray_attach import init_ray
+        from flame_llm.serving.service import start_service
         from flame_llm.serving.service_config import ServiceConfig
 
         s = self.setup

@@ -32,8 +32,7 @@ def config_of(args):
 def attach_service(args) -> str:
     """Connect this process to the service's Ray cluster; returns the service's namespace (without --namespace
     or --config: the default one, or the one namespace that runs a service)."""
-    from flame_llm.serving.ray_attach import attach
-    from flame_llm.serving.service import resolve_namespace
+    from flame_llm.serving.ray_attach import attach, resolve_namespace
 
     cfg = config_of(args)
     attach(cfg.ray.namespace, cfg.ray.address or "auto")

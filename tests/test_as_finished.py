@@ -105,11 +105,12 @@ def test_overload_retries_leave_max_retries_for_draining_and_deaths():
     """21 overloaded answers, each resent by the shard's channel (batches: retry; streams: apply), then draining:
     still rerouted; a death then: still waited for (the overload resends are not retries)."""
     from flame_llm.serving.channel import ShardChannel
+    from flame_llm.serving.client_config import ClientConfig
     from flame_llm.serving.dispatch import Dispatcher
     from flame_llm.serving.pending import ClientCounters
 
     d = Dispatcher.__new__(Dispatcher)  # the retry bookkeeping only: no router, no shards
-    d.counters, d.max_retries = ClientCounters(), 3
+    d.counters, d.config = ClientCounters(), ClientConfig(max_retries=3)
     ch = ShardChannel.__new__(ShardChannel)
     ch.d, ch.shard, ch.retrying = d, 0, {}
 
@@ -117,7 +118,7 @@ def test_overload_retries_leave_max_retries_for_draining_and_deaths():
         p = _pending()
         p.future = asyncio.get_running_loop().create_future()
         for _ in range(21):
-            dec = decide(p, d.max_retries, _answer(ErrorCode.OVERLOADED, 0.0))
+            dec = decide(p, d.config.max_retries, _answer(ErrorCode.OVERLOADED, 0.0))
             assert dec.action is Action.RETRY
             await resend(p, dec)
         return p
@@ -129,11 +130,11 @@ def test_overload_retries_leave_max_retries_for_draining_and_deaths():
     async def main():
         for resend in (batch_resend, lambda p, dec: ch.apply(p, dec, None, None)):
             p = await run(resend)
-            assert p.attempts == 21 and d.max_retries == 3
-            assert decide(p, d.max_retries, _answer(ErrorCode.DRAINING)).action is Action.REROUTE
-            assert decide(p, d.max_retries, lost=RuntimeError("died"), shard=0).action is Action.RESTART
+            assert p.attempts == 21 and d.config.max_retries == 3
+            assert decide(p, d.config.max_retries, _answer(ErrorCode.DRAINING)).action is Action.REROUTE
+            assert decide(p, d.config.max_retries, lost=RuntimeError("died"), shard=0).action is Action.RESTART
             p.attempts += 3  # three reroutes or restarts: now the retries are spent
-            spent = decide(p, d.max_retries, lost=RuntimeError("died"), shard=0)
+            spent = decide(p, d.config.max_retries, lost=RuntimeError("died"), shard=0)
             assert spent.action is Action.FAIL and "4 times" in spent.error.message
         for handle, _ in ch.retrying.values():
             handle.cancel()

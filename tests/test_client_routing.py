@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import ray
 
-from flame_llm.protocol.routing_key import Completion, estimate_prefill_work, prefix_chain
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 from flame_llm.protocol.types import Request
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.pending import ClientCounters, Pending
@@ -15,7 +15,6 @@ from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
 from router.actor import start_router
 from router.policy import RouterConfig
-from router.replica_client import RouterReplicas
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +35,10 @@ def _outstanding(router) -> list[float]:
 
 
 def test_a_caller_cancelled_during_the_router_call_leaves_no_work_counted(router):
-    class Owner:
-        def forget(self, shard, ps):
-            router.complete.remote([Completion(shard, p.est_work, p.est_decode, 0, 0) for p in ps])
-
     async def main():
         loop = asyncio.get_running_loop()
         counters = ClientCounters()
-        routing = ClientRouting(router, [0, 1], ShardWatch({}, router, [], 5.0, counters), counters, 5.0, Owner())
+        routing = ClientRouting(router, [0, 1], ShardWatch({}, router, [], 5.0, counters), counters, 5.0)
         batch = [Pending(Request(f"r{i}", np.full(64, i + 3, dtype=np.uint32), SamplingParams()),
                          prefix_chain([i + 3] * 64, "rev"), estimate_prefill_work(64), 0, loop.create_future(),
                          est_decode=16) for i in range(4)]
@@ -68,12 +63,12 @@ def test_a_caller_cancelled_during_the_router_call_leaves_no_work_counted(router
 
 
 def test_completions_go_in_one_router_call_per_loop_tick(router):
-    """Completions buffered by the Dispatcher: one `complete` call per loop tick, or per 256 waiting (one call per
-    result payload before), all of them reaching the router."""
-    from flame_llm.serving.dispatch import COMPLETIONS_PER_CALL, Dispatcher
+    """Completions buffered by the client's routing: one `complete` call per loop tick, or per 256 waiting (one call
+    per result payload before), all of them reaching the router."""
+    from flame_llm.serving.routing import COMPLETIONS_PER_CALL
 
-    d = Dispatcher.__new__(Dispatcher)  # its completion buffer only
-    d.router, d.counters, d._completions, d._charged = RouterReplicas.of(router), ClientCounters(), [], []
+    counters = ClientCounters()
+    d = ClientRouting(router, [0, 1], ShardWatch({}, router, [], 5.0, counters), counters, 5.0)
     before = sum(s["completed"] for s in ray.get(router.stats.remote())["shards"])
 
     async def main():

@@ -14,7 +14,8 @@ import ray
 from flame_llm import SamplingParams
 from flame_llm.protocol.routing_key import Completion, RouteItem, prefix_chain
 from flame_llm.serving.client import Client
-from flame_llm.serving.service import find_service, start_service
+from flame_llm.serving.ray_attach import find_service
+from flame_llm.serving.service import start_service
 from flame_llm.serving.service_config import ServiceConfig
 from router.policy import RouterConfig
 from router.replica_client import Charge, RouterReplicas

@@ -84,18 +84,8 @@ def _busy_work(n=300_000):
 
 
 def _routing(router, counters, restart_timeout_s=30.0, shards=(0, 1)):
-    class Owner:
-        def forget(self, shard, ps):
-            pass
-
-    return ClientRouting(
-        router,
-        list(shards),
-        ShardWatch({}, router, [], restart_timeout_s, counters),
-        counters,
-        restart_timeout_s,
-        Owner(),
-    )
+    return ClientRouting(router, list(shards), ShardWatch({}, router, [], restart_timeout_s, counters), counters,
+                         restart_timeout_s)
 
 
 @pytest.mark.parametrize("error", [ActorDiedError(), ActorUnavailableError("restarting", b"\0" * 16)])
@@ -205,8 +195,8 @@ def test_a_request_answered_with_a_shard_lost_during_the_call_is_routed_again(lo
         counters = ClientCounters()
         watch = ShardWatch({}, handle, [], 5.0, counters)
         fake = FakeLossDuringCall(handle, watch, shard=1)
-        owner = type("Owner", (), {"forget": lambda self, s, ps: forgotten.extend((s, p) for p in ps)})()
-        routing = ClientRouting(fake, [0, 1], watch, counters, 5.0, owner)
+        routing = ClientRouting(fake, [0, 1], watch, counters, 5.0)
+        routing.forget = lambda s, ps: forgotten.extend((s, p) for p in ps)  # what leaves the router's count
         batch = _batch(asyncio.get_running_loop(), 8, seed=3)
         return await routing.route_shards(batch), batch, fake, counters
 

@@ -355,7 +355,7 @@ def test_overloaded_reaches_the_caller_only_past_its_deadline(service):
     client = Client.for_service(svc)
     unbounded_credit(client)
     try:
-        with pytest.raises(ValueError, match="overload_deadline_s must be a number >= 0"):
+        with pytest.raises(ValueError, match="argument 'overload_deadline_s' must be null or a number >= 0"):
             client.generate([[1, 2, 3]], sp, overload_deadline_s=-1.0)
         res = client.generate(_prompts(48, 16, seed=80), sp, overload_deadline_s=0.0)
         errors = [r.error for r in res if r.error is not None]

@@ -41,8 +41,8 @@ SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died,
 class ShardChannel(ShardQueue, ShardLink):
     def __init__(self, d: ChannelOwner, shard: int, capacity: int) -> None:
         cfg = d.config
-        ShardQueue.__init__(self, capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0, d.max_payload_bytes,
-                            d.counters)
+        ShardQueue.__init__(self, capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0,
+                            d.limits.max_payload_bytes, d.counters)
         ShardLink.__init__(self, shard, d.actors, d.counters, d.caller, d.client_id)
         self.d = d
         self.tasks: set[asyncio.Task] = set()  # sends, reroutes and restart waits: awaited or cancelled on close
@@ -60,7 +60,7 @@ class ShardChannel(ShardQueue, ShardLink):
         self.spawn(self.send(part))
 
     def held_back(self, gone: list[Pending], again: list[Pending]) -> None:
-        self.d.forget(self.shard, gone + again)
+        self.d.routing.forget(self.shard, gone + again)
         if again:
             self.spawn(self.d.route_again(again))
 
@@ -68,10 +68,6 @@ class ShardChannel(ShardQueue, ShardLink):
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-    def conn_lost(self, shard: int, e: RayActorError) -> None:
-        """The shard's side ended the connection: the shard likely died; new requests go around it meanwhile."""
-        self.watch_loss(e)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort these requests of this client's batches on the shard (request_ids: their attempts' ids)."""
@@ -132,7 +128,7 @@ class ShardChannel(ShardQueue, ShardLink):
     def _left(self, waiting: dict[str, Pending], conn: StreamConn | None, sid: int | None) -> None:
         """Unanswered requests of a batch given up: the router stops counting them, the shard aborts them."""
         left = list(waiting.values())
-        self.d.forget(self.shard, left)
+        self.d.routing.forget(self.shard, left)
         if left and conn is not None and sid is not None:
             self.d.counters.aborts_sent += len(left)
             conn.cancel(sid)
@@ -147,7 +143,7 @@ class ShardChannel(ShardQueue, ShardLink):
             if p.future.done():  # abandoned by its caller (and aborted on the shard)
                 done.append((p, None))
                 continue
-            dec = decide(p, self.d.max_retries, r, shard=self.shard, now=now)
+            dec = decide(p, self.d.config.max_retries, r, shard=self.shard, now=now)
             if dec.action is Action.RETRY:  # the same shard, once its queue has room
                 self.retry(p, dec.delay_s)
                 continue
@@ -161,7 +157,7 @@ class ShardChannel(ShardQueue, ShardLink):
                              done_at=t_done)
             done.append((p, r))
             p.future.set_result(r)
-        self.d.complete(self.shard, done)
+        self.d.routing.complete(self.shard, done)
         if reroute:
             await self.d.route_again(reroute)
 
@@ -175,7 +171,7 @@ class ShardChannel(ShardQueue, ShardLink):
     def _retry_now(self, p: Pending) -> None:
         self.retrying.pop(id(p), None)
         if p.future.done():  # abandoned during its retry delay
-            self.d.forget(self.shard, [p])
+            self.d.routing.forget(self.shard, [p])
         else:
             self.add(p)
 
@@ -186,13 +182,13 @@ class ShardChannel(ShardQueue, ShardLink):
         dead one's cache is gone either way), else once it is back; when it does not come back, or cannot (its node
         is gone), the other shards serve it. Its work leaves the shard's count at the router now, once."""
         log.warning("shard %d failed with %d requests in flight (%s)", self.shard, len(batch), type(e).__name__)
-        self.d.forget(self.shard, batch)
+        self.d.routing.forget(self.shard, batch)
         restarted = await self.after_death(e)
         again = []
         for p in batch:
             if p.future.done():
                 continue
-            dec = decide(p, self.d.max_retries, lost=e, shard=self.shard)
+            dec = decide(p, self.d.config.max_retries, lost=e, shard=self.shard)
             if dec.action is Action.RESTART:
                 again.append(p)
             elif restarted is not False:  # a request that keeps killing shards stops here
@@ -223,8 +219,8 @@ class ShardChannel(ShardQueue, ShardLink):
         return False
 
     def watch_loss(self, e: BaseException) -> None:
-        """The shard died under no request that is sent again: its restart is still waited for, so new requests
-        avoid it meanwhile."""
+        """The shard died under no request that is sent again (or its side ended the connection): its restart is
+        still waited for, so new requests avoid it meanwhile."""
         self.spawn(self.wait_restart(e))
 
     # --- streams ---
@@ -251,9 +247,9 @@ class ShardChannel(ShardQueue, ShardLink):
         finally:
             self._tell(untold)  # before the completion or forget below
             if r is None:  # lost, cancelled (the caller left, a stop string) or failed: not answered here
-                self.d.forget(self.shard, [p])
+                self.d.routing.forget(self.shard, [p])
         if r is not None:
-            self.d.complete(self.shard, [(p, r)])
+            self.d.routing.complete(self.shard, [(p, r)])
         return r, lost
 
     async def _stream_once(self, payload: bytes, streamed: list[int], push: Callable[[list[int]], None],

@@ -24,9 +24,9 @@ import ray
 
 from flame_llm.protocol.checks import fits_utf8
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
-from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result
+from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result, ShardHealth
 from flame_llm.sampling_params import SamplingParams, brief
-from flame_llm.serving.client_config import ClientConfig, check_retired
+from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.client_generate import generate_call
 from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
@@ -49,26 +49,22 @@ def check_user(user: str) -> None:
         raise ValueError(f"user must be a string of at most {MAX_USER_BYTES} UTF-8 bytes; got {brief(user)}")
 
 class Client:
-    def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str,
-                 config: ClientConfig | None = None, zstd_level: int = DEFAULT_ZSTD_LEVEL,
-                 model_dir: str | None = None, service=None, namespace: str | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None):
-        assert actors, "a service has at least one shard"
+    def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], health: list[ShardHealth],
+                 config: ClientConfig | None = None, zstd_level: int = DEFAULT_ZSTD_LEVEL, service=None,
+                 namespace: str | None = None, loop: asyncio.AbstractEventLoop | None = None):
+        """health: each shard's (make_client asks them): one model revision, the limits, the tokenizer."""
+        assert actors and len(health) == len(actors), "a service has at least one shard, each with its health"
         config = config or ClientConfig()
-        self.config, self.max_retries = config, config.max_retries
-        self.model_revision = model_revision
-        health = ray.get([a.health.remote() for a in actors.values()])
+        self.config, self.model_revision, self.model_dir = config, health[0].model_revision, health[0].model
         self.limits = EngineLimits.tightest([h.limits for h in health])  # what every shard accepts
-        self.max_payload_bytes = self.limits.max_payload_bytes
-        self.model_dir, self.service = model_dir, service
-        self.client_id = uuid.uuid4().hex[:8]
+        self.service, self.client_id = service, uuid.uuid4().hex[:8]
         self.tokenizer_field = health[0].tokenizer  # the shards' `tokenizer` (one model revision: one tokenizer)
-        self.requests = RequestMaker(self.limits, model_revision, model_dir, self.client_id, config.overload_deadline_s,
-                                     self.tokenizer_field)
+        self.requests = RequestMaker(self.limits, self.model_revision, self.model_dir, self.client_id,
+                                     config.overload_deadline_s, self.tokenizer_field)
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
-        self.dispatch = Dispatcher(router, dict(actors), model_revision, config, zstd_level, health,
-                                   self.max_payload_bytes, self.namespace, self.client_id)
+        self.dispatch = Dispatcher(router, dict(actors), self.model_revision, config, zstd_level, health, self.limits,
+                                   self.namespace, self.client_id)
         self.router, self.actors = self.dispatch.router, self.dispatch.actors  # router: RouterReplicas
         self._thread = None
         self._loop = loop
@@ -262,16 +258,14 @@ def make_client(cfg: ServiceConfig | None, router, actors: dict,
     """A client for the router (a handle, the replicas' handles, or a RouterReplicas) and shards given, with cfg's
     client section (defaults without cfg) and `overrides` of its fields; the shards' health gives the model revision
     and limits. With `service`, closing the client stops that service. loop: run it on that loop (Client's `loop`)."""
-    check_retired("client", overrides)
+    config = dataclasses.replace(cfg.client if cfg is not None else ClientConfig(), **overrides)  # names a bad one
     health = ray.get([a.health.remote() for a in actors.values()])
     revisions = {h.model_revision for h in health}
     if len(revisions) != 1:
         raise RuntimeError(f"shards serve different model revisions: {sorted(revisions)}")
-    config = dataclasses.replace(cfg.client if cfg is not None else ClientConfig(), **overrides)
     zstd_level = cfg.shard.zstd_level if cfg is not None else DEFAULT_ZSTD_LEVEL
     namespace = namespace or (cfg.ray.namespace if cfg is not None else None)
-    return Client(router, actors, revisions.pop(), config, zstd_level, model_dir=health[0].model, service=service,
-                  namespace=namespace, loop=loop)
+    return Client(router, actors, health, config, zstd_level, service=service, namespace=namespace, loop=loop)
 
 
 def start_local(cfg: ServiceConfig, **client_kwargs) -> Client:

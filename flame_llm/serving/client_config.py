@@ -8,25 +8,6 @@ from flame_llm.protocol.types import MAX_BATCH_REQUESTS
 from flame_llm.validate import check_int, check_number
 
 DEFAULT_NAMESPACE = "flame"  # the Ray namespace of a service, unless configured
-# switches retired with the older paths they kept (issue 38): (section, field) -> the behaviour that is now the only one
-RETIRED = {
-    ("client", "flush_formed"): "a call's formed batches are always sent at once",
-    ("client", "flow_control"): "a shard always gets at most its admission capacity unanswered",
-    ("client", "results_as_finished"): "results always come back as they finish",
-    ("client", "local_routing"): "a stream with a prefix placed before always goes without a router call",
-    ("client", "stream_transport"): "streams always go over the socket to the shard",
-    ("client", "reroute_on_loss"): "a dying shard's requests always go to the other shards at once",
-    ("client", "stream_resume"): "a stream whose shard died always goes on from its last token",
-    ("shard", "fair_admission"): "callers are always admitted in turn",
-}
-
-
-def check_retired(section: str, fields) -> None:
-    """ValueError naming the first retired field among `fields` of `section`, and what replaced it."""
-    for f in fields:
-        why = RETIRED.get((section, f))
-        if why is not None:
-            raise ValueError(f"{section} field {f!r} is retired (issue 38): {why}; remove it from the config")
 
 
 @dataclass(slots=True)

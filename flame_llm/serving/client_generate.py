@@ -12,8 +12,8 @@ from collections.abc import Callable
 from flame_llm.protocol.types import Result
 from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.dispatch import Dispatcher
-from flame_llm.serving.pending import Pending, attempt_id
 from flame_llm.serving.prompts import RequestMaker
+from flame_llm.validate import check_number
 
 
 async def generate_call(d: Dispatcher, requests: RequestMaker, prompts: list,
@@ -26,9 +26,7 @@ async def generate_call(d: Dispatcher, requests: RequestMaker, prompts: list,
         sampling_params = [sampling_params] * len(prompts)
     if len(sampling_params) != len(prompts):
         raise ValueError(f"sampling_params has {len(sampling_params)} entries; prompts has {len(prompts)}")
-    if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
-                                   or not deadline_s >= 0):
-        raise ValueError(f"overload_deadline_s must be a number >= 0 (seconds); got {deadline_s!r}")
+    check_number("overload_deadline_s", deadline_s, 0, optional=True, where="argument")  # as ClientConfig's
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
     bar = None
@@ -60,25 +58,9 @@ async def generate_call(d: Dispatcher, requests: RequestMaker, prompts: list,
             await d.route(routed)
         return await asyncio.gather(*(p.future for p in pend))  # after each `landed`: added first
     except asyncio.CancelledError:
-        abort(d, pend)
+        d.abandon(pend)
         raise
     finally:
         if bar is not None:
             bar.close()
 
-
-def abort(d: Dispatcher, pend: list[Pending]) -> None:
-    """The caller gave up on these requests: the unanswered ones still queued at the client leave their queues
-    unsent (Dispatcher.abandon); the shards are told to abort the others (fire and forget: a shard that is gone
-    has nothing to abort)."""
-    gone = []
-    for p in pend:
-        if not p.future.done() or p.future.cancelled():
-            p.future.cancel()
-            gone.append(p)
-    by_shard: dict[int, list[str]] = {}
-    for p in d.abandon(gone):
-        if p.shard >= 0:
-            by_shard.setdefault(p.shard, []).append(attempt_id(p))
-    for shard, ids in by_shard.items():
-        d.channels[shard].abort(ids)

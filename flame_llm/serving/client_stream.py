@@ -56,9 +56,9 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         split.pop("first_chunk_at_client", None)  # this attempt's
         r, lost = await ch.stream(p, streamed, lambda toks: push(StreamChunk(toks)), split, untold)
         now_streamed = len(streamed) > before  # earlier attempts' tokens are in this attempt's prompt
-        end = (stream_end(original, streamed, d.max_model_len, d.eos_token_ids)
+        end = (stream_end(original, streamed, d.limits.max_model_len, d.eos_token_ids)
                if lost is not None and now_streamed else None)
-        decision = decide(p, d.max_retries, r, lost, shard, streamed=now_streamed, complete=end)
+        decision = decide(p, d.config.max_retries, r, lost, shard, streamed=now_streamed, complete=end)
         if decision.action is Action.DONE and r is None:  # the shard died after the stream's last token
             ch.watch_loss(lost)
             result = Result(rid, finish_reason=decision.finish_reason, shard=shard)
@@ -76,7 +76,7 @@ async def stream_request(d: Dispatcher, p: Pending, push: Callable[[StreamChunk]
         if lost is not None and now_streamed:  # go on from the last token (the caller's request is untouched)
             p.request = continuation(original, streamed)
             p.wire_bytes = request_wire_size(len(p.request.prompt_token_ids), len(p.request.sampling.stop_token_ids))
-            set_estimates(p, d.model_revision, d.max_model_len)
+            set_estimates(p, d.model_revision, d.limits.max_model_len)
             resumed += 1
             d.counters.stream_resumes += 1
     result.id = rid

@@ -1,8 +1,7 @@
 """How the client's requests reach the shards: one router call per formed batch (routing.py), then each request to
 its shard's channel (channel.py: its connection, queue, credit and the retry policy carried out on its answers).
-The Dispatcher holds the channels (shard -> ShardChannel), the routing, what it knows of the shards' lives
-(shard_watch.py), and tells the router which routed requests are done (their completions, one call per loop tick).
-Runs on the client's loop."""
+The Dispatcher holds the channels (shard -> ShardChannel), the routing (which also tells the router which routed
+requests are done) and what it knows of the shards' lives (shard_watch.py). Runs on the client's loop."""
 from __future__ import annotations
 
 import asyncio
@@ -11,28 +10,25 @@ import logging
 import ray
 
 from flame_llm.protocol.errors import ErrorInfo
-from flame_llm.protocol.routing_key import Completion
-from flame_llm.protocol.types import Result, ShardHealth
+from flame_llm.protocol.types import EngineLimits, ShardHealth
 from flame_llm.serving.channel import ShardChannel
 from flame_llm.serving.client_config import ClientConfig
-from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending
+from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending, attempt_id
 from flame_llm.serving.routing import ClientRouting
-from flame_llm.serving.shard_watch import ShardWatch, shard_by_name
+from flame_llm.serving.shard_watch import ShardWatch
 from flame_llm.serving.stream_conn import StreamConn
-from router.replica_client import Charge, RouterReplicas
+from router.replica_client import RouterReplicas
 
 log = logging.getLogger(__name__)
-COMPLETIONS_PER_CALL = 256  # router completions buffered: sent once per loop tick, or when this many wait
 ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
 
 class Dispatcher:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str, config: ClientConfig,
-                 zstd_level: int, health: list[ShardHealth], max_payload_bytes: int, namespace: str,
-                 client_id: str):
+                 zstd_level: int, health: list[ShardHealth], limits: EngineLimits, namespace: str, client_id: str):
+        """limits: what every shard accepts (EngineLimits.tightest of their health's)."""
         self.router, self.actors, self.model_revision = RouterReplicas.of(router, namespace), actors, model_revision
-        self.config, self.max_retries, self.max_payload_bytes = config, config.max_retries, max_payload_bytes
-        self.max_model_len = min(h.limits.max_model_len for h in health)
+        self.config, self.limits = config, limits
         self.eos_token_ids = frozenset(t for h in health for t in h.eos_token_ids)  # one model revision: one set
         self.namespace, self.counters = namespace, ClientCounters()
         self.codec = ClientCodec(model_revision, zstd_level, self.counters)
@@ -40,16 +36,14 @@ class Dispatcher:
         # client's turn in the shards' fair admission
         self.caller, self.client_id = ray.get_runtime_context().get_job_id(), client_id
         self.shards = ShardWatch(actors, self.router, health, config.restart_timeout_s, self.counters,
-                                 shard_by_name(namespace), owner=self)
+                                 namespace, owner=self)
         self.channels = {s: ShardChannel(self, s, h.admission_capacity) for s, h in zip(actors, health, strict=True)}
         policy, max_entries, ttl_s = "cumulative", 100_000, 0.0
         if len(actors) > 1:  # the client places a known prefix under cumulative and events
             _, rc = self.router.config()
             policy, max_entries, ttl_s = rc.policy, rc.max_entries, rc.placement_ttl_s
         self.routing = ClientRouting(self.router, list(actors), self.shards, self.counters, config.restart_timeout_s,
-                                     self, policy, max_entries, ttl_s)
-        self._completions: list[Completion] = []  # for the router's next complete call
-        self._charged: list[Charge] = []  # who charged each of them (router/replica_client.py)
+                                     policy, max_entries, ttl_s)
 
     @property
     def outstanding(self) -> dict[int, int]:
@@ -75,24 +69,32 @@ class Dispatcher:
             self.channels[shard].drop_conn("the shard restarted", keep=incarnation)
             self.channels[shard].keep_connected()
 
-    def abandon(self, ps: list[Pending]) -> list[Pending]:
-        """The callers gave up on ps (their futures are done): those still queued at the client (batch window,
-        flow-control credit, overload resend delay) leave the queue and the router's count now and are never
-        sent. The others are returned: in flight (to be aborted on their shards), or between shards (being
-        routed, or their shard died: routing or ShardChannel.lost forgets them)."""
-        queued: list[Pending] = []
-        for s in {p.shard for p in ps if p.shard >= 0}:
-            gone = self.channels[s].drop_abandoned()
-            self.forget(s, gone)
-            queued += gone
+    def abandon(self, ps: list[Pending]) -> None:
+        """The caller gave up on ps: those not answered yet are cancelled. Those still queued at the client (batch
+        window, flow-control credit, overload resend delay) leave the queue and the router's count now and are never
+        sent; those in flight are aborted on their shards (fire and forget: a shard that is gone has nothing to
+        abort); those between shards (being routed, or their shard died) are forgotten by routing or
+        ShardChannel.lost."""
+        gone = []
         for p in ps:
+            if not p.future.done() or p.future.cancelled():
+                p.future.cancel()
+                gone.append(p)
+        queued: set[int] = set()
+        for s in {p.shard for p in gone if p.shard >= 0}:
+            dropped = self.channels[s].drop_abandoned()
+            self.routing.forget(s, dropped)
+            queued.update(map(id, dropped))
+        by_shard: dict[int, list[str]] = {}
+        for p in gone:
             resend = self.channels[p.shard].retrying.pop(id(p), None) if p.shard >= 0 else None
             if resend is not None:
                 resend[0].cancel()
-                self.forget(p.shard, [p])
-                queued.append(p)
-        left = {id(p) for p in queued}
-        return [p for p in ps if id(p) not in left]
+                self.routing.forget(p.shard, [p])
+            elif p.shard >= 0 and id(p) not in queued:
+                by_shard.setdefault(p.shard, []).append(attempt_id(p))
+        for s, ids in by_shard.items():
+            self.channels[s].abort(ids)
 
     async def route(self, batch: list[Pending]) -> None:
         """Route the requests and hand each to its shard's channel (the failed ones get their result)."""
@@ -121,36 +123,6 @@ class Dispatcher:
         if ps:
             await self.route(ps)
 
-    # --- the router's count of outstanding work ---
-
-    def forget(self, shard: int, ps: list[Pending]) -> None:
-        """Routed requests that will not be answered by the shard: their estimated work leaves the router's
-        count of the shard's outstanding work."""
-        self.complete(shard, [(p, None) for p in ps])
-
-    def complete(self, shard: int, done: list[tuple[Pending, Result | None]]) -> None:
-        """Completions for the router (each request with the shard's answer, or None: not served there): sent in
-        one call per loop tick, or at once when COMPLETIONS_PER_CALL wait."""
-        if not done:
-            return
-        first = not self._completions
-        self._completions.extend(completion(shard, p, r) for p, r in done)
-        self._charged.extend(p.charged for p, _ in done)
-        if first:
-            try:
-                asyncio.get_running_loop().call_soon(self.flush_completions)
-            except RuntimeError:  # not on a loop: nothing would flush them later
-                self.flush_completions()
-                return
-        if len(self._completions) >= COMPLETIONS_PER_CALL:
-            self.flush_completions()
-
-    def flush_completions(self) -> None:
-        cs, charged, self._completions, self._charged = self._completions, self._charged, [], []
-        if cs:
-            self.counters.complete_calls += 1
-            self.router.complete(cs, charged)
-
     # --- closing ---
 
     def _tasks(self) -> set[asyncio.Task]:
@@ -171,9 +143,9 @@ class Dispatcher:
         for s, c in self.channels.items():
             for handle, p in c.retrying.values():
                 handle.cancel()
-                self.forget(s, [p])
+                self.routing.forget(s, [p])
             c.retrying.clear()
-            self.forget(s, c.take_all())
+            self.routing.forget(s, c.take_all())
         if self.routing.calls:  # router calls whose callers left: their answers are forgotten as they come
             await asyncio.wait(set(self.routing.calls), timeout=ROUTER_CALL_WAIT_S)
         for _ in range(3):  # a cancelled task may start another (routing again): a few rounds
@@ -187,11 +159,4 @@ class Dispatcher:
         await asyncio.gather(*(c.close() for c in self.channels.values()))
         for t in list(self.routing.calls):
             t.cancel()
-        self.flush_completions()
-
-
-def completion(shard: int, p: Pending, r: Result | None = None) -> Completion:
-    """The router's Completion of p on the shard: `r`, the shard's answer (its prompt and cached tokens count when
-    it succeeded), or None: not served there (its estimated work only leaves the count)."""
-    ok = r is not None and r.error is None
-    return Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0, r.cached_tokens if ok else 0)
+        self.routing.flush_completions()

@@ -88,19 +88,17 @@ class FrontDoor:
     """Created by start_frontdoor; `start` opens the port on the actor's event loop."""
 
     def __init__(self, namespace: str, http: HttpConfig, client: ClientConfig | None = None) -> None:
-        # the client reads streamed items that have arrived with ray.get(timeout=0) on this loop: not a blocking get
-        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self.namespace, self.http, self.client, self.runner, self.address = namespace, http, None, None, ""
-        self.client_config = client
+        self.config = client  # its client's (None: the defaults)
 
     def _connect(self, loop: asyncio.AbstractEventLoop):
         from flame_llm.serving.client import make_client
-        from flame_llm.serving.service import find_service
+        from flame_llm.serving.ray_attach import find_service
 
         router, actors = find_service(self.namespace)
         # the client runs on this actor's loop, the HTTP server's: a stream's chunks reach the response with no
         # hand-off between threads
-        fields = dataclasses.asdict(self.client_config) if self.client_config is not None else {}
+        fields = dataclasses.asdict(self.config) if self.config is not None else {}
         self.client = make_client(None, router, actors, namespace=self.namespace, loop=loop, **fields)
         return ClientBackend(self.client, self.http.served_model_name)
 

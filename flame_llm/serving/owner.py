@@ -6,7 +6,7 @@ from typing import Protocol
 
 import ray
 
-from flame_llm.protocol.types import Result
+from flame_llm.protocol.types import EngineLimits
 from flame_llm.serving.client_config import ClientConfig
 from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending
 from flame_llm.serving.routing import ClientRouting
@@ -15,8 +15,7 @@ from flame_llm.serving.shard_watch import ShardWatch
 
 class ChannelOwner(Protocol):
     config: ClientConfig
-    max_payload_bytes: int  # the tightest of the shards' limits
-    max_retries: int
+    limits: EngineLimits  # what every shard accepts
     counters: ClientCounters
     codec: ClientCodec
     actors: dict[int, ray.actor.ActorHandle]  # shard -> its actor now (ShardWatch puts a replacement's here)
@@ -24,12 +23,6 @@ class ChannelOwner(Protocol):
     client_id: str  # with caller: this client's turn in the shards' fair admission
     shards: ShardWatch
     routing: ClientRouting
-
-    def forget(self, shard: int, ps: list[Pending]) -> None:
-        """Routed requests the shard will not answer: their work leaves the router's count."""
-
-    def complete(self, shard: int, done: list[tuple[Pending, Result | None]]) -> None:
-        """The router's completions of requests the shard answered (or not: None)."""
 
     async def route_again(self, ps: list[Pending]) -> None:
         """Requests sent again: routed anew."""

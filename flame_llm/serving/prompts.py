@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import time
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ class RequestMaker:
         if deadline_s is None:
             deadline_s = self.overload_deadline_s
         p = Pending(Request(next(self.ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future(),
-                    deadline=time.monotonic() + deadline_s if math.isfinite(deadline_s) else math.inf)
+                    deadline=time.monotonic() + deadline_s)
         try:
             tokens = p.request.prompt_token_ids = self.tokens(prompt)
             p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))

@@ -10,18 +10,21 @@ places a known prefix on its owner whatever the load, so only there (and on one 
 anything itself; the router alone places unseen prefixes, and every request of a batch (one call per batch).
 Under the `events` policy the client's answers last the router's placement_ttl_s (router/replicas.py RouteCache):
 a stream on a document routed that recently goes without a router call, and after it the router decides again
-from what the engines hold (an eviction is seen within a TTL)."""
+from what the engines hold (an eviction is seen within a TTL).
+
+The router counts each shard's outstanding work; the requests it routed come back to it as completions (the shard's
+answer, or none: not served there), one `complete` call per loop tick."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict
-from typing import Protocol
 
 from ray.exceptions import RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
-from flame_llm.protocol.routing_key import RouteItem
+from flame_llm.protocol.routing_key import Completion, RouteItem
+from flame_llm.protocol.types import Result
 from flame_llm.serving.pending import ClientCounters, Pending, failed_result
 from flame_llm.serving.shard_watch import ShardWatch
 from router.replica_client import Charge, RouterReplicas
@@ -29,27 +32,24 @@ from router.replicas import RouteCache
 
 REROUTE_ROUNDS = 3  # route calls again for requests answered with a shard lost during the call
 ROUTE_RETRY_MAX_S = 0.5  # a call lost with a restarting router is made again, after 0.1, 0.2, .. up to this, s
-
-
-class RoutingOwner(Protocol):
-    def forget(self, shard: int, ps: list[Pending]) -> None:
-        """Routed requests the shard will not be sent (their work leaves the router's count): the Dispatcher's."""
+COMPLETIONS_PER_CALL = 256  # router completions buffered: sent once per loop tick, or when this many wait
 
 
 class ClientRouting:
     def __init__(self, router: RouterReplicas, shards: list[int], watch: ShardWatch, counters: ClientCounters,
-                 restart_timeout_s: float, owner: RoutingOwner, policy: str = "cumulative",
-                 max_entries: int = 100_000, ttl_s: float = 0.0) -> None:
-        """owner.forget(shard, pendings): routed requests that will not be sent there (their work leaves the router's
-        count). policy, max_entries and ttl_s (placement_ttl_s): the router's."""
+                 restart_timeout_s: float, policy: str = "cumulative", max_entries: int = 100_000,
+                 ttl_s: float = 0.0) -> None:
+        """policy, max_entries and ttl_s (placement_ttl_s): the router's."""
         self.router, self.shards, self.watch, self.counters = RouterReplicas.of(router), list(shards), watch, counters
-        self.restart_timeout_s, self.owner = restart_timeout_s, owner
+        self.restart_timeout_s = restart_timeout_s
         self.local = len(self.shards) == 1 or policy in ("cumulative", "events")  # streams placed here
         self.cache = RouteCache(ttl_s, max_entries) if policy == "events" else None
         self.single = self.shards[0] if len(self.shards) == 1 else None
         self.max_entries = max_entries
         self.placed: OrderedDict[int, int] = OrderedDict()  # prefix block hash -> shard, as the router answered
         self.calls: set[asyncio.Task] = set()  # router calls running (their callers may have left)
+        self._completions: list[Completion] = []  # for the router's next complete call
+        self._charged: list[Charge] = []  # who charged each of them (router/replica_client.py)
 
     def avoid_now(self) -> list[int]:
         """The shards to leave out now: those avoided (draining, lost) and, while another shard is left, those
@@ -138,7 +138,7 @@ class ClientRouting:
                 elif self.local:
                     self._learn(p.chain, s)
                 continue
-            self.owner.forget(s, [p])
+            self.forget(s, [p])
         if again:
             self.counters.route_retries += 1
             for i, r in zip(again, await self.route_shards([batch[i] for i in again], rounds - 1), strict=True):
@@ -150,7 +150,7 @@ class ClientRouting:
             return
         for p, s, c in zip(batch, *call.result(), strict=True):
             p.charged = c
-            self.owner.forget(s, [p])
+            self.forget(s, [p])
 
     async def route_call(self, items: list[RouteItem], avoid: list[int]) -> tuple[list[int], list[Charge]]:
         """One routing call (each item to its router replica, router/replica_client.py), made again while the
@@ -179,3 +179,40 @@ class ClientRouting:
             placed.move_to_end(h)
         while len(placed) > self.max_entries:
             placed.popitem(last=False)
+
+    # --- the router's count of outstanding work ---
+
+    def forget(self, shard: int, ps: list[Pending]) -> None:
+        """Routed requests that will not be answered by the shard: their estimated work leaves the router's
+        count of the shard's outstanding work."""
+        self.complete(shard, [(p, None) for p in ps])
+
+    def complete(self, shard: int, done: list[tuple[Pending, Result | None]]) -> None:
+        """Completions for the router (each request with the shard's answer, or None: not served there): sent in
+        one call per loop tick, or at once when COMPLETIONS_PER_CALL wait."""
+        if not done:
+            return
+        first = not self._completions
+        self._completions.extend(completion(shard, p, r) for p, r in done)
+        self._charged.extend(p.charged for p, _ in done)
+        if first:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush_completions)
+            except RuntimeError:  # not on a loop: nothing would flush them later
+                self.flush_completions()
+                return
+        if len(self._completions) >= COMPLETIONS_PER_CALL:
+            self.flush_completions()
+
+    def flush_completions(self) -> None:
+        cs, charged, self._completions, self._charged = self._completions, self._charged, [], []
+        if cs:
+            self.counters.complete_calls += 1
+            self.router.complete(cs, charged)
+
+
+def completion(shard: int, p: Pending, r: Result | None = None) -> Completion:
+    """The router's Completion of p on the shard: `r`, the shard's answer (its prompt and cached tokens count when
+    it succeeded), or None: not served there (its estimated work only leaves the count)."""
+    ok = r is not None and r.error is None
+    return Completion(shard, p.est_work, p.est_decode, r.prompt_tokens if ok else 0, r.cached_tokens if ok else 0)

@@ -16,22 +16,11 @@ from actors.liveness import LIVE_TIMEOUT_S
 from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards, replacement_placement
 from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.preflight import check_cpu_memory
-from flame_llm.serving.ray_attach import (
-    SHARD_PREFIX,
-    attach,
-    find_service,
-    init_ray,
-    resolve_namespace,
-    running_local_address,
-    service_namespaces,
-)
+from flame_llm.serving.ray_attach import SHARD_PREFIX, find_service, init_ray, resolve_namespace, running_local_address
 from flame_llm.serving.service_config import ServiceConfig
 
-__all__ = ["SHARD_PREFIX", "Service", "attach", "find_service", "init_ray", "resolve_namespace", "service_namespaces",
-           "start_service", "status", "stop"]
-
 log = logging.getLogger(__name__)
-MAX_CONCURRENCY = 1024  # concurrent submit calls (batches) per engine actor
+MAX_CONCURRENCY = 1024  # concurrent calls in an engine actor's default group (its serving loop)
 UNHEALTHY_STRIKES = 2  # failed liveness looks in a row before a shard is restarted
 LIVE_CALL_GRACE_S = 10.0  # a liveness call answers within its probe's timeout plus this, or counts as failed
 

@@ -25,7 +25,7 @@ import yaml
 from actors.pinning import PlacementConfig
 from actors.shard_options import ShardOptions
 from flame_llm.config import FIELD_NAMES, GROUPS, EngineConfig
-from flame_llm.serving.client_config import DEFAULT_NAMESPACE, RETIRED, ClientConfig, check_retired
+from flame_llm.serving.client_config import DEFAULT_NAMESPACE, ClientConfig
 from flame_llm.serving.http_app import HttpConfig
 from flame_llm.validate import check, check_int, check_number, check_str
 from router.policy import RouterConfig
@@ -100,9 +100,6 @@ class ServiceConfig:
         for k, v in kwargs.items():
             section = _SECTION_OF.get(k)
             if section is None:
-                for sec, f in RETIRED:
-                    if f == k:
-                        check_retired(sec, [k])
                 raise ValueError(f"unknown service config field {k!r}; known: {', '.join(sorted(_SECTION_OF))}")
             if k in parts[section]:
                 raise ValueError(f"service config field {k!r} is given twice (flat and in engine)")
@@ -127,7 +124,6 @@ def _section(name: str, value: object) -> object:
     value = {} if value is None else value
     if not isinstance(value, dict):
         raise ValueError(f"section {name!r} must be a mapping of its fields; got {value!r:.80}")
-    check_retired(name, value)
     known = ENGINE_FIELDS if name == "engine" else [f.name for f in dataclasses.fields(SECTIONS[name])]
     bad = sorted(str(k) for k in value if k not in known)
     if bad:

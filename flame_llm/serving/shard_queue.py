@@ -63,10 +63,7 @@ class ShardQueue:
 
     def flush(self, why: str) -> None:
         """The batch being formed is formed: it waits for credit (leaves at once when there is room)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        batch, self.items, self.nbytes = self.items, [], BATCH_OVERHEAD
+        batch = self._take_items()
         if batch:
             self.flushes[why] += 1
             self.held.extend(batch, _user)
@@ -78,17 +75,13 @@ class ShardQueue:
         if gone:
             self.items = [p for p in self.items if not p.future.done()]
             self.nbytes = BATCH_OVERHEAD + sum(p.wire_bytes for p in self.items)
-            if not self.items and self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
+            if not self.items:  # nothing left to form: the window's timer stops
+                self._take_items()
         return gone + self.held.drop(lambda x: isinstance(x, Pending) and x.future.done())
 
     def take_all(self) -> list[Pending]:
         """Everything queued, taken out (the client closes): the requests returned, the streams' waits cancelled."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        out, self.items, self.nbytes = self.items, [], BATCH_OVERHEAD
+        out = self._take_items()
         for item in self.held:
             if isinstance(item, asyncio.Future):
                 item.cancel()
@@ -96,6 +89,14 @@ class ShardQueue:
                 out.append(item)
         self.held.clear()
         return out
+
+    def _take_items(self) -> list[Pending]:
+        """The batch being formed, taken out; its window's timer stopped."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        items, self.items, self.nbytes = self.items, [], BATCH_OVERHEAD
+        return items
 
     # --- credit ---
 

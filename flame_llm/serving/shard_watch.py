@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 import ray
@@ -35,26 +34,13 @@ class ShardsOwner(Protocol):
         """The shard restarted (`incarnation`: the one that answers now) or was lost (None) (Dispatcher's)."""
 
 
-def shard_by_name(namespace: str) -> Callable[[int], ray.actor.ActorHandle | None]:
-    """shard -> its actor by name in `namespace` now (a replacement placed after its node was lost has a new
-    handle), or None."""
-    def lookup(shard: int) -> ray.actor.ActorHandle | None:
-        try:
-            return ray.get_actor(f"{SHARD_PREFIX}{shard}", namespace=namespace)
-        except ValueError:
-            return None
-
-    return lookup
-
-
 class ShardWatch:
     def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: RouterReplicas,
                  health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
-                 lookup: Callable[[int], ray.actor.ActorHandle | None] | None = None,
-                 owner: ShardsOwner | None = None) -> None:
+                 namespace: str | None = None, owner: ShardsOwner | None = None) -> None:
         self.actors, self.restart_timeout_s, self.counters = actors, restart_timeout_s, counters
         self.router = RouterReplicas.of(router)
-        self.lookup = lookup  # shard -> its actor by name now (a replacement's handle), or None
+        self.namespace = namespace  # where a lost shard's replacement is looked up by name (None: not looked up)
         self.owner = owner  # told of a shard that restarted or was lost (Dispatcher.shard_changed)
         self.restarting: set[int] = set()  # shards that died and are waited for: new requests go elsewhere
         self.incarnation = {s: h.incarnation for s, h in zip(actors, health, strict=True)}
@@ -118,10 +104,12 @@ class ShardWatch:
         except (RayError, asyncio.TimeoutError) as e:
             if isinstance(e, ActorUnschedulableError):
                 self._unschedulable.add(shard)
-            if self.lookup is not None:  # next time ask the actor of that name now: a replacement, if placed
-                handle = await asyncio.to_thread(self.lookup, shard)
-                if handle is not None:
-                    self.actors[shard] = handle
+            if self.namespace is not None:  # next time ask the actor of that name now: a replacement, if placed
+                try:
+                    self.actors[shard] = await asyncio.to_thread(ray.get_actor, f"{SHARD_PREFIX}{shard}",
+                                                                 namespace=self.namespace)
+                except ValueError:  # not placed yet
+                    pass
             return None
         if h.incarnation != self.incarnation[shard]:
             self.incarnation[shard] = h.incarnation

@@ -41,7 +41,7 @@ class StreamConn:
     """One connection to one shard incarnation's stream server; its streams by id."""
 
     def __init__(self, shard: int, endpoint: StreamEndpoint, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, on_lost: Callable[[int, RayActorError], None] | None = None) -> None:
+                 writer: asyncio.StreamWriter, on_lost: Callable[[RayActorError], None] | None = None) -> None:
         self.shard, self.endpoint, self.writer, self.on_lost = shard, endpoint, writer, on_lost
         self.streams: dict[int, asyncio.Queue] = {}  # stream id -> its frames' items, in order
         self.next_sid = 0
@@ -114,7 +114,7 @@ class StreamConn:
             by_peer = self.broken is None and why != "closed by the client"  # not by close(): the client's own
             self._break(why)
             if by_peer and self.on_lost is not None:
-                self.on_lost(self.shard, self.lost())
+                self.on_lost(self.lost())
 
     def _break(self, why: str) -> None:
         if self.broken is None:
@@ -135,7 +135,7 @@ class StreamConn:
 
 class ShardLink:
     """A shard's connection to its current incarnation, made on first use and again after the shard restarted (its
-    ShardChannel, channel.py, is one). `conn_lost` hears of a connection the shard's side ended."""
+    ShardChannel, channel.py, is one). `watch_loss` hears of a connection the shard's side ended."""
 
     def __init__(self, shard: int, actors: dict[int, ray.actor.ActorHandle], counters: ClientCounters,
                  caller: str | None, client_id: str | None) -> None:
@@ -146,8 +146,8 @@ class ShardLink:
         self._connecting: asyncio.Future | None = None
         self.connects: set[asyncio.Task] = set()
 
-    def conn_lost(self, shard: int, e: RayActorError) -> None:
-        pass
+    def watch_loss(self, e: BaseException) -> None:
+        """The shard's side ended the connection (the shard likely died): the channel's to act on."""
 
     async def connection(self) -> StreamConn:
         """The connection to the shard's current incarnation, made on first use (one connect, shared)."""
@@ -175,7 +175,7 @@ class ShardLink:
                                           f"answer: {type(e).__name__}: {e}") from None
         keepalive(writer.get_extra_info("socket"))
         writer.write(encode_frame(Frame.HELLO, ep.token))
-        self.conn = StreamConn(self.shard, ep, reader, writer, self.conn_lost)
+        self.conn = StreamConn(self.shard, ep, reader, writer, self.watch_loss)
         log.debug("shard %d: connection to %s:%d", self.shard, ep.host, ep.port)
         return self.conn
 
