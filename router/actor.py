@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ray
 
@@ -116,10 +116,13 @@ def start_router(num_shards: int, config: RouterConfig | None = None, *, name: s
 
 
 def revive_routers(handles: list, num_shards: int, config: RouterConfig, *, namespace: str,
-                   lifetime: str | None = None, shard_names: Sequence[str] = (), timeout_s: float = 30.0) -> list[int]:
+                   lifetime: str | None = None, shard_names: Sequence[str] = (), timeout_s: float = 30.0,
+                   stopped: Callable[[], bool] = lambda: False) -> list[int]:
     """Start again each router replica that is dead for good (ActorDiedError: killed without restart, or its
     restarts spent), under its name, in place in `handles`; the replicas revived. A replica Ray is restarting is
-    left to Ray. The clients find a revived replica by its name (RouterReplicas probes) and give it its share back."""
+    left to Ray; so is every dead one once `stopped()` is true, asked after its death was seen (the service was
+    stopped on purpose and marked so before the kill). The clients find a revived replica by its name
+    (RouterReplicas probes) and give it its share back."""
     refs = {r: h.config.remote() for r, h in enumerate(handles)}
     revived = []
     for r, ref in refs.items():
@@ -130,6 +133,8 @@ def revive_routers(handles: list, num_shards: int, config: RouterConfig, *, name
             pass
         except ray.exceptions.RayError:  # restarting or slow: Ray brings it back, or the next look decides
             continue
+        if stopped():
+            return revived
         name = replica_name(ROUTER_NAME, r)
         deadline = time.monotonic() + timeout_s
         while True:  # the dead actor's name is released shortly after its death

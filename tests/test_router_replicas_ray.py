@@ -14,8 +14,9 @@ import ray
 from flame_llm import SamplingParams
 from flame_llm.protocol.routing_key import Completion, RouteItem, prefix_chain
 from flame_llm.serving.client import Client
-from flame_llm.serving.ray_attach import find_service
+from flame_llm.serving.ray_attach import find_service, mark_stop, stop_requested
 from flame_llm.serving.service import start_service
+from flame_llm.serving.service import stop as stop_service
 from flame_llm.serving.service_config import ServiceConfig
 from router.policy import RouterConfig
 from router.replica_client import Charge, RouterReplicas
@@ -224,5 +225,17 @@ def test_one_replica_service_runs_one_router_under_its_old_name(tiny_llama, serv
             res = c.generate([d + [3] for d in _docs(3, 4)], SamplingParams(temperature=0.0, max_tokens=2))
             assert [r.error for r in res] == [None] * 4
         assert one.supervise()[2] == []
+        assert one.running()
+        # flame-llm stop (service.stop): the serve process's supervisor must not start the killed router again
+        # (it once did when its look fell just after the kill, and that serve then never exited)
+        assert stop_service("test-router-replicas-one") == 2
+        assert stop_requested("test-router-replicas-one")
+        assert one.supervise() == ([], [], []) and one.replace_lost_routers() == []
+        assert not one.running()
+        names = {n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                 if n["namespace"] == "test-router-replicas-one"}
+        assert not any(n.startswith("flame-") for n in names), names
     finally:
         one.stop(timeout_s=10)
+    mark_stop("test-router-replicas-one", stopping=False)
+    assert not stop_requested("test-router-replicas-one")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SHARD_PREFIX = "flame-shard-"  # an engine actor's name: this and its shard number
+STOP_KEY = b"flame-llm-stop"  # the stop mark's key in Ray's key-value store, one per namespace (mark_stop)
 TOKEN_PATH = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
 
 
@@ -133,6 +134,25 @@ def resolve_namespace(namespace: str | None) -> str:
     if len(found) == 1:
         return found[0]
     raise RuntimeError(f"services run in several Ray namespaces ({', '.join(found)}); name one with --namespace")
+
+
+def mark_stop(namespace: str, stopping: bool = True) -> None:
+    """Set (or clear) the service's stop mark in Ray's key-value store: `flame-llm stop` sets it before it kills
+    anything, so the serve process's supervisor, which would otherwise start a router the stop killed again (a
+    dead replica looks like a crash to it), leaves the service down and exits."""
+    from ray.experimental import internal_kv
+
+    if stopping:
+        internal_kv._internal_kv_put(STOP_KEY, b"1", overwrite=True, namespace=namespace)
+    else:
+        internal_kv._internal_kv_del(STOP_KEY, namespace=namespace)
+
+
+def stop_requested(namespace: str) -> bool:
+    """True once `flame-llm stop` marked the service in `namespace` (mark_stop)."""
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_exists(STOP_KEY, namespace=namespace)
 
 
 def find_service(namespace: str | None = None) -> tuple[list[ray.actor.ActorHandle], dict[int, ray.actor.ActorHandle]]:

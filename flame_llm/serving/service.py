@@ -16,7 +16,15 @@ from actors.liveness import LIVE_TIMEOUT_S
 from actors.pinning import NodeGPUs, ShardPlacement, local_gpu_uuids, plan_shards, replacement_placement
 from flame_llm.protocol.types import ShardHealth
 from flame_llm.serving.preflight import check_cpu_memory
-from flame_llm.serving.ray_attach import SHARD_PREFIX, find_service, init_ray, resolve_namespace, running_local_address
+from flame_llm.serving.ray_attach import (
+    SHARD_PREFIX,
+    find_service,
+    init_ray,
+    mark_stop,
+    resolve_namespace,
+    running_local_address,
+    stop_requested,
+)
 from flame_llm.serving.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -44,15 +52,20 @@ class Service:
 
     def supervise(self) -> tuple[list[int], list[int], list[int]]:
         """One look of `flame-llm serve`'s supervisor: (shards replaced because their node is gone, shards
-        restarted because they were unhealthy, router replicas started again because they were dead)."""
+        restarted because they were unhealthy, router replicas started again because they were dead). Nothing
+        once the service was stopped (flame-llm stop): its actors are dead on purpose."""
+        if stop_requested(self.cfg.ray.namespace):
+            return [], [], []
         return self.replace_lost_shards(), self.replace_unhealthy_shards(), self.replace_lost_routers()
 
     def replace_lost_routers(self) -> list[int]:
         """Start again each router replica that is dead for good (router/actor.py revive_routers)."""
         from router.actor import revive_routers
 
-        return revive_routers(self.routers, len(self.placements), self.cfg.router, namespace=self.cfg.ray.namespace,
-                              lifetime=self.lifetime, shard_names=[f"{SHARD_PREFIX}{p.shard}" for p in self.placements])
+        ns = self.cfg.ray.namespace
+        return revive_routers(self.routers, len(self.placements), self.cfg.router, namespace=ns,
+                              lifetime=self.lifetime, shard_names=[f"{SHARD_PREFIX}{p.shard}" for p in self.placements],
+                              stopped=lambda: stop_requested(ns))
 
     def replace_unhealthy_shards(self, probe_timeout_s: float = LIVE_TIMEOUT_S) -> list[int]:
         """Restart each shard whose serving loop is wedged or whose process is out of file descriptors (its `live`
@@ -133,6 +146,8 @@ class Service:
     def running(self) -> bool:
         """False once the service's actors were stopped (flame-llm stop) or are gone with their cluster."""
         try:
+            if stop_requested(self.cfg.ray.namespace):
+                return False
             names = {n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
                      if n["namespace"] == self.cfg.ray.namespace}
         except Exception:  # noqa: BLE001 - the cluster itself is gone
@@ -192,6 +207,7 @@ def start_service(cfg: ServiceConfig, detached: bool = False, source: str = "the
         if name["namespace"] == ns and name["name"].startswith(SHARD_PREFIX):
             raise RuntimeError(f"namespace {ns!r} already runs a service ({name['name']}); stop it first "
                                "or choose another namespace")
+    mark_stop(ns, stopping=False)  # a stop mark left by the last service in this namespace
     from router.actor import start_routers
     routers = start_routers(len(placements), cfg.router, namespace=ns, lifetime=lifetime,
                             shard_names=[f"{SHARD_PREFIX}{p.shard}" for p in placements])
@@ -264,6 +280,8 @@ def stop_actors(actors: list, routers: list, timeout_s: float = 30.0) -> None:
 def stop(namespace: str | None = None) -> int:
     """Stop the service in `namespace`; the number of engine actors stopped. The `flame-llm serve` that started
     it sees its router gone and exits (with the local Ray it started)."""
+    namespace = resolve_namespace(namespace)
     routers, actors = find_service(namespace)
+    mark_stop(namespace)  # before any kill: a supervisor that sees a dead router then leaves it dead
     stop_actors(list(actors.values()), routers)
     return len(actors)
