@@ -216,27 +216,69 @@ case $stage in
     fi ;;
   sleep)  # hold the warm machine (and its unpacked /tmp) while a fix is made here
     sleep "${1:-60}" ;;
-  external)  # issue 41: `vllm bench serve` unchanged against our serve-http, then against `vllm serve`, one after the
-    # other on one GPU, MODEL (default the 8B dummy-weight llama config) with the embedded tiny BPE as both servers'
-    # tokenizer (no HF tokenizer is on the device); flags after it go to bench.load.external_clients, e.g.
+  external)  # issue 41: `vllm bench serve` unchanged against each of DOORS in turn, on one GPU: serve-http (our engine
+    # alone), serve (`flame-llm serve`: local Ray, one engine actor per GPU, the front door actor) and vllm (`vllm
+    # serve`); DOORS defaults to serve-http,vllm, e.g. DOORS=serve-http,serve,vllm for both of ours beside vLLM's.
+    # MODEL (default the 8B dummy-weight llama config, dummy weights) with the embedded tiny BPE as every server's
+    # tokenizer (no HF tokenizer is on the device); SERVICE_JSON: fields merged into serve's service config (e.g.
+    # placement for a CPU run); ports EXTERNAL_PORT (8101), +1 (vllm), +2 (serve). Flags after it go to
+    # bench.load.external_clients, e.g.
     # `bg external --num-prompts 200 --input-len 1024 --output-len 256 --rate 4 --rate 8 --rate 16 --rate inf`
     model=${MODEL:-configs/models/llama-3.1-8b} seqs=${MAX_NUM_SEQS:-256} len=${MAX_MODEL_LEN:-4096}
+    doors=${DOORS:-serve-http,vllm} port=${EXTERNAL_PORT:-8101} vsite=${VLLM_SITE:-/tmp/vsite/site}
+    for door in ${doors//,/ }; do
+      [[ $door =~ ^(serve-http|serve|vllm)$ ]] || { echo "unknown door $door in DOORS (serve-http, serve, vllm)"; exit 2; }
+    done
     tok=$(python3 -c 'from flame_llm.models.tokenizer import tokenizer_dir; print(tokenizer_dir("", "tiny"))') || exit 1
-    up() { for _ in $(seq 900); do curl -sf "$1/health" > /dev/null && return 0; sleep 1; done; return 1; }
+    up() {  # $1 answers /health (900 s at most), while the server $2 runs
+      for _ in $(seq 900); do
+        curl -sf "$1/health" > /dev/null && return 0
+        kill -0 "$2" 2>/dev/null || { echo "the server at $1 exited before it answered"; return 1; }
+        sleep 1
+      done
+      return 1; }
     clients() { timeout "${EXTERNAL_TIMEOUT:-1500}" python3 -m bench.load.external_clients --client vllm --target "$1" \
-      --tokenizer "$tok" --vllm-site /tmp/vsite/site --out "$OUT/external" "${@:2}" 2>&1 | tail -20; }
-    setsid python3 -m flame_llm.serving.http_server --model "$model" --load-format dummy --tokenizer "$tok" \
-      --port 8101 --engine-json "{\"max_model_len\": $len, \"max_num_seqs\": $seqs}" > "$OUT/flame-server.log" 2>&1 &
-    pid=$!
-    up http://127.0.0.1:8101 && clients http://127.0.0.1:8101 "$@"
-    kill -- -$pid; wait $pid
-    PYTHONPATH=/tmp/vsite/site:$PYTHONPATH setsid /tmp/vsite/site/bin/vllm serve "$model" --load-format dummy \
-      --tokenizer "$tok" --port 8102 --max-model-len "$len" --max-num-seqs "$seqs" --enable-prefix-caching \
-      --seed 0 > "$OUT/vllm-server.log" 2>&1 &
-    pid=$!
-    up http://127.0.0.1:8102 && clients http://127.0.0.1:8102 "$@"
-    kill -- -$pid; wait $pid
-    cat "$OUT/external/summary.jsonl" ;;
+      --tokenizer "$tok" --vllm-site "$vsite" --out "$OUT/external" "${@:2}" 2>&1 | tail -20; }
+    rc=0
+    for door in ${doors//,/ }; do
+      case $door in
+        serve-http)
+          url=http://127.0.0.1:$port
+          setsid python3 -m flame_llm.serving.http_server --model "$model" --load-format dummy --tokenizer "$tok" \
+            --port "$port" --engine-json "{\"max_model_len\": $len, \"max_num_seqs\": $seqs}" \
+            > "$OUT/flame-server.log" 2>&1 & ;;
+        serve)
+          url=http://127.0.0.1:$((port + 2))
+          python3 -c 'import json, sys, yaml
+cfg = {"model": sys.argv[1], "tokenizer": sys.argv[2], "engine": {"load_format": "dummy", "max_model_len": int(
+    sys.argv[3]), "max_num_seqs": int(sys.argv[4])}, "ray": {"namespace": "flame-external"}}
+for k, v in json.loads(sys.argv[5]).items():
+    cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
+yaml.safe_dump(cfg, open(sys.argv[6], "w"))' "$model" "$tok" "$len" "$seqs" "${SERVICE_JSON:-{\}}" \
+            "$OUT/external-service.yaml" || exit 1
+          setsid python3 -m flame_llm.cli serve --config "$OUT/external-service.yaml" --host 127.0.0.1 \
+            --http-port $((port + 2)) > "$OUT/flame-service.log" 2>&1 & ;;
+        vllm)
+          url=http://127.0.0.1:$((port + 1))
+          PYTHONPATH=$vsite:$PYTHONPATH setsid "$vsite/bin/vllm" serve "$model" --load-format dummy \
+            --tokenizer "$tok" --port $((port + 1)) --max-model-len "$len" --max-num-seqs "$seqs" \
+            --enable-prefix-caching --seed 0 > "$OUT/vllm-server.log" 2>&1 & ;;
+      esac
+      pid=$!
+      if up "$url" "$pid"; then clients "$url" "$@" || rc=1; else echo "$door did not come up"; rc=1; fi
+      # serve stops its shards and the Ray it started on SIGTERM: give it the time, then end what is left
+      kill "$pid" 2>/dev/null
+      for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      kill -- -"$pid" 2>/dev/null; wait "$pid"
+    done
+    cat "$OUT/external/summary.jsonl" || rc=1
+    # a run with a failed request, or one our /metrics did not count, fails the stage
+    python3 -c 'import json, sys
+bad = [r for r in map(json.loads, open(sys.argv[1])) if r["failed"] or r["server_not_ok"]
+       or r["server_answered_200"] not in (None, r["completed"])]
+print(f"{len(bad)} run(s) with failed requests or a count our /metrics disagrees with" if bad else "every run ok")
+sys.exit(1 if bad else 0)' "$OUT/external/summary.jsonl" || rc=1
+    (exit $rc) ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 rc=$?

@@ -79,8 +79,9 @@ def serve(args) -> int:
           f"router policy {cfg.router.policy}; ray address: {ray.get_runtime_context().gcs_address}")
     print_placement(svc.health)
     if address:
-        print(f"listening on {address} (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, "
-              f"/metrics{'; bearer token required' if http.api_key or http.api_key_file else ''})")
+        keyed = "; bearer token required" if http.api_key or http.api_key_file else ""
+        print(f"listening on {address} (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+              f"/detokenize, /health, /metrics{keyed})")
     if os.environ.get("RAY_AUTH_MODE") == "token":  # Ray turned token auth on for the cluster it started
         print("other processes connect with RAY_AUTH_MODE=token set (Ray's token file is ~/.ray/auth_token; "
               "flame-llm sets it when that file exists)")

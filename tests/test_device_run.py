@@ -3,16 +3,21 @@ flash-attn are missing, which the script only prints): a stage started with `bg`
 its own after the call returns and its process group is killed (as the device tool does); `wait` holds the call
 until it ends and brings back its $OUT, or, while it still runs, its $OUT so far and what RDIR holds."""
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import tarfile
 import time
+import urllib.request
+
+import pytest
+from servers import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+def _run(tmp_path, *args: str, timeout_s: float = 120, **env: str) -> subprocess.CompletedProcess:
     out = tmp_path / f"out{time.monotonic_ns()}"
     out.mkdir()
     # CACHES_IN: not the checkout's own .caches/, which holds a real session's caches where one was kept
@@ -20,7 +25,7 @@ def _run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
             **env}
     proc = subprocess.Popen(["bash", "bench/device_run.sh", *args], cwd=REPO, env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=timeout_s)
     with contextlib.suppress(ProcessLookupError):  # as the device tool ends what a call leaves in its group
         os.killpg(proc.pid, signal.SIGKILL)
     p = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -118,3 +123,37 @@ def test_a_damaged_cache_part_is_reported_and_the_stage_still_runs_cold(tmp_path
              CACHES_IN=str(carried))
     assert "caches not restored" in p.stdout and "STAGE-RAN" in p.stdout, p.stdout + p.stderr
     assert not (root / ".caches-restored").exists()
+
+
+def test_the_external_stage_refuses_an_unknown_door_before_it_starts_a_server(tmp_path):
+    p = _run(tmp_path, "external", DOORS="serve-http,sglang")
+    assert p.returncode == 2 and "unknown door sglang in DOORS (serve-http, serve, vllm)" in p.stdout, p.stdout
+    assert not list(p.out.iterdir())  # no server was started, no log written
+
+
+@pytest.mark.serial
+@pytest.mark.slow
+def test_the_external_stage_measures_both_front_doors(tmp_path):
+    """`DOORS=serve-http,serve bash bench/device_run.sh external` as on the GPU, with the tiny model on CPU (vLLM's
+    client from .ci/run's unpacked wheel): vLLM's client against serve-http, then against `flame-llm serve` (two
+    Ray shards), each run's record with zero failed and our /metrics agreeing; the servers are gone after it."""
+    site = os.path.join(os.path.expanduser("~"), ".cache", "flame_llm", "vllm-bench-site")
+    if not os.path.isdir(os.path.join(site, "vllm")):
+        pytest.skip(f"vLLM's bench client is not unpacked at {site} (.ci/run does it)")
+    port = free_port()
+    service = {"placement": {"num_shards": 2, "cpu_per_shard": 0.5}, "shard": {"torch_threads": 1},
+               "ray": {"num_cpus": 2}, "engine": {"cpu_kvcache_gib": 0.0625}}
+    p = _run(tmp_path, "external", "--num-prompts", "4", "--rate", "inf", timeout_s=540, MODEL="tiny",
+             DOORS="serve-http,serve", MAX_MODEL_LEN="512", MAX_NUM_SEQS="16", EXTERNAL_PORT=str(port),
+             VLLM_SITE=site, SERVICE_JSON=json.dumps(service))
+    assert p.returncode == 0 and "every run ok" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(p.out / "external" / "summary.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["target"] for r in records] == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 2}"]
+    for r in records:
+        assert r["client"] == "vllm" and r["rate"] == "inf" and r["completed"] == 4 and r["failed"] == 0, r
+        assert r["server_answered_200"] == 4 and r["server_not_ok"] == {}, r
+    assert "listening on" in (p.out / "flame-service.log").read_text()  # the serve door's own log came back
+    for url in (r["target"] for r in records):  # both servers were stopped
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{url}/health", timeout=2)

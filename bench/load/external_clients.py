@@ -1,8 +1,9 @@
 """Clients we did not write against OpenAI servers (issue 41): `vllm bench serve` (vLLM's benchmark client) and
 guidellm, run unchanged, against flame's front door (`flame-llm serve` / `serve-http`) and `vllm serve` in one
 call. Each run's own counters (completed / failed) and medians and p99s are read from the client's result file;
-for a flame target, /metrics's `flame_http_requests_total` (status 200 on /v1/*) before and after says how many
-requests the server answered, to set beside the client's count.
+for a flame target, /metrics's `flame_http_requests_total` before and after says how many requests the server
+answered (status 200 on POST /v1/*), to set beside the client's count, and what it refused (any status not 2xx, on
+any route: where a client trips on the API).
 
     python3 -m bench.load.external_clients --client vllm --client guidellm --target http://127.0.0.1:8000 \\
         --target http://127.0.0.1:8001 --tokenizer DIR --num-prompts 200 --input-len 1024 --output-len 256 \\
@@ -34,8 +35,8 @@ VLLM_MAIN = ("import sys\nfrom vllm.utils.argparse_utils import FlexibleArgument
              "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
 
 
-def flame_answered(target: str) -> int | None:
-    """POST /v1/* requests the flame server at `target` answered with 200 (None: not a flame server)."""
+def flame_requests(target: str) -> dict[tuple[str, str, str], int] | None:
+    """The flame server's answered HTTP requests by (route, method, status), from /metrics (None: not flame's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -43,13 +44,25 @@ def flame_answered(target: str) -> int | None:
             text = r.read().decode()
     except OSError:
         return None
-    total, seen = 0, False
+    counts, seen = {}, False
     for fam in text_string_to_metric_families(text):
         if fam.name == "flame_http_requests":
             seen = True
-            total += sum(int(s.value) for s in fam.samples if s.name.endswith("_total") and s.labels["status"] == "200"
-                         and s.labels["method"] == "POST" and s.labels["route"].startswith("/v1/"))
-    return total if seen else None
+            counts.update({(s.labels["route"], s.labels["method"], s.labels["status"]): int(s.value)
+                           for s in fam.samples if s.name.endswith("_total")})
+    return counts if seen else None
+
+
+def server_counts(before: dict | None, after: dict | None) -> dict:
+    """What the server answered between two flame_requests: POST /v1/* with 200 (the client's requests), and any
+    route with a status that is not 2xx (a client that trips on the API: a 404 for a route it asks for, a 400)."""
+    if before is None or after is None:
+        return {"server_answered_200": None, "server_not_ok": None}
+    delta = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    return {"server_answered_200": sum(n for (route, method, status), n in delta.items()
+                                       if route.startswith("/v1/") and method == "POST" and status == "200"),
+            "server_not_ok": {f"{method} {route} {status}": n for (route, method, status), n in sorted(delta.items())
+                              if not status.startswith("2")}}
 
 
 def served_model(target: str) -> str:
@@ -65,28 +78,45 @@ def vllm_command(vllm_site: str | None) -> tuple[list[str], dict]:
     return [sys.executable, "-c", VLLM_MAIN], {"PYTHONPATH": path}
 
 
-def run_vllm(a: argparse.Namespace, target: str, model: str, rate: float, out: str) -> dict:
-    cmd, env = vllm_command(a.vllm_site)
-    cmd += ["--backend", "openai", "--base-url", target, "--model", model, "--tokenizer", a.tokenizer,
+def vllm_argv(a: argparse.Namespace, target: str, model: str, rate: float, out: str) -> list[str]:
+    """`vllm bench serve`'s flags (rate inf: every request at once, or --max-concurrency at a time)."""
+    argv = ["--backend", "openai", "--base-url", target, "--model", model, "--tokenizer", a.tokenizer,
             "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
             str(a.output_len), "--num-prompts", str(a.num_prompts), "--request-rate", str(rate), "--ignore-eos",
             "--seed", str(a.seed), "--save-result", "--result-dir", out]
-    _run(cmd, env, a.timeout_s, out)
+    return argv + (["--max-concurrency", str(a.max_concurrency)] if a.max_concurrency else [])
+
+
+def run_vllm(a: argparse.Namespace, target: str, model: str, rate: float, out: str) -> dict:
+    cmd, env = vllm_command(a.vllm_site)
+    _run(cmd + vllm_argv(a, target, model, rate, out), env, a.timeout_s, out)
     r = json.load(open(max(glob.glob(os.path.join(out, "*.json")), key=os.path.getmtime)))
     keys = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
     return {"completed": r["completed"], "failed": r["failed"], "req_per_s": r["request_throughput"],
             "output_tok_per_s": r["output_throughput"], **{k: r[k] for k in keys}}
 
 
+def guidellm_profile(rate: float, num_prompts: int, max_concurrency: int | None) -> str:
+    """guidellm's --profile for a rate. inf is its throughput profile, which needs max_concurrency (0.8.1 refuses
+    it without one: "Field required (at 'profile.throughput.max_concurrency')"): --max-concurrency, else every
+    prompt at once, as vLLM's client sends at rate inf."""
+    if math.isinf(rate):
+        return f"kind=throughput,max_concurrency={max_concurrency or num_prompts}"
+    return f"kind=constant,rate={rate:g}" + (f",max_concurrency={max_concurrency}" if max_concurrency else "")
+
+
+def guidellm_argv(a: argparse.Namespace, target: str, model: str, rate: float, path: str) -> list[str]:
+    return ["run", "--backend", f"kind=openai_http,target={target},model={model}", "--profile",
+            guidellm_profile(rate, a.num_prompts, a.max_concurrency), "--constraint",
+            f"kind=max_requests,count={a.num_prompts}", "--tokenizer", f"kind=huggingface_auto,model={a.tokenizer}",
+            "--data", f"kind=synthetic_text,prompt_tokens={a.input_len},output_tokens={a.output_len}", "--output",
+            f"kind=json,path={path}", "--disable-console-interactive"]
+
+
 def run_guidellm(a: argparse.Namespace, target: str, model: str, rate: float, out: str) -> dict:
     exe = a.guidellm or shutil.which("guidellm") or GUIDELLM_VENV
-    profile = "kind=throughput" if math.isinf(rate) else f"kind=constant,rate={rate:g}"
     path = os.path.join(out, "guidellm.json")
-    _run([exe, "run", "--backend", f"kind=openai_http,target={target},model={model}", "--profile", profile,
-          "--constraint", f"kind=max_requests,count={a.num_prompts}", "--tokenizer",
-          f"kind=huggingface_auto,model={a.tokenizer}", "--data",
-          f"kind=synthetic_text,prompt_tokens={a.input_len},output_tokens={a.output_len}", "--output",
-          f"kind=json,path={path}", "--disable-console-interactive"], {}, a.timeout_s, out)
+    _run([exe, *guidellm_argv(a, target, model, rate, path)], {}, a.timeout_s, out)
     m = json.load(open(path))["benchmarks"][0]["metrics"]
     totals = m["request_totals"]
 
@@ -117,11 +147,12 @@ def run(a: argparse.Namespace) -> list[dict]:
             for rate in a.rate:
                 out = os.path.join(a.out, f"{client}-{target.split('//')[-1].replace(':', '_')}-rate{rate:g}")
                 os.makedirs(out, exist_ok=True)
-                before = flame_answered(target)
+                before = flame_requests(target)
                 rec = (run_vllm if client == "vllm" else run_guidellm)(a, target, model, rate, out)
-                after = flame_answered(target)
-                rec = {"client": client, "target": target, "model": model, "rate": rate, **rec,
-                       "server_answered_200": None if before is None or after is None else after - before}
+                after = flame_requests(target)
+                # rate inf as "inf": json.dumps would write Infinity, which strict JSON readers (jq) refuse
+                rec = {"client": client, "target": target, "model": model,
+                       "rate": "inf" if math.isinf(rate) else rate, **rec, **server_counts(before, after)}
                 log.info("%s", json.dumps(rec))
                 with open(os.path.join(a.out, "summary.jsonl"), "a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -139,6 +170,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--rate", action="append", type=float, help="requests/s, repeatable; inf: as fast as it can")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at most (vLLM's --max-concurrency; guidellm's max_concurrency; unset: "
+                        "no bound, and at rate inf guidellm's throughput profile runs num-prompts at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-site", default=None, help="vLLM's wheel unpacked (without `vllm` installed)")
     p.add_argument("--guidellm", default=None, help="the guidellm executable")

@@ -1,11 +1,11 @@
-"""The HTTP server both front doors run (aiohttp): the OpenAI routes over a backend, server-sent events, errors
-as OpenAI error objects (404, 405, 413 and 500 too), an optional bearer token, and the hardening a public port
-needs: a connection that has not sent a whole request head within header_timeout_s is closed, a body must
-arrive within body_timeout_s (else 408), a Content-Length over max_body_bytes is refused before the body is
-read (413), JSON nested too deep is a 400, a text prompt longer than could fit in max_model_len is a 400 before
-it is tokenized, and text is tokenized off the event loop (one bounded pool), so a large prompt holds up no other
-request. A client that disconnects cancels its handler, which aborts its
-requests on the engines.
+"""The HTTP server both front doors run (aiohttp): the OpenAI routes over a backend, server-sent events, vLLM's
+/tokenize and /detokenize, errors as OpenAI error objects (404, 405, 413 and 500 too), an optional bearer token,
+and the hardening a public port needs: a connection that has not sent a whole request head within
+header_timeout_s is closed, a body must arrive within body_timeout_s (else 408), a Content-Length over
+max_body_bytes is refused before the body is read (413), JSON nested too deep is a 400, a text prompt longer than
+could fit in max_model_len is a 400 before it is tokenized, and text is tokenized off the event loop (one bounded
+pool), so a large prompt holds up no other request. A client that disconnects cancels its handler, which aborts
+its requests on the engines.
 
 A backend is any object with: `limits` (EngineLimits), `tokenizer` (or None), `model_names` (served name
 first), `async generate(prompts, sampling) -> [result dict]`, `stream(prompt, sampling)` (an async iterator of
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from flame_llm.serving import openai_api as api
+from flame_llm.serving import openai_tokenize
 from flame_llm.serving.http_auth import Keys, caller_of, exposure_warning
 from flame_llm.serving.http_stream import collect, stream_events
 from flame_llm.serving.metrics import HttpMetrics
@@ -167,6 +168,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _openai(request, "chat")
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize (vllm bench serve checks its tokenizer against the server's with it): off the loop."""
+    backend = request.app[BACKEND]
+    body = await read_json(request)
+    out = await asyncio.get_running_loop().run_in_executor(
+        request.app[TOKENIZE], openai_tokenize.tokenize, body, backend.tokenizer, backend.limits,
+        request.app[LIMITS].max_text_chars, backend.model_names)
+    return web.json_response(out)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    backend = request.app[BACKEND]
+    body = await read_json(request)
+    out = await asyncio.get_running_loop().run_in_executor(
+        request.app[TOKENIZE], openai_tokenize.detokenize, body, backend.tokenizer, backend.limits,
+        request.app[LIMITS].max_tokens, backend.model_names)
+    return web.json_response(out)
+
+
 async def models(request: web.Request) -> web.Response:
     backend = request.app[BACKEND]
     return web.json_response({"object": "list", "data": [
@@ -216,6 +236,8 @@ def build_app(backend, cfg: HttpConfig, observe=None) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

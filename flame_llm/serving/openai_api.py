@@ -28,7 +28,7 @@ from flame_llm.sampling_params import SamplingParams
 # the errors and the prompt parsing live beside this module; ApiError, STATUS_CODES and result_error stay
 # importable from here (the front doors use api.ApiError)
 from flame_llm.serving.openai_errors import STATUS_CODES as STATUS_CODES
-from flame_llm.serving.openai_errors import ApiError, short
+from flame_llm.serving.openai_errors import ApiError, check_model, short
 from flame_llm.serving.openai_errors import result_error as result_error
 from flame_llm.serving.openai_prompts import chat_prompt, completion_prompts, stop_strings
 from flame_llm.serving.openai_prompts import has_text as has_text
@@ -91,10 +91,7 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
                                     for v in off):
             raise ApiError(400, f"field {name!r} is not supported (accepted only as "
                                 f"{' or '.join(json.dumps(v) for v in off)}); got {short(body[name])}", name)
-    model = body.get("model")
-    if model is not None and model_names and model not in model_names:
-        raise ApiError(404, f"the model {short(model)} does not exist; this server serves {model_names[0]!r}",
-                       "model", code="model_not_found")
+    check_model(body.get("model"), model_names)
     if kind == "completion":
         if "prompt" not in body:
             raise ApiError(400, "field 'prompt' is required", "prompt")

@@ -40,6 +40,13 @@ def short(v: object, width: int = 60) -> str:
     return s if len(s) <= width else s[:width] + "..."
 
 
+def check_model(model: object, model_names: tuple[str, ...]) -> None:
+    """A 404 when a body's `model` names a model this server does not serve (absent or null: the served one)."""
+    if model is not None and model_names and model not in model_names:
+        raise ApiError(404, f"the model {short(model)} does not exist; this server serves {model_names[0]!r}",
+                       "model", code="model_not_found")
+
+
 def result_error(r: dict) -> ApiError:
     """The HTTP error for a failed result: 503 for a passing failure (retryable), 400 for the request's own fault,
     else 500."""
