@@ -279,12 +279,13 @@ class EngineActor:
                 "engine": self.engine.stats()}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    def kv_events(self, epoch: int, after_seq: int) -> list[KvEventBatch]:
-        """The prefix-cache event batches after a reader's cursor, or one snapshot (flame_llm/protocol/kv_events.py).
-        ValueError unless the engine runs with enable_kv_events."""
+    def kv_events(self, epoch: int, after_seq: int, with_load: bool = False) -> list[KvEventBatch]:
+        """The prefix-cache event batches after a reader's cursor, or one snapshot (flame_llm/protocol/kv_events.py);
+        with_load (router.load_view 'engines'): the last one carries this shard's load, its waiting and running
+        requests' (ShardLoad). ValueError unless the engine runs with enable_kv_events."""
         if getattr(self, "kv_log", None) is None:
-            self.kv_log = KvEventLog(self.shard, self.engine.block_manager)
-        return self.kv_log.read(epoch, after_seq)
+            self.kv_log = KvEventLog(self.shard, self.engine.block_manager, sequences=self.engine.sequences)
+        return self.kv_log.read(epoch, after_seq, with_load)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def drain(self, timeout_s: float = 60.0) -> bool:

@@ -2,7 +2,9 @@
 (EngineActor.kv_events, after the router's cursor for that shard) every poll interval and applies them to the
 policy under the actor's lock. A shard's log answers a cursor it cannot continue (a restarted router: no cursor;
 a restarted engine: another epoch; batches no longer kept) with a snapshot, so a pull never leaves a gap. A shard
-not found yet (starting) or dead (restarting) is skipped and asked again next round."""
+not found yet (starting) or dead (restarting) is skipped and asked again next round. With router.load_view 'engines'
+each pull asks for the shard's load too (kv_events with_load), which the policy applies by its stamp (epoch, seq):
+a report older than the last applied is ignored. Otherwise the pull is what it was before loads existed."""
 from __future__ import annotations
 
 import logging
@@ -23,8 +25,9 @@ class EventFeed:
         assert policy.holdings is not None and len(shard_names) == policy.num_shards
         self.policy, self.lock, self.names, self.namespace = policy, lock, list(shard_names), namespace
         self.interval_s = interval_s
+        self.with_load = policy.view is not None and policy.view.mode == "engines"
         self.handles: list = [None] * len(shard_names)
-        self.counters = {"polls": 0, "batches": 0, "snapshots": 0, "pull_errors": 0}
+        self.counters = {"polls": 0, "batches": 0, "snapshots": 0, "pull_errors": 0, "loads": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-event-feed", daemon=True)
 
@@ -52,7 +55,8 @@ class EventFeed:
                 except ValueError:
                     continue  # not created yet
             cur = self.policy.holdings.cursor[s] or (0, 0)
-            refs[s] = self.handles[s].kv_events.remote(*cur)
+            method = self.handles[s].kv_events
+            refs[s] = method.remote(*cur, with_load=True) if self.with_load else method.remote(*cur)
         for s, ref in refs.items():
             try:
                 batches = ray.get(ref, timeout=PULL_TIMEOUT_S)
@@ -66,5 +70,6 @@ class EventFeed:
                 gaps = self.policy.apply_events(batches)
             self.counters["batches"] += len(batches)
             self.counters["snapshots"] += sum(b.reset for b in batches)
+            self.counters["loads"] += sum(b.load is not None for b in batches)
             if gaps:  # cannot come from one read; forget the cursor so the next pull is a snapshot
                 self.policy.holdings.cursor[s] = None

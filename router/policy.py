@@ -243,7 +243,7 @@ class RouterPolicy:
         if self.view is not None and self.view.mode == "engines":
             for b in batches:
                 if b.load is not None:  # a load report stands alone (its stamp orders it), gap or not
-                    self.view.report(b.shard, (b.epoch, b.seq), b.load)
+                    self.apply_load(b.shard, (b.epoch, b.seq), b.load)
         return gaps
 
     def apply_load(self, shard: int, stamp: tuple[int, int], load: ShardLoad) -> bool:
@@ -334,4 +334,6 @@ class RouterPolicy:
         return {"policy": self.policy, "num_shards": self.num_shards, "spill_factor": self.spill_factor,
                 "entries": len(self._owner) + len(self._recent), "max_entries": self.max_entries,
                 "counters": dict(self.counters),
-                "shards": shards, **({"holdings": self.holdings.stats()} if self.holdings is not None else {})}
+                "shards": shards, **({"holdings": self.holdings.stats()} if self.holdings is not None else {}),
+                **({"view": {"mode": self.view.mode, "load": list(self.view.load), **self.view.counters}}
+                   if self.view is not None else {})}

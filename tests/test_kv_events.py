@@ -7,8 +7,8 @@ from flame_llm import LLM, SamplingParams
 from flame_llm.engine.block_manager import BlockManager
 from flame_llm.engine.sequence import Sequence
 from flame_llm.prefix import revision_seed
-from flame_llm.protocol.kv_events import KvEventBatch, KvEventLog
-from flame_llm.protocol.routing_key import prefix_chain
+from flame_llm.protocol.kv_events import KvEventBatch, KvEventLog, ShardLoad, shard_load
+from flame_llm.protocol.routing_key import estimate_prefill_work, prefix_chain
 
 BS = 16
 rng = np.random.default_rng(42)
@@ -152,3 +152,105 @@ def test_an_undrained_record_is_bounded_and_becomes_a_snapshot(monkeypatch):
     assert len(bm.kv_events) <= 6
     b = log.cut()
     assert b.reset and set(b.stored) == set(bm.hash_to_block_id) and len(b.stored) == 12
+
+
+# ---- the shard's load with its events (router.load_view 'engines') ---------------------------------------------------
+def _log_ops(log: KvEventLog, bm: BlockManager) -> list:
+    """One fixed run of cache changes and reads; what each read returned (epochs left out)."""
+    out = []
+    a = seq_of(range(48))
+    prefill(bm, a)
+    out.append(log.read(0, 0))
+    out.append(log.read(log.epoch, 1))  # nothing changed
+    bm.deallocate(a)
+    prefill(bm, seq_of(range(100, 148)))
+    out.append(log.read(log.epoch, 1))
+    out.append(log.read(log.epoch, 2))
+    return [[(b.seq, b.stored, b.removed, b.reset, b.load) for b in r] for r in out]
+
+
+def test_a_log_with_a_load_source_reads_as_before_without_load():
+    """The flag off (load_view 'own', 'peers'): a log given the scheduler's sequences but read without with_load
+    answers exactly as one without a source (no extra batches, no load)."""
+    seqs = [seq_of(range(40))]
+    runs = []
+    for source in (None, lambda: seqs):
+        bm = BlockManager(8, BS, enable_kv_events=True)
+        runs.append(_log_ops(KvEventLog(3, bm, sequences=source), bm))
+    assert runs[0] == runs[1]
+    assert runs[0][1] == [] and runs[0][3] == [] and all(b[4] is None for r in runs[0] for b in r)
+
+
+def test_read_with_load_cuts_a_batch_and_carries_the_load_on_the_last_only():
+    bm = BlockManager(8, BS, enable_kv_events=True)
+    waiting = seq_of(range(200, 240))  # 40 prompt tokens, none computed, 4 to decode
+    running = Sequence(list(range(300, 332)), SamplingParams(max_tokens=10), BS)
+    running.num_computed_tokens = 32
+    running.append_token(7, 0.0)  # 1 of 10 decoded
+    seqs = [waiting, running]
+    log = KvEventLog(0, bm, sequences=lambda: seqs)
+    (snap,) = log.read(0, 0, with_load=True)
+    assert snap.reset and snap.seq == 1 and snap.load == ShardLoad(estimate_prefill_work(40), 4 + 9, 2)
+    (b2,) = log.read(log.epoch, 1, with_load=True)  # nothing changed: an empty batch, so the load has a new stamp
+    assert (b2.seq, b2.stored, b2.removed, b2.reset) == (2, [], [], False) and b2.load == snap.load
+    prefill(bm, seq_of(range(48)))
+    seqs.pop(0)
+    b3, b4 = log.read(log.epoch, 2)[0], log.read(log.epoch, 2, with_load=True)
+    assert b3.load is None and len(b3.stored) == 3  # a reader without load: the batch as kept
+    assert [b.seq for b in b4] == [3, 4] and b4[0].load is None and b4[1].load == ShardLoad(0.0, 9, 1)
+    assert all(b.load is None for b in log.batches)  # the kept batches carry none: each reader gets its own
+    assert log.read(log.epoch, 4) == []  # and a read without load cuts nothing
+
+
+def test_with_load_needs_a_load_source():
+    bm = BlockManager(4, BS, enable_kv_events=True)
+    with pytest.raises(ValueError, match="no load source"):
+        KvEventLog(0, bm).read(0, 0, with_load=True)
+
+
+def test_shard_load_counts_uncomputed_prompt_decode_left_and_rows():
+    part = Sequence(list(range(300)), SamplingParams(max_tokens=20), 128)
+    part.num_computed_tokens = 256  # a chunked prefill part way, or a prefix-cache hit
+    done = Sequence(list(range(64)), SamplingParams(max_tokens=5), 128)
+    done.num_computed_tokens = 64
+    for t in range(3):
+        done.append_token(t, 0.0)
+    load = shard_load([part, done])
+    assert load == ShardLoad(estimate_prefill_work(300, 256), 20 + 2, 2)
+    assert shard_load([]) == ShardLoad(0.0, 0, 0)
+
+
+def test_scheduler_sequences_are_waiting_then_running_not_retired(tiny_llama):
+    from helpers import make_scheduler
+    sched = make_scheduler(tiny_llama, max_num_seqs=2)
+    seqs = [Sequence(list(range(i, i + 20)), SamplingParams(max_tokens=3, ignore_eos=True), BS) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    assert sched.sequences() == tuple(seqs)
+    sched.schedule()  # admits two (max_num_seqs), the third waits
+    assert sched.sequences() == (seqs[2], seqs[0], seqs[1])
+    assert shard_load(sched.sequences()).rows == 3
+
+
+def test_async_engine_publishes_its_sequences_only_once_asked(tiny_llama):
+    import asyncio
+
+    from flame_llm.engine.async_engine import AsyncEngine
+    eng = AsyncEngine.from_args(tiny_llama, block_size=16, max_num_seqs=4, enable_kv_events=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        asyncio.run(eng.generate(list(range(3, 40)), sp))
+        assert eng._seqs is None  # never asked: the engine thread published nothing
+        assert eng.sequences() == ()  # idle: read from the scheduler, and from now on published
+
+        async def two() -> None:
+            tasks = [asyncio.ensure_future(eng.generate(list(range(k, k + 30)), sp)) for k in (50, 90)]
+            while not eng.sequences():
+                await asyncio.sleep(0.001)
+            load = shard_load(eng.sequences())
+            assert 1 <= load.rows <= 2 and load.decode_tokens > 0
+            await asyncio.gather(*tasks)
+        asyncio.run(two())
+        assert eng.sequences() == ()  # published after the last step: nothing left
+    finally:
+        eng.shutdown()

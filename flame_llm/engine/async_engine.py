@@ -71,6 +71,7 @@ class AsyncEngine:
         # the hand-offs gathered since the last flush, per loop, in order (one wake-up per loop: _flush)
         self._batch: dict[asyncio.AbstractEventLoop, list[tuple]] = {}
         self._handoff = {"handoff_waits": 0, "handoff_timeouts": 0, "handoff_wait_s": 0.0, "handoff_wait_max_s": 0.0}
+        self._seqs: tuple[Sequence, ...] | None = None  # sequences(): published by the engine thread once asked
         if config.scheduler_config.gil_switch_interval_ms:
             sys.setswitchinterval(config.scheduler_config.gil_switch_interval_ms / 1000)
         self._thread = threading.Thread(target=self._loop, name="flame-engine", daemon=True)
@@ -166,6 +167,16 @@ class AsyncEngine:
     def block_manager(self):  # -> BlockManager, whose cache events KvEventLog reads
         return self.engine.block_manager
 
+    def sequences(self) -> tuple[Sequence, ...]:
+        """The scheduler's waiting and running sequences (their load: KvEventLog), as the engine thread published them
+        after its last step or its last requests added, never a step's half-moved state. The thread publishes only
+        once this was first called (before that a step does nothing more); that first call reads the scheduler from
+        here, which may miss a sequence a step is moving."""
+        seqs = self._seqs
+        if seqs is None:
+            seqs = self._seqs = self.engine.scheduler.sequences()
+        return seqs
+
     def break_engine(self, shard_name: str) -> None:
         """Fault injection (engine/faults.py): the next step raises."""
         break_engine(self.engine, shard_name)
@@ -212,8 +223,13 @@ class AsyncEngine:
                     if seq is not None:
                         self._deliver(seq)
                 self._flush()
+                publish = self._seqs is not None  # someone reads sequences(): keep them current
+                if publish and (adds or aborts):
+                    self._seqs = engine.scheduler.sequences()
                 if not engine.is_finished():
                     engine.step(self._commit)
+                    if publish:
+                        self._seqs = engine.scheduler.sequences()
                 if self._handed:
                     self._wait_handoff()
             except BaseException as e:  # the step failed: every waiting caller gets the error

@@ -182,6 +182,10 @@ class ProcessEngine:
         raise ValueError("the block manager lives in the engine process (engine_process): no cache events here; "
                          "set enable_kv_events with engine_process off")
 
+    def sequences(self) -> tuple:
+        raise ValueError("the scheduler lives in the engine process (engine_process): no load for cache events here; "
+                         "set enable_kv_events with engine_process off")
+
     def break_engine(self, shard_name: str) -> None:
         """Fault injection (engine/faults.py), run in the engine process: its next step raises."""
         self._send(BreakEngine(shard_name))

@@ -77,6 +77,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def sequences(self) -> tuple[Sequence, ...]:
+        """The waiting and running sequences, waiting first (not the retired: their last token is launched)."""
+        return (*self.waiting, *self.running)
+
     # ---- scheduling --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Sequences to run this step and how many new tokens each computes."""

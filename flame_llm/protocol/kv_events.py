@@ -12,12 +12,20 @@ hash held when it is cut. The log keeps the last `keep` batches, so several read
 each follow it with their own cursor (`read(epoch, after_seq)`); a reader whose cursor is older than that,
 or of another epoch, gets one snapshot batch (reset=True: every hash held) and continues from its seq. The
 hashes are the routing key's (flame_llm/protocol/routing_key.py): the block hash chain seeded with the model
-revision."""
+revision.
+
+Load (router.load_view 'engines'): a log given the scheduler's `sequences` (AsyncEngine.sequences) answers a read
+`with_load` with the shard's ShardLoad on the last batch it returns. Such a read always cuts a batch, an empty one
+when nothing changed, so each load has a stamp (epoch, seq) newer than the one before; only the returned copy of the
+batch carries the load (the kept one does not: another reader gets its own fresh load, not this one). A read without
+it is what it was before loads existed."""
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -62,20 +70,23 @@ class KvEventBatch:
 class KvEventLog:
     """The event feed of one shard's BlockManager (built with enable_kv_events)."""
 
-    def __init__(self, shard: int, block_manager: BlockManager, keep: int = 64) -> None:
+    def __init__(self, shard: int, block_manager: BlockManager, keep: int = 64,
+                 sequences: Callable[[], Iterable[Sequence]] | None = None) -> None:
         if block_manager.kv_events is None:
             raise ValueError("the block manager records no cache events; set enable_kv_events")
         if keep < 1:
             raise ValueError(f"keep must be >= 1; got {keep}")
-        self.shard, self.bm = shard, block_manager
+        self.shard, self.bm, self.sequences = shard, block_manager, sequences
         self.epoch = time.time_ns()
         self.seq = 0
         self.batches: deque[KvEventBatch] = deque(maxlen=keep)
+        self.lock = threading.Lock()  # readers (router replicas) may call read() from several threads at once
 
-    def cut(self) -> KvEventBatch | None:
-        """The net change recorded since the last cut as the next batch (kept), or None when nothing changed."""
+    def cut(self, force: bool = False) -> KvEventBatch | None:
+        """The net change recorded since the last cut as the next batch (kept), or None when nothing changed (with
+        `force`, an empty batch)."""
         events = self.bm.kv_events
-        if not events:
+        if not events and not force:
             return None
         stored: dict[int, None] = {}
         removed: dict[int, None] = {}
@@ -104,9 +115,21 @@ class KvEventLog:
         next batch too, which re-applies them harmlessly. Cuts nothing, so other readers' batches stay whole."""
         return KvEventBatch(self.shard, self.epoch, self.seq, list(self.bm.hash_to_block_id), [], True)
 
-    def read(self, epoch: int, after_seq: int) -> list[KvEventBatch]:
-        """The batches after a reader's cursor (epoch, after_seq), or [snapshot] when they are not all kept."""
-        self.cut()
+    def read(self, epoch: int, after_seq: int, with_load: bool = False) -> list[KvEventBatch]:
+        """The batches after a reader's cursor (epoch, after_seq), or [snapshot] when they are not all kept. with_load:
+        a batch is always cut, and the last one returned carries the shard's load (ValueError: this log has no
+        `sequences` to compute it from)."""
+        if with_load and self.sequences is None:
+            raise ValueError("this shard's event log has no load source (the scheduler's sequences): with_load "
+                             "needs an engine that publishes them")
+        with self.lock:
+            out = self._read(epoch, after_seq, with_load)
+            if with_load:  # the load as of the cut in _read (out is never empty: that cut made a new batch)
+                out[-1] = dataclasses.replace(out[-1], load=shard_load(self.sequences()))
+        return out
+
+    def _read(self, epoch: int, after_seq: int, force: bool) -> list[KvEventBatch]:
+        self.cut(force)
         if epoch == self.epoch and after_seq == self.seq:
             return []
         first = self.batches[0].seq if self.batches else self.seq + 1

@@ -280,7 +280,7 @@ class Cluster:
     def report_load(self, s: int) -> None:
         shard = self.shards[s]
         shard.load_seq += 1
-        load, stamp = shard_load(itertools.chain(shard.scheduler.waiting, shard.scheduler.running)), (0, shard.load_seq)
+        load, stamp = shard_load(shard.scheduler.sequences()), (0, shard.load_seq)
         if self.cfg.event_delay_s > 0:
             self.at(self.now + self.cfg.event_delay_s, self.deliver_load, s, stamp, load)
         else:
@@ -295,7 +295,7 @@ class Cluster:
         if rep in self.ring.alive:
             for s, shard in enumerate(self.shards):
                 shard.load_seq += 1
-                load = shard_load(itertools.chain(shard.scheduler.waiting, shard.scheduler.running))
+                load = shard_load(shard.scheduler.sequences())
                 self._timed(self.replicas[rep].apply_load, s, (0, shard.load_seq), load)
         if len(self.done) < self.num_arrivals:  # periodic until the last request ends
             self.at(self.now + self.cfg.load_poll_s, self.poll_load, rep)
