@@ -1,8 +1,13 @@
 """The stream port's bounds (issue 37): what a connection to an engine actor's stream server may hold, and for how
 long, so that a flood of connections (idle, slow, or bad) cannot use up the actor's file descriptors or its log.
 
-- A connection presents its hello within `hello_timeout_s` of its accept, or it is closed (by the periodic sweep of
-  actors/stream_accept.py: within a quarter of the deadline, at most 1 s, after it).
+- A connection presents its hello within `hello_timeout_s` of its accept, or it is closed (by a timer at the
+  earliest deadline, actors/stream_accept.py). With `accept_share` under 1 or `defer_accept`, the deadline counts
+  from the connection's connect in the kernel (TCP_INFO), not from its accept.
+- Under a flood (pending connections past a mark, or the backlog more than a batch), accepting is paced: small
+  rounds, and pauses after each, so that accepting and closing take at most `accept_share` of the loop's CPU time.
+- With `defer_accept` (Linux), the kernel hands a connection to the loop only once its hello's first bytes arrive
+  (or at the end of the longest of its deferral periods within the hello deadline).
 - At most `max_pending` connections wait for their hello; one more closes the oldest of them (a valid client sends
   its hello with its connect, so it leaves the pending set within a round trip; a flood only evicts itself).
 - At most `max_connections` connections are past their hello; one more is closed at its hello (counted).
@@ -38,6 +43,8 @@ class StreamLimits:
     coalesce: bool  # a connection's frames of one loop turn leave as one write (actors/stream_out.py)
     max_unsent_bytes: int  # a connection's unsent bytes past this make its streams wait for the peer
     drain_timeout_s: float  # a peer that does not read within this (over the bound) is cut off
+    accept_share: float  # under a flood, the accept path's share of the loop's CPU time (1.0: unpaced)
+    defer_accept: bool  # TCP_DEFER_ACCEPT: silent connections stay in the kernel (actors/stream_kernel.py)
 
 
 class RefusalLog:

@@ -47,7 +47,7 @@ LOOPBACK = "127.0.0.1"
 COUNTERS = ("socket_connections", "socket_refused", "socket_streams", "socket_batches", "socket_cancels",
             "socket_dropped", "socket_hello_timeouts", "socket_refused_cap", "socket_idle_closed",
             "socket_frame_timeouts", "socket_bad_frames", "socket_accept_errors", "socket_out_frames",
-            "socket_out_writes", "socket_out_bytes", "socket_cutoffs")
+            "socket_out_writes", "socket_out_bytes", "socket_cutoffs", "socket_accept_pauses")
 
 
 async def stream_host(client_node: str | None, node_id: str, name: str) -> str:

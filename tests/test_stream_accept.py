@@ -1,7 +1,8 @@
 """Issue 37: the stream server's connections before their hello as bare sockets (actors/stream_accept.py), on a real
 StreamServer over real TCP on 127.0.0.1: no asyncio task per pending connection, at most ACCEPT_BATCH accepted a
-loop turn, one sweep closing those past the hello deadline (a silent one and one that stalls mid-hello), and a valid
-hello read exactly (split over writes, or followed by frames in the same write: nothing after it lost)."""
+loop turn (accept_share 1.0), a timer at the deadline closing those past it (a silent one and one that stalls
+mid-hello), and a valid hello read exactly (split over writes, or followed by frames in the same write: nothing
+after it lost)."""
 import asyncio
 import socket
 
@@ -25,7 +26,7 @@ def test_pending_connections_hold_no_task_and_are_swept_at_the_deadline():
         for reader, _ in [*conns, (stalled_reader, None)]:
             assert await _closed(reader) == b""
         took = asyncio.get_running_loop().time() - t0
-        assert took < 0.3 + 2 * stream_accept.SWEEP_MAX_S
+        assert took < 0.3 + 0.25  # a timer at the deadline (before: a periodic sweep, up to 1 s late)
         assert server.counters["socket_hello_timeouts"] == 41 and server.counters["socket_refused"] == 41
         assert not server.pending
         for _, writer in conns:
@@ -38,7 +39,9 @@ def test_pending_connections_hold_no_task_and_are_swept_at_the_deadline():
 
 def test_at_most_a_batch_is_accepted_in_one_loop_turn():
     async def main():
-        server, ep = await _server(stream_hello_timeout_s=30.0, stream_max_pending=512)
+        # accept_share 1.0 and no TCP_DEFER_ACCEPT: accepting as before the flood pacing (test_stream_accept_pace)
+        server, ep = await _server(stream_hello_timeout_s=30.0, stream_max_pending=512, stream_accept_share=1.0,
+                                   stream_defer_accept=False)
         n = stream_accept.ACCEPT_BATCH * 2 + 10
         socks = []
         for _ in range(n):  # connected in the kernel's backlog while the loop does not run
@@ -60,6 +63,7 @@ def test_at_most_a_batch_is_accepted_in_one_loop_turn():
         loop.add_reader(lsock.fileno(), counted, lsock)
         await _until(lambda: len(acceptor.pending) == n)
         assert max(calls) == stream_accept.ACCEPT_BATCH and sum(calls) == n
+        assert server.counters["socket_accept_pauses"] == 0
         for s in socks:
             s.close()
         await server.stop()

@@ -5,7 +5,9 @@ valid streams (a Client on the socket transport) idle, then while `--connections
 the shard's stream port as fast as `--concurrency` allows, then after; it prints the shard process's file
 descriptors before, at peak and after, how long flood connections lived, and the valid streams' latency during the
 flood against idle, and the server process's CPU over the flood per connection (the valid streams beside it
-included). `--target standalone` floods a StreamServer with stand-in streams in a child process instead
+included), and how long a new valid connection takes to be answered idle and during the flood (a probe every 0.2 s).
+`--accept-share` and `--defer-accept` set the shard's stream_accept_share and stream_defer_accept (an A/B).
+`--target standalone` floods a StreamServer with stand-in streams in a child process instead
 (no Ray; what tests/test_stream_flood.py runs at a smaller size)."""
 from __future__ import annotations
 
@@ -90,7 +92,38 @@ def _percentiles(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
     xs = sorted(xs)
-    return {"n": len(xs), "p50_ms": 1e3 * statistics.median(xs), "max_ms": 1e3 * xs[-1]}
+    return {"n": len(xs), "p50_ms": 1e3 * statistics.median(xs), "p90_ms": 1e3 * xs[int(0.9 * (len(xs) - 1))],
+            "p99_ms": 1e3 * xs[int(0.99 * (len(xs) - 1))], "max_ms": 1e3 * xs[-1]}
+
+
+async def _new_conn(ep) -> float:
+    """Seconds from a new connection's connect to the server's first answer on it: the hello, then an OPEN whose
+    payload is not bytes (answered FAIL at once, no engine work; counted in the shard's socket_bad_frames)."""
+    from flame_llm.protocol.stream_frames import Frame, encode_frame, read_frame
+
+    t = time.perf_counter()
+    reader, writer = await asyncio.open_connection(LOOPBACK, ep.port)
+    try:
+        writer.write(encode_frame(Frame.HELLO, ep.token) + encode_frame(Frame.OPEN, 0, 0, None, None))
+        frame = await read_frame(reader, 1 << 16)
+        assert frame is not None and frame[0] == Frame.FAIL, frame
+        return time.perf_counter() - t
+    finally:
+        writer.close()
+
+
+async def _probes(ep, until: asyncio.Event | None, n: int) -> tuple[list[float], int]:
+    """New connections one after another, 0.2 s apart: n of them, or until `until` is set; (latencies, failed)."""
+    out, failed = [], 0
+    for _ in range(10_000):
+        if (until is None and len(out) + failed >= n) or (until is not None and until.is_set()):
+            break
+        try:
+            out.append(await asyncio.wait_for(_new_conn(ep), 30))
+        except (OSError, TimeoutError, AssertionError):
+            failed += 1
+        await asyncio.sleep(0.2)
+    return out, failed
 
 
 async def _valid(stream_once, until: asyncio.Event | None, n: int) -> list[float]:
@@ -107,9 +140,11 @@ async def _valid(stream_once, until: asyncio.Event | None, n: int) -> list[float
     return out
 
 
-async def run(port: int, pid: int, stream_once, args) -> dict:
+async def run(ep, pid: int, stream_once, args) -> dict:
+    port = ep.port
     fds_before = fds_of(pid)
     idle = await _valid(stream_once, None, args.valid)
+    new_idle, _ = await _probes(ep, None, 10)
     done, peak = asyncio.Event(), [fds_before]
 
     async def sample() -> None:
@@ -120,6 +155,7 @@ async def run(port: int, pid: int, stream_once, args) -> dict:
     sampler = asyncio.ensure_future(sample())
     cpu0 = cpu_s_of(pid)
     during_task = asyncio.ensure_future(_valid(stream_once, done, 0))
+    probes_task = asyncio.ensure_future(_probes(ep, done, 0))
     # the flood runs in its own process: the valid streams' latency is the server's, not this loop's
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.service.stream_flood", "--flood-port", str(port),
@@ -130,11 +166,15 @@ async def run(port: int, pid: int, stream_once, args) -> dict:
     cpu = cpu_s_of(pid) - cpu0  # the server's CPU over the flood (the valid streams beside it included)
     done.set()
     during = await during_task
+    new_during, new_failed = await probes_task
     await sampler
     await asyncio.sleep(args.settle_s)
     return {"connections": args.connections, "flood": asdict(st), "fds_before": fds_before, "fds_peak": peak[0],
             "fds_after": fds_of(pid), "valid_idle": _percentiles(idle), "valid_during": _percentiles(during),
-            "server_cpu_s": cpu, "server_cpu_us_per_conn": 1e6 * cpu / max(1, st.opened)}
+            "server_cpu_s": cpu, "server_cpu_us_per_conn": 1e6 * cpu / max(1, st.opened),
+            "new_conn_idle": _percentiles(new_idle), "new_conn_during": {**_percentiles(new_during),
+                                                                          "failed": new_failed},
+            "accept_share": args.accept_share, "defer_accept": args.defer_accept}
 
 
 def _standalone(args, stderr=None) -> dict:
@@ -159,7 +199,7 @@ def _standalone(args, stderr=None) -> dict:
                     pass
 
             try:
-                return await run(endpoint.port, child.pid, once, args)
+                return await run(endpoint, child.pid, once, args)
             finally:
                 conn.close("done")
 
@@ -180,7 +220,8 @@ def _service(args) -> dict:
     from flame_llm.serving.service_config import ServiceConfig
 
     cfg = ServiceConfig.from_kwargs(model="tiny", num_shards=1, cpu_per_shard=1, namespace="bench-stream-flood",
-                                    stream_hello_timeout_s=args.hello_timeout_s)
+                                    stream_hello_timeout_s=args.hello_timeout_s,
+                                    stream_accept_share=args.accept_share, stream_defer_accept=args.defer_accept)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # its own, on loopback
     svc = start_service(cfg)
     try:
@@ -199,7 +240,7 @@ def _service(args) -> dict:
                 pass
 
         try:
-            out = asyncio.run(run(ep.port, svc.health[0].pid, once, args))
+            out = asyncio.run(run(ep, svc.health[0].pid, once, args))
             out["valid_via"] = "front door (HTTP /v1/completions, stream)" if door else "Client.stream_chunks (socket)"
         finally:
             client.close()
@@ -249,11 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-s", type=float, default=20.0, help="a flood connection is held at most this long")
     p.add_argument("--hello-timeout-s", type=float, default=5.0, help="the shard's stream_hello_timeout_s")
     p.add_argument("--valid", type=int, default=20, help="valid streams measured idle")
+    p.add_argument("--accept-share", type=float, default=0.25, help="the shard's stream_accept_share")
+    p.add_argument("--defer-accept", choices=("on", "off"), default="on", help="the shard's stream_defer_accept")
     p.add_argument("--settle-s", type=float, default=6.0, help="wait after the flood before counting fds")
     p.add_argument("--target", choices=("service", "standalone"), default="service")
     p.add_argument("--door", action="store_true", help="valid requests through the front door (HTTP), not a Client")
     p.add_argument("--flood-port", type=int, help=argparse.SUPPRESS)  # the flood process's own run
     args = p.parse_args(argv)
+    args.defer_accept = args.defer_accept == "on"
     logging.basicConfig(level=logging.WARNING)
     if args.flood_port:
         print(json.dumps(asdict(asyncio.run(flood(args.flood_port, args.connections, args.concurrency,

@@ -1,6 +1,7 @@
 """bench.service.stream_flood's standalone target: a StreamServer on loopback with stand-in streams (payload b"N": N
 one-token chunks, then b"result"), printing its endpoint as one JSON line, serving until terminated (at most
-`max_s`). argv[1]: JSON of the flood's arguments (hello_timeout_s; optional nofile, a descriptor limit to set)."""
+`max_s`). argv[1]: JSON of the flood's arguments (hello_timeout_s, accept_share, defer_accept; optional nofile, a
+descriptor limit to set)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,9 @@ async def items(payload: bytes, caller, client, owner=None):
 
 
 async def serve(args: dict) -> None:
-    limits = ShardOptions(stream_hello_timeout_s=args.get("hello_timeout_s", 5.0)).stream_limits()
+    over = {k: args[a] for k, a in (("stream_accept_share", "accept_share"), ("stream_defer_accept", "defer_accept"))
+            if a in args}
+    limits = ShardOptions(stream_hello_timeout_s=args.get("hello_timeout_s", 5.0), **over).stream_limits()
     server = StreamServer(items, 1 << 16, "flood", "standalone", limits)
     ep = await server.start("127.0.0.1")
     print(json.dumps(asdict(ep)), flush=True)
