@@ -168,23 +168,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _openai(request, "chat")
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    """vLLM's /tokenize (vllm bench serve checks its tokenizer against the server's with it): off the loop."""
+async def _off_loop(request: web.Request, fn, limit: int) -> web.Response:
+    """One of openai_tokenize's routes, run in the tokenizer's executor (a long text never stalls the loop)."""
     backend = request.app[BACKEND]
     body = await read_json(request)
     out = await asyncio.get_running_loop().run_in_executor(
-        request.app[TOKENIZE], openai_tokenize.tokenize, body, backend.tokenizer, backend.limits,
-        request.app[LIMITS].max_text_chars, backend.model_names)
+        request.app[TOKENIZE], fn, body, backend.tokenizer, backend.limits, limit, backend.model_names)
     return web.json_response(out)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize (vllm bench serve checks its tokenizer against the server's with it)."""
+    return await _off_loop(request, openai_tokenize.tokenize, request.app[LIMITS].max_text_chars)
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    backend = request.app[BACKEND]
-    body = await read_json(request)
-    out = await asyncio.get_running_loop().run_in_executor(
-        request.app[TOKENIZE], openai_tokenize.detokenize, body, backend.tokenizer, backend.limits,
-        request.app[LIMITS].max_tokens, backend.model_names)
-    return web.json_response(out)
+    return await _off_loop(request, openai_tokenize.detokenize, request.app[LIMITS].max_tokens)
 
 
 async def models(request: web.Request) -> web.Response:
