@@ -42,7 +42,10 @@ def _docs(seed, n, doc_len=200):
     return [rng.integers(3, 512, doc_len).tolist() for _ in range(n)]
 
 
-def test_router_kill_and_node_loss_complete_every_request_once(cluster, tiny_llama):
+@pytest.mark.parametrize("policy,load_view", [("cumulative", "own"), ("events", "engines")])
+def test_router_kill_and_node_loss_complete_every_request_once(cluster, tiny_llama, policy, load_view):
+    """With load_view 'engines' the replicas balance on the loads the shards publish with their cache events, and
+    the lost node's shards stop reporting mid-burst."""
     node = cluster.add_node(num_cpus=2)  # the node to lose
     cluster.wait_for_nodes()
     head_id = ray.get_runtime_context().get_node_id()
@@ -54,12 +57,14 @@ def test_router_kill_and_node_loss_complete_every_request_once(cluster, tiny_lla
         model=tiny_llama,
         num_shards=4,
         cpu_per_shard=0.5,
-        namespace="replicas-nodes",
-        policy="cumulative",
+        namespace=f"replicas-nodes-{load_view}",
+        policy=policy,
+        load_view=load_view,
         replicas=2,
         address=cluster.address,
         max_restarts=1,
-        engine={"max_model_len": 512, "max_num_batched_tokens": 512, "cpu_kvcache_gib": 0.03125},
+        engine={"max_model_len": 512, "max_num_batched_tokens": 512, "cpu_kvcache_gib": 0.03125,
+                "enable_kv_events": policy == "events"},
     )
     original = service_mod.plan_shards
     service_mod.plan_shards = lambda *a, **k: plan
@@ -120,6 +125,8 @@ def test_router_kill_and_node_loss_complete_every_request_once(cluster, tiny_lla
             time.sleep(0.2)
         later = client.generate([d + [2] for d in _docs(20, 8)], sp)
         assert [r.error for r in later] == [None] * 8 and all(r.shard in (0, 1) for r in later)
+        if load_view == "engines":  # the surviving replica balanced on the loads the shards published
+            assert ray.get(svc.routers[0].stats.remote())["event_feed"]["loads"] > 0
     finally:
         client.close()
         svc.stop(timeout_s=10)
