@@ -1,6 +1,6 @@
 """Clients we did not write, run unchanged against both front doors (the tiny model on CPU, text through the tiny
 tokenizer): `flame-llm serve-http` (the engine alone) and `flame-llm serve` (local Ray, two engine actors, the
-front door actor; slow and serial). The clients: `vllm bench serve` (vLLM's wheel unpacked without its
+front door actor; serial tests). The clients: `vllm bench serve` (vLLM's wheel unpacked without its
 dependencies: .ci/run puts it in VLLM_BENCH_SITE) and guidellm (its own venv: it would downgrade aiohttp's multidict
 and click here; .ci/run makes it). A short run each: zero failed requests by the client's own counters, our /metrics
 counted as many answered requests as the client completed, and nothing the client asked for was refused (vLLM's
@@ -73,7 +73,6 @@ def test_guidellm(door, tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.slow
 @HAS_VLLM
 def test_vllm_bench_serve_against_the_service(service_door, tmp_path):
     """Through Ray: front door actor, router, two shards; every request at once (rate inf)."""
@@ -83,7 +82,6 @@ def test_vllm_bench_serve_against_the_service(service_door, tmp_path):
 
 
 @pytest.mark.serial
-@pytest.mark.slow
 @HAS_GUIDELLM
 def test_guidellm_against_the_service(service_door, tmp_path):
     """guidellm's throughput profile (rate inf) through the service."""
