@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from actors.stream_guard import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, RefusalLog, StreamLimits
-from actors.stream_kernel import connection_age_s, defer_accept
+from actors.stream_kernel import AGE_GRAIN_S, connection_age_s, defer_accept
 from flame_llm.protocol.stream_frames import (
     HELLO_MAX_BYTES,
     LEN_BYTES,
@@ -79,6 +79,7 @@ class Acceptor:
         self._deadlines: list[tuple[float, int]] = []  # (deadline, cid); entries of connections gone are skipped
         self._sweeper: asyncio.TimerHandle | None = None
         self._sweep_at = float("inf")
+        self._last_deadline = float("-inf")  # the deadline of the connection accepted last
 
     def listen(self, lsock: socket.socket) -> None:
         lsock.setblocking(False)
@@ -136,6 +137,10 @@ class Acceptor:
                 self.refusals.note(f"no hello within {self.limits.hello_timeout_s:g}s (in the kernel's queue)")
                 sock.close()
                 return
+            # ages come in jiffies: within that grain the kernel queue's order (the accept order) decides, so
+            # that the pending cap closes the connections that came first, not one a rounding made look older
+            deadline = max(deadline, min(self._last_deadline, deadline + AGE_GRAIN_S))
+        self._last_deadline = deadline
         if len(self.pending) >= self.limits.max_pending:
             self._evict_first("pending cap: the one nearest its hello deadline closed")
         cid = self.next_id()

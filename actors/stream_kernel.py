@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 SYNACK_TIMEOUT_S, SYNACK_TIMEOUT_MAX_S = 1, 120  # the kernel's TCP_TIMEOUT_INIT and TCP_RTO_MAX
 # struct tcp_info (linux/tcp.h): the offsets of the fields read here, and the size that holds them (kernel >= 4.1)
 _LAST_DATA_RECV, _TOTAL_RETRANS, _BYTES_RECEIVED, _INFO_BYTES = 52, 100, 128, 136
+AGE_GRAIN_S = 0.010  # TCP_INFO's times are whole jiffies: 1/HZ, 10 ms at the smallest HZ (100), 4 ms at 250
 
 
 def defer_period_s(hello_timeout_s: float) -> int:

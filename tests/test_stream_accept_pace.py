@@ -153,6 +153,32 @@ def test_under_a_flood_a_valid_client_gets_in_and_is_served():
     asyncio.run(main())
 
 
+def test_past_the_pending_cap_the_first_connected_go_first_though_the_kernel_rounds_their_ages(monkeypatch):
+    """The kernel reports ages in jiffies (4 ms at HZ 250): two connections a fraction of a jiffy apart can look the
+    other way round. The stub (the kernel's rounding, which this machine cannot be made to show on demand) makes
+    every second accepted connection look 4 ms older than the one before it; the cap still closes in accept order
+    (before: the rounding chose, and CI saw a newer connection closed in place of one of the oldest)."""
+    ages = iter([0.004 * (i % 2) for i in range(100)])
+    monkeypatch.setattr(stream_accept, "connection_age_s", lambda sock, deferred_s: next(ages))
+
+    async def main():
+        server, ep = await _server(stream_hello_timeout_s=30.0, stream_max_pending=4, stream_defer_accept=False)
+        silent = [_connect(ep) for _ in range(10)]
+        await _until(lambda: server.counters["socket_refused_cap"] == 6)
+        assert sorted(p.deadline for p in server.pending.values()) == [p.deadline for p in server.pending.values()]
+        lives = await _close_times(silent[:6], 5.0)  # the oldest six were closed
+        assert all(life < 5.0 for life in lives), lives
+        loop = asyncio.get_running_loop()
+        for _, s in silent[6:]:  # the newest four wait for their hello
+            s.setblocking(False)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(loop.sock_recv(s, 1), 0.2)
+            s.close()
+        await server.stop()
+
+    asyncio.run(main())
+
+
 @linux
 def test_defer_accept_keeps_a_silent_connection_in_the_kernel_until_its_period_ends():
     async def main():
