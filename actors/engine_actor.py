@@ -5,8 +5,8 @@ request per stream (its tokens as they are sampled) or a batch (each result as i
 concurrency group (its own event loop); health,
 stats, abort, drain and shutdown run in the "control" group, on another loop, so a saturated admission loop
 never starves them; `live` runs a no-op on the serving loop from there (actors/liveness.py), so a wedged serving
-loop reports unhealthy and the supervisor restarts the shard. Requests are aborted on the caller's word or when
-the caller's Ray job dies (actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)` in
+loop reports unhealthy and the supervisor restarts the shard. Requests are aborted on the sender's word or when
+its connection ends (actors/inflight.py). Ray creates the class with `ray.remote(EngineActor).options(...)` in
 flame_llm.serving.service.
 """
 from __future__ import annotations
@@ -104,11 +104,10 @@ class EngineActor:
                            batch: bool = False):
         """The items of one stream (the stream server's): lists of new token ids as the engine samples them, then
         the result payload (its timings add arrived_at and first_chunk_at, time.time() when the payload arrived and
-        the first chunk left). Aborting the request (an ABORT frame), its caller's job dying, or the reader leaving
-        ends it in the engine. `owner`: the sender's identity here (its stream connection), which its request id is
-        unique within (`caller`: the sender's Ray job, whose requests are aborted when it dies;
-        (caller, client) is the sender's turn in admission). `batch`: the payload is a batch, each request's result
-        sent as it finishes (_batch_items)."""
+        the first chunk left). Aborting the request (an ABORT frame) or the reader leaving (its connection's end) ends
+        it in the engine. `owner`: the sender's identity here (its stream connection), which its request id is
+        unique within; (`caller`, the sender's Ray job, `client`) its turn in admission. `batch`: the payload is a
+        batch, each request's result sent as it finishes (_batch_items)."""
         arrived_at = time.time()  # the hop split (bench/service/hops.py): one host clock with the client's sent_at
         t0 = time.perf_counter()
         items = self._decode(payload)
@@ -174,7 +173,7 @@ class EngineActor:
             res.error = ErrorInfo(ErrorCode.DRAINING, f"shard {self.name} is draining")
             return res
         try:
-            if not self.inflight.add(item.id, caller, owner):  # aborted on its way here
+            if not self.inflight.add(item.id, owner):  # aborted on its way here
                 res.finish_reason = "abort"
                 return res
         except DuplicateRequestId as e:  # refused before it registered: the one in flight is untouched
@@ -191,7 +190,7 @@ class EngineActor:
             res.finish_reason, res.timings = "abort", {"total_s": time.perf_counter() - t_start}
             return res
         finally:
-            self.inflight.remove(item.id, caller, owner)
+            self.inflight.remove(item.id, owner)
 
     async def _admit_and_run(self, item: Request, res: Result, t_start: float, emit, sender: tuple) -> Result:
         sp = item.sampling

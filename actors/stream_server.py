@@ -6,8 +6,8 @@ generator EngineActor.stream_items: token chunks, then the result payload; a bat
 payloads as its requests finish. An ABORT frame aborts requests of the connection's batches by id.
 
 A connection presents the actor's secret token first, or it is closed. A stream ends on its shard when its
-client cancels it or when its connection closes (the caller is gone, as the dead-caller watcher decides for Ray
-callers): its task is cancelled, and the actor aborts its request as an ABORT frame would (counted in the
+client cancels it or when its connection closes (the caller is gone: its process died, or its node, noticed by
+TCP keepalive): its task is cancelled, and the actor aborts its request as an ABORT frame would (counted in the
 shard's "aborted"), which frees its admission slot. Every wait of a connection is bounded (actors/stream_guard.py);
 a bad frame after the hello closes only what it must: an OPEN or CANCEL whose fields are unusable is refused alone
 (counted in socket_bad_frames; an OPEN with a usable new stream id is answered FAIL), a frame that breaks the

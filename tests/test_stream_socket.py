@@ -192,7 +192,7 @@ def test_a_connection_closed_by_the_client_aborts_its_streams(service):
     _wait(lambda: _stats(svc)[0].get("socket_dropped", 0) - dropped == 2, what="the shard missed the connection's end")
     _wait(lambda: _idle(svc), what="the streams of a closed connection still run on their shard")
     assert _stats(svc)[0]["requests"] == done  # aborted, not run to their 400 tokens
-    assert _stats(svc)[0]["aborted"] - aborted == 2  # a gone connection's streams count, as a dead caller's do
+    assert _stats(svc)[0]["aborted"] - aborted == 2  # a gone connection's streams count as aborts
 
 
 def test_a_raw_stream_ends_with_the_result_payload_of_the_batch_path(service):
