@@ -1,6 +1,7 @@
-"""The client's request state (Pending, ClientCounters) and ClientCodec: the client's use of the one wire codec
-(flame_llm/protocol/wire.py): request payloads encoded for the service's model revision and zstd level, result
-payloads decoded, their sizes and times added to the client's counters. Batches and streams alike (channel.py)."""
+"""The client's request state (Pending, ClientCounters), what a stream hands its caller (StreamChunk, StreamError)
+and ClientCodec: the client's use of the one wire codec (flame_llm/protocol/wire.py): request payloads encoded for
+the service's model revision and zstd level, result payloads decoded, their sizes and times added to the client's
+counters. Batches and streams alike (channel.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +32,21 @@ class Pending:
     est_decode: int = 0  # output tokens it can produce (flame_llm.limits.max_output_tokens): the router's estimate
     deadline: float = math.inf  # time.monotonic() past which an overloaded answer is its result (no retry)
     charged: Charge = NO_CHARGE  # the router replica that counts its work (router/replica_client.py)
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """Token ids the shard sent at once; the last chunk of a stream carries its Result."""
+    token_ids: list[int]
+    result: Result | None = None
+
+
+class StreamError(RuntimeError):
+    """A streamed request failed; `result` is its Result (error code, message, tokens it had)."""
+
+    def __init__(self, result: Result) -> None:
+        super().__init__(f"{result.error.code}: {result.error.message}")
+        self.result = result
 
 
 def set_estimates(p: Pending, model_revision: str, max_model_len: int) -> None:
