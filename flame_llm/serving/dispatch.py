@@ -1,5 +1,5 @@
 """The client's work on its loop: a generate call's requests (`generate`) and streams (`stream`) are made
-(prompts.py), routed (routing.py: one router call per formed batch; a stream whose prefix's shard is known goes
+(pending.py), routed (routing.py: one router call per formed batch; a stream whose prefix's shard is known goes
 there at once) and each handed to its shard's channel (channel.py: its connection, queue, credit and the retry
 policy carried out on its answers). The Dispatcher holds the channels (shard -> ShardChannel), the routing (which
 also tells the router which routed requests are done) and what it knows of the shards' lives (shard_watch.py).
@@ -29,12 +29,12 @@ from flame_llm.serving.pending import (
     ClientCodec,
     ClientCounters,
     Pending,
+    RequestMaker,
     StreamChunk,
     attempt_id,
     failed_result,
     set_estimates,
 )
-from flame_llm.serving.prompts import RequestMaker
 from flame_llm.serving.retry import Action, continuation, decide, stream_end
 from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
