@@ -1,8 +1,7 @@
-"""The Python client: checks prompts against the limits every shard publishes, hands them to its
-Dispatcher (flame_llm/serving/dispatch.py: routing, one channel per shard: batches, credit, retries) and
-returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_completed` as they finish;
-streams one request's tokens. A result whose error is retryable does not
-reach the caller while the retry policy (retry.py) says to send it again.
+"""The Python client: hands prompts to its Dispatcher (dispatch.py: checks, routing, one channel per shard:
+batches, credit, retries) and returns flame_llm.protocol.types.Result objects: `generate` in input order,
+`as_completed` as they finish; streams one request's tokens. A result whose error is retryable does not reach the
+caller while the retry policy (retry.py) says to send it again.
 
 All client work runs on one event loop, so `generate` (sync) and `agenerate` (from any asyncio loop) share the
 shard channels and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import queue
 import threading
 import uuid
@@ -34,15 +32,14 @@ if TYPE_CHECKING:  # the service side imports the engine; the client needs only 
     from flame_llm.serving.service import Service
     from flame_llm.serving.service_config import ServiceConfig
 
-log = logging.getLogger(__name__)
 ABANDON_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
-
 
 
 def check_user(user: str) -> None:
     """A request's user (Request.user): a str of at most MAX_USER_BYTES UTF-8 bytes; ValueError naming it."""
     if not fits_utf8(user, MAX_USER_BYTES):
         raise ValueError(f"user must be a string of at most {MAX_USER_BYTES} UTF-8 bytes; got {brief(user)}")
+
 
 class Client:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], health: list[ShardHealth],

@@ -14,7 +14,6 @@ it (the caller stopped reading) aborts it on its shard."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 
@@ -42,7 +41,6 @@ from flame_llm.serving.stream_conn import StreamConn
 from flame_llm.validate import check_number
 from router.replica_client import RouterReplicas
 
-log = logging.getLogger(__name__)
 ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
 
