@@ -1,11 +1,7 @@
 """One shard as the client sees it (ShardChannel): its socket connection to the shard's current incarnation
 (stream_conn.py; the engine actor's one request entry point), its queue and credit (shard_queue.py), its batches and
-streams in flight, and the one retry policy (retry.py) carried out on its answers: an overloaded answer goes back to
-the shard after its hint until the request's overload deadline; a draining shard's requests are routed to the other
-shards (the shard avoided until its health says it serves again); a shard that died has its restart watched, its
-requests routed again at once when another shard can serve them, else once it is back, and when it does not come
-back (or cannot: its node is gone) it is routed around. Its Dispatcher (dispatch.py) routes; ShardWatch
-(shard_watch.py) knows every shard's life. Runs on the client's loop.
+streams in flight, and the one retry policy (retry.py) carried out on its answers. Its Dispatcher (dispatch.py)
+routes; ShardWatch (shard_watch.py) knows every shard's life. Runs on the client's loop.
 
 A batch leaves as one BATCH frame; its results come back as they finish (credit given back per result). A stream is
 one OPEN frame, its token chunks, then its result. The connection's end, or the client's walking away (CANCEL,

@@ -4,13 +4,9 @@ there at once) and each handed to its shard's channel (channel.py: its connectio
 policy carried out on its answers). The Dispatcher holds the channels (shard -> ShardChannel), the routing (which
 also tells the router which routed requests are done) and what it knows of the shards' lives (shard_watch.py).
 
-A generate call's results are handed on as they land (text decoded when the prompts were text, a progress bar
-advanced) and returned in input order; a call its caller gives up on (cancelled) takes its unanswered requests out
-of the client's queues unsent and has the shards abort the others. A stream's attempts follow the batches' policy
-(retry.py): until its first token arrives it is retried as a batch request is; after that a shard's error ends it,
-and its shard's death sends its continuation (the original prompt plus the streamed tokens) once the shard is back
-or to another shard: the caller's stream goes on with no token repeated or skipped. Cancelling the task that runs
-it (the caller stopped reading) aborts it on its shard."""
+A generate call its caller gives up on (cancelled) takes its unanswered requests out of the client's queues unsent
+and has the shards abort the others. A stream goes on after its shard's death from its last token (retry.py's
+continuation): no token repeated or skipped; cancelling the task that runs it aborts it on its shard."""
 from __future__ import annotations
 
 import asyncio

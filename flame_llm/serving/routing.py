@@ -2,15 +2,14 @@
 with a restarting router, leaving out the shards the client's ShardWatch routes around (draining, lost, and while
 others serve: restarting).
 
-A stream need not wait for the router: on a one-shard service it goes to that
-shard, and otherwise, when its prefix is one the router placed before (the client remembers the router's answers:
-prefix block hash -> shard, an LRU), to that shard at once. The router is told without waiting (its `place`), so
-its outstanding-work counts and prefix map stay as if it had routed the stream. Only the `cumulative` policy
-places a known prefix on its owner whatever the load, so only there (and on one shard) does a client place
-anything itself; the router alone places unseen prefixes, and every request of a batch (one call per batch).
-Under the `events` policy the client's answers last the router's placement_ttl_s (router/replicas.py RouteCache):
-a stream on a document routed that recently goes without a router call, and after it the router decides again
-from what the engines hold (an eviction is seen within a TTL).
+A stream need not wait for the router: on a one-shard service it goes to that shard, and otherwise, when its prefix
+is one the router placed before (the client remembers the router's answers: prefix block hash -> shard, an LRU), to
+that shard at once. The router is told without waiting (its `place`), so its outstanding-work counts and prefix map
+stay as if it had routed the stream. Only the `cumulative` policy places a known prefix on its owner whatever the
+load, so only there (and on one shard) does a client place anything itself; the router alone places unseen prefixes,
+and every request of a batch (one call per batch). Under the `events` policy the client's answers last the router's
+placement_ttl_s (router/replicas.py RouteCache): a stream on a document routed that recently goes without a router
+call, and after it the router decides again from what the engines hold (an eviction is seen within a TTL).
 
 The router counts each shard's outstanding work; the requests it routed come back to it as completions (the shard's
 answer, or none: not served there), one `complete` call per loop tick."""

@@ -1,15 +1,15 @@
 """What a client knows of its shards' lives: their incarnations, the shards it routes around and why, and the
 waits for a restarted shard. Lives on the client's event loop.
 
-A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait); while
-it restarts, new requests go to the other shards when there are any (`restarting`). A
-shard that answers as a new incarnation has a cold engine: the router drops its prefixes. A shard that is
-draining, or that did not come back, is avoided: routing leaves it out, and a watcher probes its health
-until it serves again. A shard whose node is gone cannot come back where it was (Ray says so with
-ActorUnschedulableError): it is not waited for; the router drops its prefixes, its requests go to the other
-shards, and the watcher looks the shard up by name until the service has placed a replacement. What the client
-does when a shard dies under its requests is its ShardChannel's (channel.py); its owner (the Dispatcher) hears of a
-shard that restarted or was lost (`shard_changed`): its prefixes and its old connection go."""
+A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait); while it
+restarts, new requests go to the other shards when there are any (`restarting`). A shard that answers as a new
+incarnation has a cold engine: the router drops its prefixes. A shard that is draining, or that did not come back,
+is avoided: routing leaves it out, and a watcher probes its health until it serves again. A shard whose node is gone
+cannot come back where it was (Ray says so with ActorUnschedulableError): it is not waited for; the router drops its
+prefixes, its requests go to the other shards, and the watcher looks the shard up by name until the service has
+placed a replacement. What the client does when a shard dies under its requests is its ShardChannel's (channel.py);
+its owner (the Dispatcher) hears of a shard that restarted or was lost (`shard_changed`): its prefixes and its old
+connection go."""
 from __future__ import annotations
 
 import asyncio
