@@ -32,8 +32,6 @@ if TYPE_CHECKING:  # the service side imports the engine; the client needs only 
     from flame_llm.serving.service import Service
     from flame_llm.serving.service_config import ServiceConfig
 
-ABANDON_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
-
 
 def check_user(user: str) -> None:
     """A request's user (Request.user): a str of at most MAX_USER_BYTES UTF-8 bytes; ValueError naming it."""
@@ -147,8 +145,8 @@ class Client:
         else:
             fut = asyncio.run_coroutine_threadsafe(
                 self._call(self.dispatch.stream(prompt, sampling_params, push, user)), self._loop)
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                              or push(StreamChunk([], self._failed(f.exception()))))
+        fut.add_done_callback(lambda f: f.cancelled() or (e := f.exception()) is None or push(
+            StreamChunk([], Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")))))
         try:
             while True:
                 chunk = await chunks.get()
@@ -225,11 +223,7 @@ class Client:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.dispatch.settle_sends(ABANDON_WAIT_S)
         await self.dispatch.close()
-
-    def _failed(self, e: BaseException) -> Result:
-        return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}"))
 
 
 def make_client(cfg: ServiceConfig | None, router, actors: dict,

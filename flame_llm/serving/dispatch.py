@@ -37,6 +37,7 @@ from flame_llm.serving.stream_conn import StreamConn
 from flame_llm.validate import check_number
 from router.replica_client import RouterReplicas
 
+SETTLE_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
 ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
 
@@ -249,18 +250,14 @@ class Dispatcher:
     def _tasks(self) -> set[asyncio.Task]:
         return set().union(*(c.tasks for c in self.channels.values()))
 
-    async def settle_sends(self, timeout_s: float) -> None:
-        """Wait up to timeout_s for the batches in flight to be answered (aborted requests answer at once): their
-        completions reach the router before the client goes."""
-        tasks = self._tasks()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
-
     async def close(self) -> None:
-        """What is left when the client goes (after settle_sends): resend timers and batch windows are cancelled,
-        requests held or queued unsent leave the router's count, and the tasks still running (sends whose answers
-        did not come, routing again, restart waits) are cancelled and awaited: a cancelled send forgets and
-        aborts what it had in flight."""
+        """The client goes. The batches in flight are awaited up to SETTLE_WAIT_S (aborted requests answer at once):
+        their completions reach the router first. Then resend timers and batch windows are cancelled, requests held
+        or queued unsent leave the router's count, and the tasks still running (sends whose answers did not come,
+        routing again, restart waits) are cancelled and awaited: a cancelled send forgets and aborts what it had in
+        flight."""
+        if tasks := self._tasks():
+            await asyncio.wait(tasks, timeout=SETTLE_WAIT_S)
         for s, c in self.channels.items():
             for handle, p in c.retrying.values():
                 handle.cancel()
