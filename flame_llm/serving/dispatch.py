@@ -166,10 +166,9 @@ class Dispatcher:
             if on_result is not None:
                 on_result(i, r)
 
-        pend = [self.requests.prepare(prompt, sp, loop, deadline_s)
+        pend = [self.requests.prepare(prompt, sp, loop, deadline_s, user)
                 for prompt, sp in zip(prompts, sampling_params, strict=True)]
         for i, p in enumerate(pend):
-            p.request.user = user
             p.future.add_done_callback(lambda f, i=i: landed(i, f))
         try:
             routed = [p for p in pend if not p.future.done()]
@@ -188,8 +187,7 @@ class Dispatcher:
         (output_token_ids: what was streamed; prompt_tokens: the caller's prompt; timings["resumed"]: how many times
         it went on from its last token after its shard died)."""
         t0 = time.perf_counter()
-        p = self.requests.prepare(prompt, sp, asyncio.get_running_loop())
-        p.request.user = user
+        p = self.requests.prepare(prompt, sp, asyncio.get_running_loop(), user=user)
         self.counters.streams += 1
         result = p.future.result() if p.future.done() else await self._stream(p, push)
         result.timings["client_s"] = time.perf_counter() - t0

@@ -143,13 +143,13 @@ class RequestMaker:
         self.tokenizer = None  # loaded with the first text prompt
 
     def prepare(self, prompt, sp: SamplingParams, loop: asyncio.AbstractEventLoop,
-                 deadline_s: float | None = None) -> Pending:
-        """A request for `prompt`, checked against the shards' limits; its future already holds the error
-        result when it cannot be sent. deadline_s: its overload deadline, from now (None: the config's)."""
+                deadline_s: float | None = None, user: str = "") -> Pending:
+        """A request for `prompt` (on behalf of `user`), checked against the shards' limits; its future already holds
+        the error result when it cannot be sent. deadline_s: its overload deadline, from now (None: the config's)."""
         if deadline_s is None:
             deadline_s = self.overload_deadline_s
-        p = Pending(Request(next(self.ids), np.zeros(0, dtype=np.uint32), sp), [], 0.0, 0, loop.create_future(),
-                    deadline=time.monotonic() + deadline_s)
+        p = Pending(Request(next(self.ids), np.zeros(0, dtype=np.uint32), sp, user), [], 0.0, 0,
+                    loop.create_future(), deadline=time.monotonic() + deadline_s)
         try:
             tokens = p.request.prompt_token_ids = self.tokens(prompt)
             p.wire_bytes = request_wire_size(len(tokens), len(sp.stop_token_ids))
