@@ -262,7 +262,7 @@ class FloodBackend:
     async def stream(self, prompt, sp, user: str = ""):
         import asyncio
 
-        from flame_llm.serving.client_stream import StreamChunk
+        from flame_llm.serving.pending import StreamChunk
 
         try:
             for _ in range(1 << 20):

@@ -35,7 +35,7 @@ class StepBackend:
             self.tick.clear()
 
     async def stream(self, prompt, sp, user: str = ""):
-        from flame_llm.serving.client_stream import StreamChunk
+        from flame_llm.serving.pending import StreamChunk
 
         if self.driver is None:
             self.tick = asyncio.Event()

@@ -1,11 +1,7 @@
 """One shard as the client sees it (ShardChannel): its socket connection to the shard's current incarnation
 (stream_conn.py; the engine actor's one request entry point), its queue and credit (shard_queue.py), its batches and
-streams in flight, and the one retry policy (retry.py) carried out on its answers: an overloaded answer goes back to
-the shard after its hint until the request's overload deadline; a draining shard's requests are routed to the other
-shards (the shard avoided until its health says it serves again); a shard that died has its restart watched, its
-requests routed again at once when another shard can serve them, else once it is back, and when it does not come
-back (or cannot: its node is gone) it is routed around. Its Dispatcher (dispatch.py) routes; ShardWatch
-(shard_watch.py) knows every shard's life. Runs on the client's loop.
+streams in flight, and the one retry policy (retry.py) carried out on its answers. Its Dispatcher (dispatch.py)
+routes; ShardWatch (shard_watch.py) knows every shard's life. Runs on the client's loop.
 
 A batch leaves as one BATCH frame; its results come back as they finish (credit given back per result). A stream is
 one OPEN frame, its token chunks, then its result. The connection's end, or the client's walking away (CANCEL,
@@ -18,17 +14,20 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.stream_frames import Frame
 from flame_llm.protocol.types import Result
-from flame_llm.serving.owner import ChannelOwner
 from flame_llm.serving.pending import Pending, attempt_id, failed_result
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.shard_queue import ShardQueue
 from flame_llm.serving.stream_conn import ShardLink, StreamConn
+
+if TYPE_CHECKING:  # the dispatcher owns the channels
+    from flame_llm.serving.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 # the router hears of a stream placed here (routing.place_stream) this long after its first token, once that token
@@ -39,7 +38,7 @@ SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died,
 
 
 class ShardChannel(ShardQueue, ShardLink):
-    def __init__(self, d: ChannelOwner, shard: int, capacity: int) -> None:
+    def __init__(self, d: Dispatcher, shard: int, capacity: int) -> None:
         cfg = d.config
         ShardQueue.__init__(self, capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0,
                             d.limits.max_payload_bytes, d.counters)

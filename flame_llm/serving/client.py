@@ -1,8 +1,7 @@
-"""The Python client: checks prompts against the limits every shard publishes, hands them to its
-Dispatcher (flame_llm/serving/dispatch.py: routing, one channel per shard: batches, credit, retries) and
-returns flame_llm.protocol.types.Result objects: `generate` in input order, `as_completed` as they finish
-(client_generate.py); streams one request's tokens (client_stream.py). A result whose error is retryable does not
-reach the caller while the retry policy (retry.py) says to send it again.
+"""The Python client: hands prompts to its Dispatcher (dispatch.py: checks, routing, one channel per shard:
+batches, credit, retries) and returns flame_llm.protocol.types.Result objects: `generate` in input order,
+`as_completed` as they finish; streams one request's tokens. A result whose error is retryable does not reach the
+caller while the retry policy (retry.py) says to send it again.
 
 All client work runs on one event loop, so `generate` (sync) and `agenerate` (from any asyncio loop) share the
 shard channels and concurrent callers' requests coalesce into batches: the client's own loop thread, or the caller's
@@ -12,35 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import queue
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import ray
 
 from flame_llm.protocol.checks import fits_utf8
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
-from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, EngineLimits, Result, ShardHealth
+from flame_llm.protocol.types import DEFAULT_ZSTD_LEVEL, MAX_USER_BYTES, Result, ShardHealth
 from flame_llm.sampling_params import SamplingParams, brief
 from flame_llm.serving.client_config import ClientConfig
-from flame_llm.serving.client_generate import generate_call
-from flame_llm.serving.client_stream import StreamChunk, StreamError, stream_request
 from flame_llm.serving.dispatch import Dispatcher
-from flame_llm.serving.pending import ClientCounters
-from flame_llm.serving.prompts import RequestMaker
+from flame_llm.serving.pending import ClientCounters, StreamChunk, StreamError
 from flame_llm.serving.ray_attach import attach, find_service, resolve_namespace
 
 if TYPE_CHECKING:  # the service side imports the engine; the client needs only its attributes
     from flame_llm.serving.service import Service
     from flame_llm.serving.service_config import ServiceConfig
-
-log = logging.getLogger(__name__)
-ABANDON_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
-
 
 
 def check_user(user: str) -> None:
@@ -48,24 +38,22 @@ def check_user(user: str) -> None:
     if not fits_utf8(user, MAX_USER_BYTES):
         raise ValueError(f"user must be a string of at most {MAX_USER_BYTES} UTF-8 bytes; got {brief(user)}")
 
+
 class Client:
     def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], health: list[ShardHealth],
                  config: ClientConfig | None = None, zstd_level: int = DEFAULT_ZSTD_LEVEL, service=None,
                  namespace: str | None = None, loop: asyncio.AbstractEventLoop | None = None):
         """health: each shard's (make_client asks them): one model revision, the limits, the tokenizer."""
         assert actors and len(health) == len(actors), "a service has at least one shard, each with its health"
-        config = config or ClientConfig()
-        self.config, self.model_revision, self.model_dir = config, health[0].model_revision, health[0].model
-        self.limits = EngineLimits.tightest([h.limits for h in health])  # what every shard accepts
-        self.service, self.client_id = service, uuid.uuid4().hex[:8]
-        self.tokenizer_field = health[0].tokenizer  # the shards' `tokenizer` (one model revision: one tokenizer)
-        self.requests = RequestMaker(self.limits, self.model_revision, self.model_dir, self.client_id,
-                                     config.overload_deadline_s, self.tokenizer_field)
+        self.config, self.service, self.client_id = config or ClientConfig(), service, uuid.uuid4().hex[:8]
+        h = health[0]  # one model revision: one tokenizer (the shards' `tokenizer` field)
+        self.model_revision, self.model_dir, self.tokenizer_field = h.model_revision, h.model, h.tokenizer
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._calls: set[asyncio.Task] = set()  # generate and stream calls running on the client loop
-        self.dispatch = Dispatcher(router, dict(actors), self.model_revision, config, zstd_level, health, self.limits,
-                                   self.namespace, self.client_id)
-        self.router, self.actors = self.dispatch.router, self.dispatch.actors  # router: RouterReplicas
+        d = self.dispatch = Dispatcher(router, dict(actors), health, self.config, zstd_level, self.namespace,
+                                       self.client_id)
+        # what every shard accepts; router: RouterReplicas
+        self.limits, self.requests, self.router, self.actors = d.limits, d.requests, d.router, d.actors
         self._thread = None
         self._loop = loop
         if loop is None:
@@ -100,7 +88,7 @@ class Client:
         overload_deadline_s: how long a request may be retried on overloaded shards before `overloaded` is its
         result (None: ClientConfig.overload_deadline_s)."""
         self._not_on_loop("generate")
-        call = generate_call(self.dispatch, self.requests, prompts, sampling_params, use_tqdm, overload_deadline_s)
+        call = self.dispatch.generate(prompts, sampling_params, use_tqdm, overload_deadline_s)
         fut = asyncio.run_coroutine_threadsafe(self._call(call), self._loop)
         try:
             return fut.result()
@@ -113,8 +101,7 @@ class Client:
         """As generate, awaited from any asyncio loop; cancelling it aborts its requests on the shards. `user`:
         whose turn its requests take while they wait for a shard's credit and in its fair admission (stream_chunks)."""
         check_user(user)
-        call = generate_call(self.dispatch, self.requests, prompts, sampling_params, False, overload_deadline_s,
-                             user=user)
+        call = self.dispatch.generate(prompts, sampling_params, False, overload_deadline_s, user=user)
         if self._on_loop():
             return await self._call(call)
         fut = asyncio.run_coroutine_threadsafe(self._call(call), self._loop)
@@ -127,8 +114,8 @@ class Client:
         prompt's position). Leaving the loop early aborts the requests not yet answered."""
         self._not_on_loop("as_completed")
         landed: queue.SimpleQueue = queue.SimpleQueue()
-        call = generate_call(self.dispatch, self.requests, prompts, sampling_params, use_tqdm, overload_deadline_s,
-                             lambda i, r: landed.put((i, r)))
+        call = self.dispatch.generate(prompts, sampling_params, use_tqdm, overload_deadline_s,
+                                      lambda i, r: landed.put((i, r)))
         fut = asyncio.run_coroutine_threadsafe(self._call(call), self._loop)
         fut.add_done_callback(lambda _: landed.put(None))
         try:
@@ -154,12 +141,12 @@ class Client:
 
         if caller_loop is self._loop:  # the client runs on the caller's loop: no hand-off between threads
             push = chunks.put_nowait
-            fut = caller_loop.create_task(self._call(self._stream(prompt, sampling_params, push, user)))
+            fut = caller_loop.create_task(self._call(self.dispatch.stream(prompt, sampling_params, push, user)))
         else:
-            fut = asyncio.run_coroutine_threadsafe(self._call(self._stream(prompt, sampling_params, push, user)),
-                                                   self._loop)
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                              or push(StreamChunk([], self._failed(f.exception()))))
+            fut = asyncio.run_coroutine_threadsafe(
+                self._call(self.dispatch.stream(prompt, sampling_params, push, user)), self._loop)
+        fut.add_done_callback(lambda f: f.cancelled() or (e := f.exception()) is None or push(
+            StreamChunk([], Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}")))))
         try:
             while True:
                 chunk = await chunks.get()
@@ -236,20 +223,7 @@ class Client:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.dispatch.settle_sends(ABANDON_WAIT_S)
         await self.dispatch.close()
-
-    async def _stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None], user: str = "") -> None:
-        t0 = time.perf_counter()
-        p = self.requests.prepare(prompt, sp, asyncio.get_running_loop())
-        p.request.user = user
-        self.counters.streams += 1
-        result = p.future.result() if p.future.done() else await stream_request(self.dispatch, p, push)
-        result.timings["client_s"] = time.perf_counter() - t0
-        push(StreamChunk([], result))
-
-    def _failed(self, e: BaseException) -> Result:
-        return Result(None, error=ErrorInfo(ErrorCode.CLIENT_ERROR, f"{type(e).__name__}: {e}"))
 
 
 def make_client(cfg: ServiceConfig | None, router, actors: dict,

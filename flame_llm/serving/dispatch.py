@@ -1,37 +1,58 @@
-"""How the client's requests reach the shards: one router call per formed batch (routing.py), then each request to
-its shard's channel (channel.py: its connection, queue, credit and the retry policy carried out on its answers).
-The Dispatcher holds the channels (shard -> ShardChannel), the routing (which also tells the router which routed
-requests are done) and what it knows of the shards' lives (shard_watch.py). Runs on the client's loop."""
+"""The client's work on its loop: a generate call's requests (`generate`) and streams (`stream`) are made
+(pending.py), routed (routing.py: one router call per formed batch; a stream whose prefix's shard is known goes
+there at once) and each handed to its shard's channel (channel.py: its connection, queue, credit and the retry
+policy carried out on its answers). The Dispatcher holds the channels (shard -> ShardChannel), the routing (which
+also tells the router which routed requests are done) and what it knows of the shards' lives (shard_watch.py).
+
+A generate call its caller gives up on (cancelled) takes its unanswered requests out of the client's queues unsent
+and has the shards abort the others. A stream goes on after its shard's death from its last token (retry.py's
+continuation): no token repeated or skipped; cancelling the task that runs it aborts it on its shard."""
 from __future__ import annotations
 
 import asyncio
-import logging
+import time
+from collections.abc import Callable
 
 import ray
 
-from flame_llm.protocol.errors import ErrorInfo
-from flame_llm.protocol.types import EngineLimits, ShardHealth
+from flame_llm.protocol.types import EngineLimits, Request, Result, ShardHealth, prompt_digest
+from flame_llm.protocol.wire import request_wire_size
+from flame_llm.sampling_params import SamplingParams
 from flame_llm.serving.channel import ShardChannel
 from flame_llm.serving.client_config import ClientConfig
-from flame_llm.serving.pending import ClientCodec, ClientCounters, Pending, attempt_id
+from flame_llm.serving.pending import (
+    ClientCodec,
+    ClientCounters,
+    Pending,
+    RequestMaker,
+    StreamChunk,
+    attempt_id,
+    failed_result,
+    set_estimates,
+)
+from flame_llm.serving.retry import Action, continuation, decide, stream_end
 from flame_llm.serving.routing import ClientRouting
 from flame_llm.serving.shard_watch import ShardWatch
 from flame_llm.serving.stream_conn import StreamConn
+from flame_llm.validate import check_number
 from router.replica_client import RouterReplicas
 
-log = logging.getLogger(__name__)
+SETTLE_WAIT_S = 2.0  # on close: how long the aborted requests' answers are awaited (their router completions)
 ROUTER_CALL_WAIT_S = 2.0  # on close: how long router calls whose callers left are awaited (to forget their work)
 
 
 class Dispatcher:
-    def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], model_revision: str, config: ClientConfig,
-                 zstd_level: int, health: list[ShardHealth], limits: EngineLimits, namespace: str, client_id: str):
-        """limits: what every shard accepts (EngineLimits.tightest of their health's)."""
-        self.router, self.actors, self.model_revision = RouterReplicas.of(router, namespace), actors, model_revision
-        self.config, self.limits = config, limits
+    def __init__(self, router, actors: dict[int, ray.actor.ActorHandle], health: list[ShardHealth],
+                 config: ClientConfig, zstd_level: int, namespace: str, client_id: str):
+        """health: each shard's (one model revision: the limits, the tokenizer, the EOS ids)."""
+        self.router, self.actors = RouterReplicas.of(router, namespace), actors
+        self.config, self.model_revision = config, health[0].model_revision
+        self.limits = EngineLimits.tightest([h.limits for h in health])  # what every shard accepts
         self.eos_token_ids = frozenset(t for h in health for t in h.eos_token_ids)  # one model revision: one set
-        self.namespace, self.counters = namespace, ClientCounters()
-        self.codec = ClientCodec(model_revision, zstd_level, self.counters)
+        self.counters = ClientCounters()
+        self.requests = RequestMaker(self.limits, self.model_revision, health[0].model, client_id,
+                                     config.overload_deadline_s, health[0].tokenizer)
+        self.codec = ClientCodec(self.model_revision, zstd_level, self.counters)
         # the shards abort this client's requests when its Ray job (this process) dies; (job, client id) is this
         # client's turn in the shards' fair admission
         self.caller, self.client_id = ray.get_runtime_context().get_job_id(), client_id
@@ -105,16 +126,6 @@ class Dispatcher:
         for s in {s for s in shards if isinstance(s, int)}:
             self.channels[s].flush("formed")
 
-    async def place_stream(self, p: Pending) -> tuple[int | ErrorInfo | None, list[Pending]]:
-        """A stream's shard, and [p] when it was placed here without the router's call (its prefix's shard known:
-        routing.place_stream; the channel tells the router after its first token), else the router's answer and
-        []."""
-        shard = self.routing.place_stream(p)
-        if shard is not None:
-            return shard, [p]
-        (shard,) = await self.routing.route_shards([p])
-        return shard, []
-
     async def route_again(self, ps: list[Pending]) -> None:
         ps = [p for p in ps if not p.future.done()]
         for p in ps:
@@ -123,23 +134,128 @@ class Dispatcher:
         if ps:
             await self.route(ps)
 
+    # --- calls ---
+
+    async def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams], use_tqdm: bool,
+                       deadline_s: float | None, on_result: Callable[[int, Result], None] | None = None,
+                       user: str = "") -> list[Result]:
+        """Each prompt's Result in input order; on_result(index, result) is called as each lands. deadline_s: the
+        requests' overload deadline (None: ClientConfig.overload_deadline_s)."""
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries; prompts has {len(prompts)}")
+        check_number("overload_deadline_s", deadline_s, 0, optional=True, where="argument")  # as ClientConfig's
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc="requests")
+
+        def landed(i: int, fut: asyncio.Future) -> None:
+            if fut.cancelled():
+                return
+            r = fut.result()
+            r.timings["client_s"] = time.perf_counter() - t0  # this request's time in the call
+            tok = self.requests.tokenizer
+            if tok is not None and r.error is None:
+                r.text = tok.decode(r.output_token_ids)
+            if bar is not None:
+                bar.update(1)
+            if on_result is not None:
+                on_result(i, r)
+
+        pend = [self.requests.prepare(prompt, sp, loop, deadline_s, user)
+                for prompt, sp in zip(prompts, sampling_params, strict=True)]
+        for i, p in enumerate(pend):
+            p.future.add_done_callback(lambda f, i=i: landed(i, f))
+        try:
+            routed = [p for p in pend if not p.future.done()]
+            if routed:
+                await self.route(routed)
+            return await asyncio.gather(*(p.future for p in pend))  # after each `landed`: added first
+        except asyncio.CancelledError:
+            self.abandon(pend)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    async def stream(self, prompt, sp: SamplingParams, push: Callable[[StreamChunk], None], user: str = "") -> None:
+        """One streamed request: each token chunk handed to `push`, then a last chunk with its Result
+        (output_token_ids: what was streamed; prompt_tokens: the caller's prompt; timings["resumed"]: how many times
+        it went on from its last token after its shard died)."""
+        t0 = time.perf_counter()
+        p = self.requests.prepare(prompt, sp, asyncio.get_running_loop(), user=user)
+        self.counters.streams += 1
+        result = p.future.result() if p.future.done() else await self._stream(p, push)
+        result.timings["client_s"] = time.perf_counter() - t0
+        push(StreamChunk([], result))
+
+    async def _stream(self, p: Pending, push: Callable[[StreamChunk], None]) -> Result:
+        rid, original, streamed = p.request.id, p.request, []
+        resumed = 0
+        split: dict[str, float] = {}  # the last attempt's route_s, credit_wait_s, sent_at, first_chunk_at_client
+        while True:
+            t0 = time.perf_counter()
+            # placed here when its prefix's shard is known (routing.place_stream; the channel tells the router
+            # after its first token: `untold`), else the router's answer
+            shard, untold = self.routing.place_stream(p), [p]
+            if shard is None:
+                (shard,), untold = await self.routing.route_shards([p]), []
+            split["route_s"] = time.perf_counter() - t0
+            if not isinstance(shard, int):  # the router is down, or no shard is left to serve it
+                result = p.future.result()
+                break
+            ch, before = self.channels[shard], len(streamed)
+            split.pop("first_chunk_at_client", None)  # this attempt's
+            r, lost = await ch.stream(p, streamed, lambda toks: push(StreamChunk(toks)), split, untold)
+            now_streamed = len(streamed) > before  # earlier attempts' tokens are in this attempt's prompt
+            end = (stream_end(original, streamed, self.limits.max_model_len, self.eos_token_ids)
+                   if lost is not None and now_streamed else None)
+            decision = decide(p, self.config.max_retries, r, lost, shard, streamed=now_streamed, complete=end)
+            if decision.action is Action.DONE and r is None:  # the shard died after the stream's last token
+                ch.watch_loss(lost)
+                result = Result(rid, finish_reason=decision.finish_reason, shard=shard)
+                _as_asked(result, original)
+                break
+            if decision.action is Action.DONE:
+                result = r
+                break
+            if decision.action is Action.FAIL:
+                if lost is not None:  # the stream ends here, but new requests avoid the shard while it restarts
+                    ch.watch_loss(lost)
+                result = failed_result(p, decision.error)
+                break
+            await ch.apply(p, decision, r, lost)
+            if lost is not None and now_streamed:  # go on from the last token (the caller's request is untouched)
+                p.request = continuation(original, streamed)
+                p.wire_bytes = request_wire_size(len(p.request.prompt_token_ids),
+                                                 len(p.request.sampling.stop_token_ids))
+                set_estimates(p, self.model_revision, self.limits.max_model_len)
+                resumed += 1
+                self.counters.stream_resumes += 1
+        result.id = rid
+        result.output_token_ids = list(streamed) if streamed else list(result.output_token_ids)
+        if resumed:
+            _as_asked(result, original)
+        result.timings.update(split, attempts=p.attempts + 1, resumed=resumed)
+        return result
+
     # --- closing ---
 
     def _tasks(self) -> set[asyncio.Task]:
         return set().union(*(c.tasks for c in self.channels.values()))
 
-    async def settle_sends(self, timeout_s: float) -> None:
-        """Wait up to timeout_s for the batches in flight to be answered (aborted requests answer at once): their
-        completions reach the router before the client goes."""
-        tasks = self._tasks()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
-
     async def close(self) -> None:
-        """What is left when the client goes (after settle_sends): resend timers and batch windows are cancelled,
-        requests held or queued unsent leave the router's count, and the tasks still running (sends whose answers
-        did not come, routing again, restart waits) are cancelled and awaited: a cancelled send forgets and
-        aborts what it had in flight."""
+        """The client goes. The batches in flight are awaited up to SETTLE_WAIT_S (aborted requests answer at once):
+        their completions reach the router first. Then resend timers and batch windows are cancelled, requests held
+        or queued unsent leave the router's count, and the tasks still running (sends whose answers did not come,
+        routing again, restart waits) are cancelled and awaited: a cancelled send forgets and aborts what it had in
+        flight."""
+        if tasks := self._tasks():
+            await asyncio.wait(tasks, timeout=SETTLE_WAIT_S)
         for s, c in self.channels.items():
             for handle, p in c.retrying.values():
                 handle.cancel()
@@ -160,3 +276,11 @@ class Dispatcher:
         for t in list(self.routing.calls):
             t.cancel()
         self.routing.flush_completions()
+
+
+def _as_asked(result: Result, original: Request) -> None:
+    """A resumed stream's result (or one its streamed tokens ended) reports the prompt its caller sent, not the
+    continuation's."""
+    result.prompt_tokens = len(original.prompt_token_ids)
+    result.cached_tokens = min(result.cached_tokens, result.prompt_tokens)
+    result.prompt_digest = prompt_digest(original.prompt_token_ids)

@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from flame_llm.models.tokenizer import load_tokenizer
 from flame_llm.protocol.types import Result
 from flame_llm.serving.http_app import HttpConfig
-from flame_llm.serving.prompts import CheckedPrompt
+from flame_llm.serving.pending import CheckedPrompt
 from flame_llm.serving.service_config import ClientConfig
 
 log = logging.getLogger(__name__)

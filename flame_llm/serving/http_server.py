@@ -18,9 +18,9 @@ import uuid
 from flame_llm.models.tokenizer import has_tokenizer
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.types import EngineLimits, Result, prompt_digest
-from flame_llm.serving.client_stream import StreamChunk
 from flame_llm.serving.http_app import KEYS, HttpConfig, build_app
 from flame_llm.serving.http_auth import exposure_warning, key_from_env
+from flame_llm.serving.pending import StreamChunk
 
 log = logging.getLogger(__name__)
 

@@ -107,7 +107,7 @@ def parse(kind: str, body: object, engine: EngineLimits, limits: RequestLimits, 
         raise ApiError(413, f"the request asks for {len(prompts)} prompt(s) x n={n} = {len(prompts) * n} "
                             f"completions; the limit is {limits.max_prompts} per request (max_prompts_per_request)",
                        "prompt")
-    for p in prompts:  # the one check of the prompts (the client takes them as checked: prompts.CheckedPrompt)
+    for p in prompts:  # the one check of the prompts (the client takes them as checked: pending.CheckedPrompt)
         try:
             engine.check_prompt(p)
         except RequestError as e:

@@ -15,12 +15,12 @@ can cure):
 - its shard died: once the shard is back (or given up on), routed again (RESTART);
 - REROUTE and RESTART count against max_retries; past them the error is the result (FAIL for a death).
 
-Each shard's ShardChannel (channel.py) carries the decisions out, for its batches and with client_stream.py for
-streams. Each send after the first goes under its own id (pending.attempt_id): the
-attempt before it may still be on its shard, being aborted, when it arrives.
+Each shard's ShardChannel (channel.py) carries the decisions out, for its batches and with the Dispatcher
+(dispatch.py) for streams. Each send after the first goes under its own id (pending.attempt_id): the attempt before
+it may still be on its shard, being aborted, when it arrives.
 
 Resuming a stream whose shard died after some of its tokens reached the caller (when to do it is decide's rule,
-client_stream.py carries it out): the continuation is the caller's request with the k streamed tokens appended to
+dispatch.py carries it out): the continuation is the caller's request with the k streamed tokens appended to
 its prompt and max_tokens reduced by k; everything else (stop token ids, ignore_eos, temperature, top-k/top-p) is
 unchanged, and prompt + max_tokens is the same total, so it fits the engine's max_model_len exactly as the original
 did. The caller's stream continues with the continuation's tokens.

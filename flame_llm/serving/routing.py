@@ -2,23 +2,22 @@
 with a restarting router, leaving out the shards the client's ShardWatch routes around (draining, lost, and while
 others serve: restarting).
 
-A stream need not wait for the router: on a one-shard service it goes to that
-shard, and otherwise, when its prefix is one the router placed before (the client remembers the router's answers:
-prefix block hash -> shard, an LRU), to that shard at once. The router is told without waiting (its `place`), so
-its outstanding-work counts and prefix map stay as if it had routed the stream. Only the `cumulative` policy
-places a known prefix on its owner whatever the load, so only there (and on one shard) does a client place
-anything itself; the router alone places unseen prefixes, and every request of a batch (one call per batch).
-Under the `events` policy the client's answers last the router's placement_ttl_s (router/replicas.py RouteCache):
-a stream on a document routed that recently goes without a router call, and after it the router decides again
-from what the engines hold (an eviction is seen within a TTL).
+A stream need not wait for the router: on a one-shard service it goes to that shard, and otherwise, when its prefix
+is one the router placed before (the client remembers the router's answers: prefix block hash -> shard, an LRU), to
+that shard at once. The router is told without waiting (its `place`), so its outstanding-work counts and prefix map
+stay as if it had routed the stream. Only the `cumulative` policy places a known prefix on its owner whatever the
+load, so only there (and on one shard) does a client place anything itself; the router alone places unseen prefixes,
+and every request of a batch (one call per batch). Under the `events` policy the client's answers last the router's
+placement_ttl_s (router/replicas.py RouteCache): a stream on a document routed that recently goes without a router
+call, and after it the router decides again from what the engines hold (an eviction is seen within a TTL).
 
 The router counts each shard's outstanding work; the requests it routed come back to it as completions (the shard's
 answer, or none: not served there), one `complete` call per loop tick."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections import OrderedDict
 
 from ray.exceptions import RayActorError
 
@@ -43,10 +42,11 @@ class ClientRouting:
         self.router, self.shards, self.watch, self.counters = RouterReplicas.of(router), list(shards), watch, counters
         self.restart_timeout_s = restart_timeout_s
         self.local = len(self.shards) == 1 or policy in ("cumulative", "events")  # streams placed here
-        self.cache = RouteCache(ttl_s, max_entries) if policy == "events" else None
         self.single = self.shards[0] if len(self.shards) == 1 else None
-        self.max_entries = max_entries
-        self.placed: OrderedDict[int, int] = OrderedDict()  # prefix block hash -> shard, as the router answered
+        self.events = policy == "events"
+        # prefix block hash -> shard, as the router answered: for ever under cumulative, placement_ttl_s under events
+        self.cache = RouteCache(ttl_s if self.events else math.inf, max_entries) \
+            if self.local and self.single is None else None
         self.calls: set[asyncio.Task] = set()  # router calls running (their callers may have left)
         self._completions: list[Completion] = []  # for the router's next complete call
         self._charged: list[Charge] = []  # who charged each of them (router/replica_client.py)
@@ -63,8 +63,6 @@ class ClientRouting:
 
     def drop_shard(self, shard: int) -> None:
         """The shard restarted or was lost: its prefixes are no longer placed there."""
-        if self.placed:
-            self.placed = OrderedDict((h, s) for h, s in self.placed.items() if s != shard)
         if self.cache is not None:
             self.cache.drop_shard(shard)
 
@@ -73,16 +71,15 @@ class ClientRouting:
         it."""
         if not self.local:
             return None
-        avoid = self.avoid_now()
+        avoid, now = self.avoid_now(), time.monotonic()
         s = self.single
-        if s is None and self.cache is not None:
-            s = self.cache.lookup(p.chain, time.monotonic(), avoid)
-        elif s is None:
-            s = next((self.placed[h] for h in reversed(p.chain) if h in self.placed), None)
+        if s is None:  # under cumulative the deepest known prefix's shard or none, as the router's
+            s = self.cache.lookup(p.chain, now, avoid if self.events else ())
         if s is None or s in avoid or s in self.watch.avoid:
             return None
         p.shard = s
-        self._learn(p.chain, s)
+        if self.cache is not None and not self.events:  # a placement lasts as long as a router's answer
+            self.cache.learn(p.chain, s, now)
         self.counters.local_routes += 1
         return s
 
@@ -135,8 +132,6 @@ class ClientRouting:
                 out.append(s)
                 if self.cache is not None:
                     self.cache.learn(p.chain, s, time.monotonic())
-                elif self.local:
-                    self._learn(p.chain, s)
                 continue
             self.forget(s, [p])
         if again:
@@ -167,18 +162,6 @@ class ClientRouting:
                 attempt += 1
                 self.counters.route_retries += 1
                 await asyncio.sleep(min(ROUTE_RETRY_MAX_S, 0.1 * attempt, max(0.0, deadline - time.monotonic())))
-
-    def _learn(self, chain: list[int], shard: int) -> None:
-        if self.single is not None:
-            return
-        if self.cache is not None:
-            return
-        placed = self.placed
-        for h in chain:
-            placed[h] = shard
-            placed.move_to_end(h)
-        while len(placed) > self.max_entries:
-            placed.popitem(last=False)
 
     # --- the router's count of outstanding work ---
 

@@ -8,8 +8,9 @@ without a rejection, so the client keeps at most that many unanswered there (`ou
 leave in parts (half the capacity, max_batch_prompts, the payload budget) as answers come back. Requests and
 streams wait in turns by user (FairQueue: the front door's end users, from the request's `user` field or API key;
 a Python client's requests are one user): a user with hundreds waiting holds up another's request by one turn, not
-by its backlog. What leaves is the subclass's (ShardChannel, channel.py): `send_part` and `held_back`. Runs on the
-client's loop."""
+by its backlog. What leaves is the subclass's (ShardChannel, channel.py): `send_part(part)` sends a part, and
+`held_back(gone, again)` takes held requests that leave unsent: abandoned ones, and those of a shard routed around.
+Runs on the client's loop."""
 from __future__ import annotations
 
 import asyncio
@@ -35,17 +36,8 @@ class ShardQueue:
         self.outstanding = 0  # sent (or granted to a stream) and not yet answered
         self.held = FairQueue()  # in turn for credit, by user: held requests, and futures of streams waiting
 
-    # --- what leaves: the channel's ---
-
-    def send_part(self, part: list[Pending]) -> None:
-        raise NotImplementedError
-
-    def held_back(self, gone: list[Pending], again: list[Pending]) -> None:
-        """Held requests that leave unsent: abandoned ones (`gone`), and those of a shard routed around (`again`)."""
-        raise NotImplementedError
-
     def avoided(self) -> bool:
-        """The shard is routed around now: its held requests are routed again, nothing is sent."""
+        """The shard is routed around now: its held requests are routed again, nothing is sent (the channel's)."""
         return False
 
     # --- forming ---
@@ -66,7 +58,7 @@ class ShardQueue:
         batch = self._take_items()
         if batch:
             self.flushes[why] += 1
-            self.held.extend(batch, _user)
+            self.held.extend(batch, lambda p: p.request.user)
             self.release()
 
     def drop_abandoned(self) -> list[Pending]:
@@ -161,7 +153,3 @@ class ShardQueue:
         self.outstanding -= n
         assert self.outstanding >= 0
         self.release()
-
-
-def _user(p: Pending) -> str:
-    return p.request.user

@@ -1,20 +1,20 @@
 """What a client knows of its shards' lives: their incarnations, the shards it routes around and why, and the
 waits for a restarted shard. Lives on the client's event loop.
 
-A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait); while
-it restarts, new requests go to the other shards when there are any (`restarting`). A
-shard that answers as a new incarnation has a cold engine: the router drops its prefixes. A shard that is
-draining, or that did not come back, is avoided: routing leaves it out, and a watcher probes its health
-until it serves again. A shard whose node is gone cannot come back where it was (Ray says so with
-ActorUnschedulableError): it is not waited for; the router drops its prefixes, its requests go to the other
-shards, and the watcher looks the shard up by name until the service has placed a replacement. What the client
-does when a shard dies under its requests is its ShardChannel's (channel.py); its owner (the Dispatcher) hears of a
-shard that restarted or was lost (`shard_changed`): its prefixes and its old connection go."""
+A shard that died is waited for (up to restart_timeout_s; every batch that saw it die shares the wait); while it
+restarts, new requests go to the other shards when there are any (`restarting`). A shard that answers as a new
+incarnation has a cold engine: the router drops its prefixes. A shard that is draining, or that did not come back,
+is avoided: routing leaves it out, and a watcher probes its health until it serves again. A shard whose node is gone
+cannot come back where it was (Ray says so with ActorUnschedulableError): it is not waited for; the router drops its
+prefixes, its requests go to the other shards, and the watcher looks the shard up by name until the service has
+placed a replacement. What the client does when a shard dies under its requests is its ShardChannel's (channel.py);
+its owner (the Dispatcher) hears of a shard that restarted or was lost (`shard_changed`): its prefixes and its old
+connection go."""
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import ActorUnschedulableError, RayError
@@ -25,19 +25,17 @@ from flame_llm.serving.pending import ClientCounters
 from flame_llm.serving.ray_attach import SHARD_PREFIX
 from router.replica_client import RouterReplicas
 
+if TYPE_CHECKING:
+    from flame_llm.serving.dispatch import Dispatcher
+
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
-
-
-class ShardsOwner(Protocol):
-    def shard_changed(self, shard: int, incarnation: str | None = None) -> None:
-        """The shard restarted (`incarnation`: the one that answers now) or was lost (None) (Dispatcher's)."""
 
 
 class ShardWatch:
     def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: RouterReplicas,
                  health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
-                 namespace: str | None = None, owner: ShardsOwner | None = None) -> None:
+                 namespace: str | None = None, owner: Dispatcher | None = None) -> None:
         self.actors, self.restart_timeout_s, self.counters = actors, restart_timeout_s, counters
         self.router = RouterReplicas.of(router)
         self.namespace = namespace  # where a lost shard's replacement is looked up by name (None: not looked up)
