@@ -58,8 +58,11 @@ class Sampler:
         self.done = asyncio.Event()
 
     async def run(self) -> None:
+        last: dict[str, float] = {}
         while not self.done.is_set():
-            self.rows.append((time.monotonic(), {k: _cpu_s(p) for k, p in self.pids.items()}, _machine_s()))
+            # a process gone (the attacker at its exit) keeps its last reading
+            last = {k: max(_cpu_s(p), last.get(k, 0.0)) for k, p in self.pids.items()}
+            self.rows.append((time.monotonic(), last, _machine_s()))
             await asyncio.sleep(SAMPLE_S)
 
     def window(self, t0: float, t1: float) -> dict:
