@@ -28,6 +28,10 @@ def _check(out, n):
     assert out["valid_idle"]["n"] == 5 and out["valid_during"]["n"] >= 1
     assert out["valid_during"]["max_ms"] < 2000  # served on through the flood (before issue 37: wedged)
     assert out["new_conn_idle"]["n"] == 10 and out["new_conn_during"]["failed"] == 0
+    where = out["where"]  # bench/service/flood_timeline.py: every request during the flood put in one phase
+    assert sum(p["n"] for p in where["phases"].values()) == out["valid_during"]["n"]
+    assert sum(fl["opens"]) == fl["opened"] and sum(fl["closes"]) == fl["closed_by_peer"]
+    assert all(r["cores"]["shard"] >= 0 and r["cores"]["attacker"] >= 0 for r in where["slowest"])
 
 
 @pytest.mark.parametrize("share,defer,reset", [(1.0, False, False), (0.25, False, False), (0.25, True, False),
