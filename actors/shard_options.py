@@ -28,6 +28,7 @@ class ShardOptions:
     stream_frame_timeout_s: float = 30.0  # a frame begun must complete within this (+ its length at 1 MiB/s)
     stream_accept_share: float = 0.25  # under a connection flood, accepting's share of the loop's time; 1.0: unpaced
     stream_defer_accept: bool = True  # Linux: a connection reaches the loop once its hello arrives (TCP_DEFER_ACCEPT)
+    stream_refuse_reset: bool = False  # a connection refused before its hello is reset (RST), not closed (FIN)
     # the stream port's output (actors/stream_out.py)
     stream_coalesce: bool = True  # a connection's frames of one loop turn leave as one write; false: a write a frame
     stream_max_unsent_bytes: int = 1 << 20  # a connection's unsent bytes past this make its streams wait
@@ -41,6 +42,7 @@ class ShardOptions:
         check_number("result_window_ms", self.result_window_ms, 0, 1000, where="shard field")
         check_bool("stream_coalesce", self.stream_coalesce, where="shard field")
         check_bool("stream_defer_accept", self.stream_defer_accept, where="shard field")
+        check_bool("stream_refuse_reset", self.stream_refuse_reset, where="shard field")
         check_number("stream_accept_share", self.stream_accept_share, 0, 1, low_open=True, where="shard field")
         # at least asyncio's default write high-water mark (64 KiB): over the bound, a transport is always paused
         check_int("stream_max_unsent_bytes", self.stream_max_unsent_bytes, 1 << 16, 1 << 34, where="shard field")
@@ -54,4 +56,4 @@ class ShardOptions:
         return StreamLimits(self.stream_hello_timeout_s, self.stream_max_pending, self.stream_max_connections,
                             self.stream_idle_timeout_s, self.stream_frame_timeout_s, self.stream_coalesce,
                             self.stream_max_unsent_bytes, self.stream_drain_timeout_s, self.stream_accept_share,
-                            self.stream_defer_accept)
+                            self.stream_defer_accept, self.stream_refuse_reset)

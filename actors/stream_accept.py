@@ -24,6 +24,7 @@ import asyncio
 import errno
 import heapq
 import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -44,6 +45,7 @@ FLOOD_BATCH = 16  # the same under a flood with accept_share under 1
 FLOOD_MARK = 0.25  # pending connections at this fraction of max_pending (or more): a flood
 SWEEP_GAP_S = 0.005  # the hello deadline timer fires at most this often (those due together close together)
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends an RST and frees the socket at once
 
 
 class Pending:
@@ -135,7 +137,7 @@ class Acceptor:
                 self.counters["socket_refused"] += 1
                 self.counters["socket_hello_timeouts"] += 1
                 self.refusals.note(f"no hello within {self.limits.hello_timeout_s:g}s (in the kernel's queue)")
-                sock.close()
+                self._close_refused(sock)
                 return
             # ages come in jiffies: within that grain the kernel queue's order (the accept order) decides, so
             # that the pending cap closes the connections that came first, not one a rounding made look older
@@ -267,10 +269,21 @@ class Acceptor:
     def _refuse(self, cid: int, why: str) -> None:
         self.counters["socket_refused"] += 1
         self.refusals.note(why)
-        self._drop(cid)
+        self._drop(cid, refused=True)
 
-    def _drop(self, cid: int) -> None:
+    def _drop(self, cid: int, refused: bool = False) -> None:
         p = self.pending.pop(cid)
         if p.sock.fileno() >= 0:
             self._loop.remove_reader(p.sock.fileno())
-        p.sock.close()
+        if refused:
+            self._close_refused(p.sock)
+        else:
+            p.sock.close()
+
+    def _close_refused(self, sock: socket.socket) -> None:
+        if self.limits.refuse_reset and sock.fileno() >= 0:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+            except OSError:  # already reset by the peer: a plain close
+                pass
+        sock.close()

@@ -15,6 +15,9 @@ long, so that a flood of connections (idle, slow, or bad) cannot use up the acto
 - A frame whose first byte arrived completes within `frame_timeout_s` plus its length at 1 MiB/s.
 - A connection's unsent bytes over `max_unsent_bytes` for `drain_timeout_s` (a peer that does not read) cut it
   off (actors/stream_out.py).
+- With `refuse_reset`, a connection refused before its hello (deadline, cap, bad token) is reset (SO_LINGER 0):
+  the kernel sends one RST and forgets it, instead of a FIN exchange that leaves the socket in TIME_WAIT here for
+  60 s when the peer closes after it (a flood's every connection).
 - Accept failing for want of file descriptors (EMFILE, ENFILE) backs off accepting (up to ACCEPT_BACKOFF_MAX_S)
   and closes the older half of the pending connections; connections already served go on.
 
@@ -45,6 +48,7 @@ class StreamLimits:
     drain_timeout_s: float  # a peer that does not read within this (over the bound) is cut off
     accept_share: float  # under a flood, the accept path's share of the loop's CPU time (1.0: unpaced)
     defer_accept: bool  # TCP_DEFER_ACCEPT: silent connections stay in the kernel (actors/stream_kernel.py)
+    refuse_reset: bool = False  # refused before the hello: an RST (no FIN exchange, no TIME_WAIT left here)
 
 
 class RefusalLog:

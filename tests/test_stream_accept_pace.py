@@ -209,13 +209,47 @@ def test_the_defer_period_is_the_longest_within_the_hello_deadline():
         [0, 1, 1, 3, 3, 7, 15, 127, 247]
 
 
-def test_a_bad_accept_share_or_defer_flag_is_refused_naming_the_field():
+def test_a_bad_accept_share_defer_or_reset_flag_is_refused_naming_the_field():
     for bad in (0, 1.5, -0.1, "half", True):
         with pytest.raises(ValueError, match="shard field 'stream_accept_share'"):
             ShardOptions(stream_accept_share=bad)
     with pytest.raises(ValueError, match="shard field 'stream_defer_accept'"):
         ShardOptions(stream_defer_accept=1)
+    with pytest.raises(ValueError, match="shard field 'stream_refuse_reset'"):
+        ShardOptions(stream_refuse_reset="yes")
     limits = ShardOptions(stream_accept_share=1.0, stream_defer_accept=False).stream_limits()
-    assert limits.accept_share == 1.0 and limits.defer_accept is False
+    assert limits.accept_share == 1.0 and limits.defer_accept is False and limits.refuse_reset is False
+    assert ShardOptions(stream_refuse_reset=True).stream_limits().refuse_reset is True
 
 
+
+
+def _time_wait_on(port: int) -> int:
+    """Sockets in TIME_WAIT whose local port is `port` (/proc/net/tcp: state 06)."""
+    with open("/proc/net/tcp") as f:
+        rows = [ln.split() for ln in f.readlines()[1:]]
+    return sum(1 for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "06")
+
+
+@linux
+@pytest.mark.parametrize("reset", [False, True])
+def test_refuse_reset_resets_a_refused_connection_and_leaves_no_time_wait(reset):
+    async def main():
+        server, ep = await _server(stream_hello_timeout_s=0.5, stream_max_pending=3, stream_defer_accept=False,
+                                   stream_refuse_reset=reset)
+        socks = [_connect(ep) for _ in range(5)]  # 2 evicted by the pending cap, 3 past their deadline
+        loop, got = asyncio.get_running_loop(), []
+        for _, s in socks:
+            s.setblocking(False)
+            try:
+                got.append(await asyncio.wait_for(loop.sock_recv(s, 1), 5))
+            except ConnectionResetError:
+                got.append("reset")
+            s.close()  # the peer closes after the shard's FIN: the shard's side waits in TIME_WAIT (without reset)
+        await asyncio.sleep(0.2)
+        assert server.counters["socket_refused"] == 5 and server.counters["socket_refused_cap"] == 2
+        assert got == (["reset"] * 5 if reset else [b""] * 5)
+        assert _time_wait_on(ep.port) == (0 if reset else 5)
+        await server.stop()
+
+    asyncio.run(main())

@@ -17,7 +17,7 @@ HELLO_S = 1.0
 def _args(**kw):
     return Namespace(**{"connections": 1000, "concurrency": 400, "hold_s": 10.0, "hello_timeout_s": HELLO_S,
                         "valid": 5, "settle_s": HELLO_S + 0.5, "target": "standalone", "accept_share": 0.25,
-                        "defer_accept": True, **kw})
+                        "defer_accept": True, "attacker_nice": 0, "attacker_cpus": "", "refuse_reset": False, **kw})
 
 
 def _check(out, n):
@@ -28,11 +28,16 @@ def _check(out, n):
     assert out["valid_idle"]["n"] == 5 and out["valid_during"]["n"] >= 1
     assert out["valid_during"]["max_ms"] < 2000  # served on through the flood (before issue 37: wedged)
     assert out["new_conn_idle"]["n"] == 10 and out["new_conn_during"]["failed"] == 0
+    where = out["where"]  # bench/service/flood_timeline.py: every request during the flood put in one phase
+    assert sum(p["n"] for p in where["phases"].values()) == out["valid_during"]["n"]
+    assert sum(fl["opens"]) == fl["opened"] and sum(fl["closes"]) == fl["closed_by_peer"]
+    assert all(r["cores"]["shard"] >= 0 and r["cores"]["attacker"] >= 0 for r in where["slowest"])
 
 
-@pytest.mark.parametrize("share,defer", [(1.0, False), (0.25, False), (0.25, True)])
-def test_a_flood_of_silent_connections_is_closed_and_a_valid_client_served(share, defer):
-    out = _standalone(_args(accept_share=share, defer_accept=defer))
+@pytest.mark.parametrize("share,defer,reset", [(1.0, False, False), (0.25, False, False), (0.25, True, False),
+                                               (0.25, True, True)])
+def test_a_flood_of_silent_connections_is_closed_and_a_valid_client_served(share, defer, reset):
+    out = _standalone(_args(accept_share=share, defer_accept=defer, refuse_reset=reset))
     _check(out, 1000)
     assert out["flood"]["connect_failed"] == 0
 

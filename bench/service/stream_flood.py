@@ -20,7 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from bench.service.flood_timeline import Sampler, bins, netstat, pid_of, slowest
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
@@ -34,6 +36,10 @@ class FloodStats:
     still_open: int = 0  # at the end of the hold: the server kept them
     max_life_s: float = 0.0  # the longest a flood connection lived before the server closed it
     duration_s: float = 0.0
+    t0: float = 0.0  # time.monotonic() at the start (the same clock in every process of the machine)
+    last_open_s: float = 0.0  # the last connect completed, seconds after t0
+    opens: list = field(default_factory=list)  # connects completed per flood_timeline.BIN_S from t0
+    closes: list = field(default_factory=list)  # connections the server closed, per bin
 
 
 def fds_of(pid: int) -> int:
@@ -48,7 +54,7 @@ async def flood(port: int, n: int, concurrency: int, hold_s: float) -> FloodStat
     closes it or hold_s passes. Bounded: n connections, hold_s each."""
     assert n <= 100_000 and hold_s <= 120
     st, t0 = FloodStats(), time.monotonic()
-    left = [n]
+    left, opened_at, closed_at = [n], [], []
 
     async def worker() -> None:
         while left[0] > 0:
@@ -63,11 +69,14 @@ async def flood(port: int, n: int, concurrency: int, hold_s: float) -> FloodStat
             return
         st.opened += 1
         opened = time.monotonic()
+        opened_at.append(opened)
         try:
             await asyncio.wait_for(reader.read(), hold_s)
             st.closed_by_peer += 1
+            closed_at.append(time.monotonic())
         except ConnectionError:
             st.closed_by_peer += 1
+            closed_at.append(time.monotonic())
         except TimeoutError:
             st.still_open += 1
         st.max_life_s = max(st.max_life_s, time.monotonic() - opened)
@@ -75,6 +84,8 @@ async def flood(port: int, n: int, concurrency: int, hold_s: float) -> FloodStat
 
     await asyncio.gather(*(worker() for _ in range(min(n, concurrency))))
     st.duration_s = time.monotonic() - t0
+    st.t0, st.last_open_s = t0, max(opened_at, default=t0) - t0
+    st.opens, st.closes = bins(opened_at, t0), bins(closed_at, t0)
     return st
 
 
@@ -126,16 +137,19 @@ async def _probes(ep, until: asyncio.Event | None, n: int) -> tuple[list[float],
     return out, failed
 
 
-async def _valid(stream_once, until: asyncio.Event | None, n: int) -> list[float]:
+async def _valid(stream_once, until: asyncio.Event | None, n: int,
+                 starts: list[float] | None = None) -> list[float]:
     """Latencies of valid streams one after another, 5 ms apart: n of them, or until `until` is set (at most
-    100,000)."""
+    100,000); each one's start (time.monotonic()) appended to `starts`."""
     out: list[float] = []
     for _ in range(100_000):
         if (until is None and len(out) >= n) or (until is not None and until.is_set()):
             break
-        t = time.perf_counter()
+        t, t_mono = time.perf_counter(), time.monotonic()
         await stream_once()
         out.append(time.perf_counter() - t)
+        if starts is not None:
+            starts.append(t_mono)
         await asyncio.sleep(0.005)
     return out
 
@@ -143,7 +157,12 @@ async def _valid(stream_once, until: asyncio.Event | None, n: int) -> list[float
 async def run(ep, pid: int, stream_once, args) -> dict:
     port = ep.port
     fds_before = fds_of(pid)
+    cpus = Sampler({"shard": pid, "attacker": None, "door": pid_of("ray::FrontDoor"), "bench": os.getpid()})
+    cpus_task = asyncio.ensure_future(cpus.run())
+    await asyncio.sleep(0.2)
+    idle_at = time.monotonic()
     idle = await _valid(stream_once, None, args.valid)
+    idle_cores = cpus.window(idle_at, time.monotonic())
     new_idle, _ = await _probes(ep, None, 10)
     done, peak = asyncio.Event(), [fds_before]
 
@@ -153,28 +172,38 @@ async def run(ep, pid: int, stream_once, args) -> dict:
             await asyncio.sleep(0.1)
 
     sampler = asyncio.ensure_future(sample())
-    cpu0 = cpu_s_of(pid)
-    during_task = asyncio.ensure_future(_valid(stream_once, done, 0))
+    cpu0, starts, net0 = cpu_s_of(pid), [], netstat()
+    during_task = asyncio.ensure_future(_valid(stream_once, done, 0, starts))
     probes_task = asyncio.ensure_future(_probes(ep, done, 0))
-    # the flood runs in its own process: the valid streams' latency is the server's, not this loop's
+    # the flood runs in its own process: the valid streams' latency is the server's, not this loop's; optionally
+    # niced and/or pinned, to tell the attacker's CPU (another machine's in a real attack) from the shard's
+    prefix = (["nice", "-n", str(args.attacker_nice)] if args.attacker_nice else []) + \
+        (["taskset", "-c", args.attacker_cpus] if args.attacker_cpus else [])
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.service.stream_flood", "--flood-port", str(port),
+        *prefix, sys.executable, "-m", "bench.service.stream_flood", "--flood-port", str(port),
         "--connections", str(args.connections),
         "--concurrency", str(args.concurrency), "--hold-s", str(args.hold_s), stdout=subprocess.PIPE)
+    cpus.pids["attacker"] = proc.pid  # nice and taskset exec the interpreter: the same pid
     out, _ = await asyncio.wait_for(proc.communicate(), args.hold_s + 600)
     st = FloodStats(**json.loads(out))
+    net = {k: v - net0.get(k, 0) for k, v in netstat().items()}
     cpu = cpu_s_of(pid) - cpu0  # the server's CPU over the flood (the valid streams beside it included)
     done.set()
     during = await during_task
     new_during, new_failed = await probes_task
     await sampler
+    cpus.done.set()
+    await cpus_task
+    where = {"idle_cores": idle_cores, **slowest(list(zip(starts, during)), asdict(st), cpus, statistics.median(idle))}
     await asyncio.sleep(args.settle_s)
     return {"connections": args.connections, "flood": asdict(st), "fds_before": fds_before, "fds_peak": peak[0],
             "fds_after": fds_of(pid), "valid_idle": _percentiles(idle), "valid_during": _percentiles(during),
             "server_cpu_s": cpu, "server_cpu_us_per_conn": 1e6 * cpu / max(1, st.opened),
             "new_conn_idle": _percentiles(new_idle), "new_conn_during": {**_percentiles(new_during),
                                                                           "failed": new_failed},
-            "accept_share": args.accept_share, "defer_accept": args.defer_accept}
+            "accept_share": args.accept_share, "defer_accept": args.defer_accept,
+            "refuse_reset": args.refuse_reset, "attacker_nice": args.attacker_nice,
+            "attacker_cpus": args.attacker_cpus, "where": where, "netstat": net}
 
 
 def _standalone(args, stderr=None) -> dict:
@@ -221,7 +250,8 @@ def _service(args) -> dict:
 
     cfg = ServiceConfig.from_kwargs(model="tiny", num_shards=1, cpu_per_shard=1, namespace="bench-stream-flood",
                                     stream_hello_timeout_s=args.hello_timeout_s,
-                                    stream_accept_share=args.accept_share, stream_defer_accept=args.defer_accept)
+                                    stream_accept_share=args.accept_share, stream_defer_accept=args.defer_accept,
+                                    stream_refuse_reset=args.refuse_reset)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # its own, on loopback
     svc = start_service(cfg)
     try:
@@ -292,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--valid", type=int, default=20, help="valid streams measured idle")
     p.add_argument("--accept-share", type=float, default=0.25, help="the shard's stream_accept_share")
     p.add_argument("--defer-accept", choices=("on", "off"), default="on", help="the shard's stream_defer_accept")
+    p.add_argument("--refuse-reset", choices=("on", "off"), default="off", help="the shard's stream_refuse_reset")
+    p.add_argument("--attacker-nice", type=int, default=0, help="run the flood process under nice -n N")
+    p.add_argument("--attacker-cpus", default="", help="pin the flood process to these CPUs (taskset -c)")
     p.add_argument("--settle-s", type=float, default=6.0, help="wait after the flood before counting fds")
     p.add_argument("--target", choices=("service", "standalone"), default="service")
     p.add_argument("--door", action="store_true", help="valid requests through the front door (HTTP), not a Client")
     p.add_argument("--flood-port", type=int, help=argparse.SUPPRESS)  # the flood process's own run
     args = p.parse_args(argv)
-    args.defer_accept = args.defer_accept == "on"
+    args.defer_accept, args.refuse_reset = args.defer_accept == "on", args.refuse_reset == "on"
     logging.basicConfig(level=logging.WARNING)
     if args.flood_port:
         print(json.dumps(asdict(asyncio.run(flood(args.flood_port, args.connections, args.concurrency,

@@ -22,7 +22,8 @@ async def items(payload: bytes, caller, client, owner=None):
 
 
 async def serve(args: dict) -> None:
-    over = {k: args[a] for k, a in (("stream_accept_share", "accept_share"), ("stream_defer_accept", "defer_accept"))
+    over = {k: args[a] for k, a in (("stream_accept_share", "accept_share"), ("stream_defer_accept", "defer_accept"),
+                                                ("stream_refuse_reset", "refuse_reset"))
             if a in args}
     limits = ShardOptions(stream_hello_timeout_s=args.get("hello_timeout_s", 5.0), **over).stream_limits()
     server = StreamServer(items, 1 << 16, "flood", "standalone", limits)
