@@ -131,7 +131,6 @@ def test_under_a_flood_accepting_is_paced_within_its_share_and_unpaced_at_1():
         rounds1, cpu1, wall1, server1 = await _drain_backlog(1.0, n)
         assert max(rounds1) == stream_accept.ACCEPT_BATCH and server1.counters["socket_accept_pauses"] == 0
         assert len(rounds1) <= n // stream_accept.ACCEPT_BATCH + 2
-        assert cpu1 / wall1 > 0.5, (cpu1, wall1)  # nothing else on this loop: accepting takes it
 
     asyncio.run(main())
 
