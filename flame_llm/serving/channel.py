@@ -14,20 +14,17 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from contextlib import aclosing
-from typing import TYPE_CHECKING
 
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from flame_llm.protocol.errors import ErrorCode, ErrorInfo
 from flame_llm.protocol.stream_frames import Frame
 from flame_llm.protocol.types import Result
+from flame_llm.serving.owner import ChannelOwner
 from flame_llm.serving.pending import Pending, attempt_id, failed_result
 from flame_llm.serving.retry import Action, Decision, decide
 from flame_llm.serving.shard_queue import ShardQueue
 from flame_llm.serving.stream_conn import ShardLink, StreamConn
-
-if TYPE_CHECKING:  # the dispatcher owns the channels
-    from flame_llm.serving.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 # the router hears of a stream placed here (routing.place_stream) this long after its first token, once that token
@@ -38,7 +35,7 @@ SHARD_LOST = (RayActorError, ActorUnschedulableError)  # the shard's actor died,
 
 
 class ShardChannel(ShardQueue, ShardLink):
-    def __init__(self, d: Dispatcher, shard: int, capacity: int) -> None:
+    def __init__(self, d: ChannelOwner, shard: int, capacity: int) -> None:
         cfg = d.config
         ShardQueue.__init__(self, capacity, cfg.max_batch_prompts, cfg.batch_window_ms / 1000.0,
                             d.limits.max_payload_bytes, d.counters)

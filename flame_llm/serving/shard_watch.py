@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import ray
 from ray.exceptions import ActorUnschedulableError, RayError
@@ -25,17 +25,19 @@ from flame_llm.serving.pending import ClientCounters
 from flame_llm.serving.ray_attach import SHARD_PREFIX
 from router.replica_client import RouterReplicas
 
-if TYPE_CHECKING:
-    from flame_llm.serving.dispatch import Dispatcher
-
 WATCH_INTERVAL_S = 1.0  # between health probes of an avoided shard
 PROBE_TIMEOUT_S = 10.0
+
+
+class ShardsOwner(Protocol):
+    def shard_changed(self, shard: int, incarnation: str | None = None) -> None:
+        """The shard restarted (`incarnation`: the one that answers now) or was lost (None) (Dispatcher's)."""
 
 
 class ShardWatch:
     def __init__(self, actors: dict[int, ray.actor.ActorHandle], router: RouterReplicas,
                  health: list[ShardHealth], restart_timeout_s: float, counters: ClientCounters,
-                 namespace: str | None = None, owner: Dispatcher | None = None) -> None:
+                 namespace: str | None = None, owner: ShardsOwner | None = None) -> None:
         self.actors, self.restart_timeout_s, self.counters = actors, restart_timeout_s, counters
         self.router = RouterReplicas.of(router)
         self.namespace = namespace  # where a lost shard's replacement is looked up by name (None: not looked up)
