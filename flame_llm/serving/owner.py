@@ -19,8 +19,8 @@ class ChannelOwner(Protocol):
     counters: ClientCounters
     codec: ClientCodec
     actors: dict[int, ray.actor.ActorHandle]  # shard -> its actor now (ShardWatch puts a replacement's here)
-    caller: str  # this client's Ray job (the shards abort its requests when it dies)
-    client_id: str  # with caller: this client's turn in the shards' fair admission
+    caller: str  # this client's Ray job; with client_id: its turn in the shards' fair admission
+    client_id: str
     shards: ShardWatch
     routing: ClientRouting
 
