@@ -48,7 +48,7 @@ class StreamLimits:
     drain_timeout_s: float  # a peer that does not read within this (over the bound) is cut off
     accept_share: float  # under a flood, the accept path's share of the loop's CPU time (1.0: unpaced)
     defer_accept: bool  # TCP_DEFER_ACCEPT: silent connections stay in the kernel (actors/stream_kernel.py)
-    refuse_reset: bool = False  # refused before the hello: an RST (no FIN exchange, no TIME_WAIT left here)
+    refuse_reset: bool  # refused before the hello: an RST (no FIN exchange, no TIME_WAIT left here)
 
 
 class RefusalLog:

@@ -53,8 +53,8 @@ class Dispatcher:
         self.requests = RequestMaker(self.limits, self.model_revision, health[0].model, client_id,
                                      config.overload_deadline_s, health[0].tokenizer)
         self.codec = ClientCodec(self.model_revision, zstd_level, self.counters)
-        # the shards abort this client's requests when its Ray job (this process) dies; (job, client id) is this
-        # client's turn in the shards' fair admission
+        # (Ray job, client id): this client's turn in the shards' fair admission (its requests are aborted there
+        # when its stream connections end: actors/inflight.py)
         self.caller, self.client_id = ray.get_runtime_context().get_job_id(), client_id
         self.shards = ShardWatch(actors, self.router, health, config.restart_timeout_s, self.counters,
                                  namespace, owner=self)
