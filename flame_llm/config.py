@@ -39,8 +39,9 @@ class ModelConfig:
     # "fp8": W8A8 decoder projections, e4m3 weights with per-output-channel scales (quantized at load, or read
     # from a compressed-tensors / HF "fp8" checkpoint) and per-token activation scales at run time (layers/fp8.py)
     quantization: str | None = None  # null (off) | fp8
-    # off until the H200 shows it correct and faster (tests/test_gpu_fp8_fused.py, the gpu_engine A/B): not yet run
-    fp8_fused_quant: bool = False  # fp8: RMSNorm / SiLU-mul write the e4m3 inputs + scales (kernels/fp8_fused.py)
+    # on since session 23: equal to the unfused chain on the GPU (tests/test_gpu_fp8_fused.py, session 20) and
+    # 1.051x its req/s on the no-reuse trace (offline engine, H100, bench/RESULTS.md); acts only with fp8
+    fp8_fused_quant: bool = True  # fp8: RMSNorm / SiLU-mul write the e4m3 inputs + scales (kernels/fp8_fused.py)
     fp8_small_m_gemv: int = 0  # fp8: steps of <= this many rows (<= 64) run W8A16 (kernels/fp8_gemv.py); 0: off
     tokenizer: str = ""  # an HF tokenizer directory or "tiny" (models/tokenizer.py); "": the model directory's
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # read from config.json

@@ -211,6 +211,14 @@ def test_the_issues_systems_and_their_command_lines(monkeypatch):
     assert ServiceConfig.from_kwargs(model="/m", policy="round_robin").router.policy == "round_robin"
 
 
+def test_fp8_labels_set_the_fused_producers_flag():
+    """flame-fp8 takes the engine's default (fused producers on, session 23); -unfused is that flag's A/B."""
+    assert parse_system("flame-fp8").engine == {"quantization": "fp8"}
+    for label in ("flame-fp8-unfused", "engine-fp8-unfused"):
+        assert parse_system(label).engine == {"quantization": "fp8", "fp8_fused_quant": False}
+    assert parse_system("engine-fp8-unfused").kind == "engine"
+
+
 @pytest.mark.slow
 def test_one_traces_pairs_through_ray_job_submit(tmp_path):
     """What `bash bench/device_run.sh jobpairs` runs on the GPU machine, on CPU: bench.burst.jobpairs starts a Ray head
