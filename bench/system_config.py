@@ -26,7 +26,9 @@ sharing the GIL with its callers' loop, issue 39; vLLM's EngineCore runs apart t
 split count from its bucket left 17-31 rows with one 8K-key program per row and kv head, issue 39); the default
 since session 20, so "flame-nosplits" and "engine-nosplits" (decode_split_waves 0: the rule before) are its A/B.
 "flame-fp8-unfused" and "engine-fp8-unfused" are fp8 with fp8_fused_quant off (each projection quantizes its own
-input; the fused producers are the default since session 23): that flag's A/B.
+input; the fused producers are the default since session 23): that flag's A/B. "flame-chunk2k" and "engine-chunk2k"
+give a step that carries decode rows at most 2,048 prefill tokens (max_prefill_tokens_with_decode; off by default: the
+A/B of a cold 8K prefill stalling every running stream for one ~200 ms step, issue 39).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ KINDS = ("flame", "flame-nomix", "flame-mix2k", "flame-noprune", "flame-noearly"
          "engine-noearly", "flame-gil", "engine-gil", "vllm", "vllm-seed",
          "flame-fp8", "engine-fp8", "vllm-fp8", "flame-fp8kv", "engine-fp8kv", "flame-proc", "engine-proc",
          "flame-splits", "engine-splits", "flame-nosplits", "engine-nosplits", "flame-fp8-unfused",
-         "engine-fp8-unfused")
+         "engine-fp8-unfused", "flame-chunk2k", "engine-chunk2k")
 # engine fields a system label sets over the run's (the label is the A/B's one flag)
 LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {"cuda_graph_mixed_tokens": 0},
                 "flame-mix2k": {"cuda_graph_mixed_tokens": 2048}, "engine-mix2k": {"cuda_graph_mixed_tokens": 2048},
@@ -51,7 +53,9 @@ LABEL_ENGINE = {"flame-nomix": {"cuda_graph_mixed_tokens": 0}, "engine-nomix": {
                 "flame-splits": {"decode_split_waves": 4}, "engine-splits": {"decode_split_waves": 4},
                 "flame-nosplits": {"decode_split_waves": 0}, "engine-nosplits": {"decode_split_waves": 0},
                 "flame-fp8-unfused": {"quantization": "fp8", "fp8_fused_quant": False},
-                "engine-fp8-unfused": {"quantization": "fp8", "fp8_fused_quant": False}}
+                "engine-fp8-unfused": {"quantization": "fp8", "fp8_fused_quant": False},
+                "flame-chunk2k": {"max_prefill_tokens_with_decode": 2048},
+                "engine-chunk2k": {"max_prefill_tokens_with_decode": 2048}}
 # client fields (ClientConfig) a flame label sets: its Python client's and its front door's (none now: issue 38
 # retired the client switches the labels selected)
 LABEL_CLIENT: dict[str, dict] = {}

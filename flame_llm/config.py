@@ -109,6 +109,11 @@ class SchedulerConfig:
     # on since issue 38: every published burst and load figure ran with it (8,192-token steps under a 32K
     # max_model_len); the starvation scenario (H200): victims' TPOT p99 6,277 -> 35 ms, wall 8.2 -> 2.7 s
     enable_chunked_prefill: bool = True  # a long prompt's prefill spreads over steps
+    # chunked prefill: a step that carries decode rows takes at most this many prefill tokens (a step with no
+    # decode rows still fills max_num_batched_tokens), so a cold 8K prompt stalls the running streams for a few
+    # short steps, not one long one (on the H100 an 8,192-token step takes ~200 ms: the ITL p99 of both flame and
+    # vLLM at 12 req/s, issue 39; Sarathi-Serve's token budget). 0: off (the whole token budget, as before)
+    max_prefill_tokens_with_decode: int = 0  # chunked prefill: prefill tokens in a step with decode rows (0: off)
     # on since issue 38: the cache_aware scenario (H200): hit rate 0 -> 35.7%, evictions -40%, wall -34%, TTFT p99
     # -34%, TPOT p99 70.5 -> 50.6 ms; a request is passed over at most cache_aware_max_skips times
     enable_cache_aware_schedule: bool = True  # waiting requests with longer cached prefixes go first
@@ -146,6 +151,7 @@ class SchedulerConfig:
         check_int("max_num_seqs", self.max_num_seqs, 1, **_F)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs,
                   limit=f"an integer >= max_num_seqs ({self.max_num_seqs})", **_F)
+        check_int("max_prefill_tokens_with_decode", self.max_prefill_tokens_with_decode, 0, **_F)
         check_int("cache_aware_window", self.cache_aware_window, 1, **_F)
         check_int("cache_aware_max_skips", self.cache_aware_max_skips, 0, **_F)
         for name in ("enable_chunked_prefill", "enable_cache_aware_schedule", "enable_prefix_dedup"):

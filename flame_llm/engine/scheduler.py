@@ -48,6 +48,14 @@ class _Batch:
     num_tokens: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # num_computed_tokens of each when scheduled
     num_prefill: int = 0
+    prefill_cap: int = 0  # max_prefill_tokens_with_decode (0: none): prefill tokens once a decode row is in
+    num_decode_rows: int = 0
+
+    def prefill_left(self) -> int:
+        """Tokens a prefill chunk may take now: the budget, or less once the step carries decode rows."""
+        if self.prefill_cap and self.num_decode_rows:
+            return min(self.budget, self.prefill_cap - self.num_prefill)
+        return self.budget
 
 
 class Scheduler:
@@ -58,6 +66,7 @@ class Scheduler:
         self.max_model_len = config.model_config.max_model_len
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.prefill_cap = sc.max_prefill_tokens_with_decode if sc.enable_chunked_prefill else 0
         self.same_step_sharing = config.cache_config.enable_same_step_prefix_sharing and not config.speculative
         self.speculative = bool(config.speculative)  # steps are committed whole (SpeculativeOutput), not launched
         self.block_manager = block_manager
@@ -86,7 +95,8 @@ class Scheduler:
         """Sequences to run this step and how many new tokens each computes."""
         start = time.perf_counter()
         # publishing rows as they are scheduled only helps a waiting request admitted in this step
-        batch = _Batch(self.max_num_batched_tokens, self.same_step_sharing and bool(self.waiting))
+        batch = _Batch(self.max_num_batched_tokens, self.same_step_sharing and bool(self.waiting),
+                       prefill_cap=self.prefill_cap)
         if self.enable_chunked_prefill:
             preemptions = self.counts.num_preemptions
             self._schedule_running(batch)
@@ -115,8 +125,11 @@ class Scheduler:
             seq = self.running.popleft()
             if self._make_room(seq):
                 remaining = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
-                n = min(remaining, batch.budget, bm.num_appendable_tokens(seq))
-                self._add(batch, seq, n, remaining > 1 or seq.num_completion_tokens + seq.num_pending_tokens == 0)
+                prefill = remaining > 1 or seq.num_completion_tokens + seq.num_pending_tokens == 0
+                # decode-first: every decode row is in the batch before a partial prefill comes up, and the cap
+                # leaves it at least one token (cap > num_prefill: this is the step's first prefill row)
+                n = min(remaining, batch.prefill_left() if prefill else batch.budget, bm.num_appendable_tokens(seq))
+                self._add(batch, seq, n, prefill)
         self.running.extendleft(reversed(batch.seqs))
 
     def _admit_waiting(self, batch: _Batch) -> None:
@@ -132,7 +145,7 @@ class Scheduler:
             seq = self.waiting[i]
             if chunked:
                 cached, room = bm.allocation_room(seq)
-                n = min(seq.num_tokens - cached, batch.budget, room)
+                n = min(seq.num_tokens - cached, batch.prefill_left(), room)
             else:
                 cached = bm.can_allocate(seq)  # -1: the whole prompt's blocks do not fit
                 n = seq.num_tokens - cached if 0 <= cached and seq.num_tokens - cached <= batch.budget else 0
@@ -161,6 +174,8 @@ class Scheduler:
         batch.budget -= n
         if prefill:
             batch.num_prefill += n
+        else:
+            batch.num_decode_rows += 1
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempt the newest running sequences until seq's next token has a slot; False if seq itself
