@@ -1,5 +1,7 @@
 """max_prefill_tokens_with_decode (issue 39): with chunked prefill, a step that carries decode rows takes at most
 that many prefill tokens; a step without decode rows still fills the token budget; 0 is the schedule before."""
+import json
+
 import pytest
 from helpers import BS, FakeRunner, expected_outputs, make_prompts, make_scheduler, make_workload, replay
 
@@ -96,3 +98,14 @@ def test_engine_greedy_tokens_with_the_cap_equal_without(tiny_llama):
 def test_bad_cap_names_the_field(tiny_llama, bad):
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decode"):
         Config.from_kwargs(tiny_llama, max_prefill_tokens_with_decode=bad)
+
+
+def test_the_simulated_ab_runs_and_the_cap_shortens_the_longest_gaps(tmp_path):
+    """bench/service/sim/prefill_cap.py (a prediction for the GPU A/B): seeded, simulated time, so exact."""
+    from bench.service.sim import prefill_cap
+    out = tmp_path / "cap.json"
+    assert prefill_cap.main(["--rates", "12", "--caps", "0,1024", "--duration-s", "4", "--warmup-s", "2",
+                             "--num-docs", "16", "--kv-tokens", "65536", "--out", str(out)]) == 0
+    off, on = json.load(open(out))["runs"]
+    assert (off["cap"], on["cap"]) == (0, 1024) and off["requests"] == on["requests"] > 20
+    assert on["itl_s"]["p99"] < off["itl_s"]["p99"]  # cold 8K prefills: one ~200 ms step, or eight short ones
