@@ -13,7 +13,16 @@ import os
 import pytest
 from servers import serve, serve_http
 
-from bench.load.external_clients import GUIDELLM_VENV, guidellm_argv, run, server_counts, vllm_argv
+from bench.load.external_clients import (
+    GUIDELLM_VENV,
+    STEP_COUNTERS,
+    FlameScrape,
+    guidellm_argv,
+    run,
+    server_counts,
+    server_steps,
+    vllm_argv,
+)
 from flame_llm.models.tokenizer import tokenizer_dir
 
 VLLM_BENCH_SITE = os.environ.get("FLAME_VLLM_BENCH_SITE",
@@ -56,6 +65,9 @@ def _check(records: list[dict], out: str) -> None:
     assert rec["server_answered_200"] == rec["completed"], rec  # our /metrics agrees with the client's count
     assert rec["server_not_ok"] == {}, rec  # nothing the client asked for was refused (a missing route: a 404)
     assert rec["median_ttft_ms"] > 0 and rec["output_tok_per_s"] > 0, rec
+    steps = rec["server_steps"]  # the engines' steps over the run, from /metrics (the timeline is CUDA's: 0 here)
+    assert steps["decode_tokens"] >= rec["completed"] and steps["prefill_tokens"] > 0, steps
+    assert steps["steps"] == steps["decode_steps"] + steps["prefill_steps"] > 0, steps
     with open(os.path.join(out, "summary.jsonl")) as f:  # strict JSON (rate inf too): jq reads it
         assert json.loads(f.read(), parse_constant=lambda c: pytest.fail(f"{c} in summary.jsonl")) == rec
 
@@ -115,3 +127,15 @@ def test_server_counts_take_the_clients_answers_and_every_refusal():
         "server_answered_200": 8,
         "server_not_ok": {"POST /v1/chat/completions 400": 2, "POST unmatched 404": 1}}
     assert server_counts(None, after) == {"server_answered_200": None, "server_not_ok": None}  # not a flame server
+
+
+def test_server_steps_are_the_counters_difference_with_the_gpus_share():
+    zero = dict.fromkeys(STEP_COUNTERS, 0.0)
+    before = FlameScrape({}, {**zero, "decode_steps": 10, "gpu_busy_seconds": 1.0, "timeline_steps": 10})
+    after = FlameScrape({}, {**zero, "decode_steps": 30, "prefill_steps": 5, "gpu_busy_seconds": 1.3,
+                             "gpu_idle_seconds": 0.1, "timeline_steps": 35})
+    got = server_steps(before, after)["server_steps"]
+    assert (got["steps"], got["decode_steps"], got["prefill_steps"]) == (25, 20, 5)
+    assert got["gpu_ms_per_timed_step"] == pytest.approx(12.0) and got["gpu_idle_share"] == pytest.approx(0.25)
+    assert server_steps(None, after) == {"server_steps": None}  # not a flame server
+    assert server_steps(after, after)["server_steps"]["gpu_idle_share"] is None  # nothing timed (CPU)

@@ -2,8 +2,10 @@
 guidellm, run unchanged, against flame's front door (`flame-llm serve` / `serve-http`) and `vllm serve` in one
 call. Each run's own counters (completed / failed) and medians and p99s are read from the client's result file;
 for a flame target, /metrics's `flame_http_requests_total` before and after says how many requests the server
-answered (status 200 on POST /v1/*), to set beside the client's count, and what it refused (any status not 2xx, on
-any route: where a client trips on the API).
+answered (status 200 on POST /v1/*), to set beside the client's count, what it refused (any status not 2xx, on
+any route: where a client trips on the API), and what its engines did meanwhile (`server_steps`: steps, mixed and
+eager steps, prefill and decode tokens, GPU busy / idle and host seconds from the step timeline, summed over shards:
+where a TPOT beside vLLM's goes, issue 39/41).
 
     python3 -m bench.load.external_clients --client vllm --client guidellm --target http://127.0.0.1:8000 \\
         --target http://127.0.0.1:8001 --tokenizer DIR --num-prompts 200 --input-len 1024 --output-len 256 \\
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 CLIENTS = ("vllm", "guidellm")
@@ -35,8 +38,23 @@ VLLM_MAIN = ("import sys\nfrom vllm.utils.argparse_utils import FlexibleArgument
              "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
 
 
-def flame_requests(target: str) -> dict[tuple[str, str, str], int] | None:
-    """The flame server's answered HTTP requests by (route, method, status), from /metrics (None: not flame's)."""
+# the engines' step counters a run's record keeps (flame_shard_<name>_total, serving/metrics.ENGINE_COUNTERS)
+STEP_COUNTERS = ("decode_steps", "prefill_steps", "mixed_steps", "mixed_graph_steps", "prefill_tokens",
+                 "decode_tokens", "timeline_steps", "gpu_busy_seconds", "gpu_idle_seconds", "gpu_idle_gaps",
+                 "host_step_seconds", "sync_wait_seconds", "eager_timed_steps", "eager_gpu_seconds",
+                 "long_launches", "long_launch_seconds")
+
+
+@dataclass(slots=True)
+class FlameScrape:
+    """One read of a flame server's /metrics: answered HTTP requests by (route, method, status), and the engines'
+    step counters summed over shards."""
+    requests: dict[tuple[str, str, str], int]
+    steps: dict[str, float]
+
+
+def flame_scrape(target: str) -> FlameScrape | None:
+    """A flame server's /metrics, read once (None: not flame's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -44,18 +62,35 @@ def flame_requests(target: str) -> dict[tuple[str, str, str], int] | None:
             text = r.read().decode()
     except OSError:
         return None
-    counts, seen = {}, False
+    counts, steps, seen = {}, dict.fromkeys(STEP_COUNTERS, 0.0), False
     for fam in text_string_to_metric_families(text):
         if fam.name == "flame_http_requests":
             seen = True
             counts.update({(s.labels["route"], s.labels["method"], s.labels["status"]): int(s.value)
                            for s in fam.samples if s.name.endswith("_total")})
-    return counts if seen else None
+        elif fam.name.removeprefix("flame_shard_") in steps:
+            steps[fam.name.removeprefix("flame_shard_")] += sum(s.value for s in fam.samples
+                                                                 if s.name.endswith("_total"))
+    return FlameScrape(counts, steps) if seen else None
+
+
+def server_steps(before: FlameScrape | None, after: FlameScrape | None) -> dict:
+    """The engines' step counters over a run (None: not a flame server), with ms a step and the GPU's idle share."""
+    if before is None or after is None:
+        return {"server_steps": None}
+    d = {k: round(after.steps[k] - before.steps[k], 6) for k in STEP_COUNTERS}
+    steps = d["decode_steps"] + d["prefill_steps"]
+    timed = d["gpu_busy_seconds"] + d["gpu_idle_seconds"]
+    return {"server_steps": {**d, "steps": steps,
+                             "gpu_ms_per_timed_step": 1e3 * d["gpu_busy_seconds"] / d["timeline_steps"]
+                             if d["timeline_steps"] else None,
+                             "gpu_idle_share": d["gpu_idle_seconds"] / timed if timed else None}}
 
 
 def server_counts(before: dict | None, after: dict | None) -> dict:
-    """What the server answered between two flame_requests: POST /v1/* with 200 (the client's requests), and any
-    route with a status that is not 2xx (a client that trips on the API: a 404 for a route it asks for, a 400)."""
+    """What the server answered between two reads of its requests (FlameScrape.requests): POST /v1/* with 200 (the
+    client's requests), and any route with a status that is not 2xx (a client that trips on the API: a 404 for a
+    route it asks for, a 400)."""
     if before is None or after is None:
         return {"server_answered_200": None, "server_not_ok": None}
     delta = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
@@ -147,12 +182,14 @@ def run(a: argparse.Namespace) -> list[dict]:
             for rate in a.rate:
                 out = os.path.join(a.out, f"{client}-{target.split('//')[-1].replace(':', '_')}-rate{rate:g}")
                 os.makedirs(out, exist_ok=True)
-                before = flame_requests(target)
+                before = flame_scrape(target)
                 rec = (run_vllm if client == "vllm" else run_guidellm)(a, target, model, rate, out)
-                after = flame_requests(target)
+                after = flame_scrape(target)
                 # rate inf as "inf": json.dumps would write Infinity, which strict JSON readers (jq) refuse
                 rec = {"client": client, "target": target, "model": model,
-                       "rate": "inf" if math.isinf(rate) else rate, **rec, **server_counts(before, after)}
+                       "rate": "inf" if math.isinf(rate) else rate, **rec,
+                       **server_counts(before and before.requests, after and after.requests),
+                       **server_steps(before, after)}
                 log.info("%s", json.dumps(rec))
                 with open(os.path.join(a.out, "summary.jsonl"), "a") as f:
                     f.write(json.dumps(rec) + "\n")
