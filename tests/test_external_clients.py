@@ -73,6 +73,17 @@ def _check(records: list[dict], out: str) -> None:
 
 
 @HAS_VLLM
+def test_each_rate_sends_prompts_of_its_own(door, tmp_path):
+    """With one seed, a second rate replays prompts the prefix cache holds: the server would compute a few tokens
+    of each instead of the whole prompt (session 23's H100 run measured rates 16 and inf so)."""
+    a = _args("vllm", door, str(tmp_path))
+    a.rate, a.input_len = [20.0, 40.0], 300  # serve-http: 128-token blocks; a replay computes the last 44 tokens
+    first, second = run(a)
+    assert (first["seed"], second["seed"]) == (0, 1)
+    assert second["server_steps"]["prefill_tokens"] > 0.6 * first["server_steps"]["prefill_tokens"], (first, second)
+
+
+@HAS_VLLM
 def test_vllm_bench_serve(door, tmp_path):
     _check(run(_args("vllm", door, str(tmp_path))), str(tmp_path))
     (log,) = tmp_path.glob("vllm-*/client.log")

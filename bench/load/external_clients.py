@@ -179,15 +179,18 @@ def run(a: argparse.Namespace) -> list[dict]:
     for target in a.target:
         model = a.model or served_model(target)
         for client in a.client:
-            for rate in a.rate:
+            for i, rate in enumerate(a.rate):
+                # each rate its own prompts (vLLM's client: --seed + the rate's index): with one seed, every rate
+                # after the first replays prompts the server's prefix cache already holds (session 23's H100 run)
+                ra = argparse.Namespace(**{**vars(a), "seed": a.seed + i})
                 out = os.path.join(a.out, f"{client}-{target.split('//')[-1].replace(':', '_')}-rate{rate:g}")
                 os.makedirs(out, exist_ok=True)
                 before = flame_scrape(target)
-                rec = (run_vllm if client == "vllm" else run_guidellm)(a, target, model, rate, out)
+                rec = (run_vllm if client == "vllm" else run_guidellm)(ra, target, model, rate, out)
                 after = flame_scrape(target)
                 # rate inf as "inf": json.dumps would write Infinity, which strict JSON readers (jq) refuse
                 rec = {"client": client, "target": target, "model": model,
-                       "rate": "inf" if math.isinf(rate) else rate, **rec,
+                       "rate": "inf" if math.isinf(rate) else rate, "seed": ra.seed, **rec,
                        **server_counts(before and before.requests, after and after.requests),
                        **server_steps(before, after)}
                 log.info("%s", json.dumps(rec))
