@@ -72,11 +72,11 @@ def _check(records: list[dict], out: str) -> None:
         assert json.loads(f.read(), parse_constant=lambda c: pytest.fail(f"{c} in summary.jsonl")) == rec
 
 
-@HAS_VLLM
-def test_each_rate_sends_prompts_of_its_own(door, tmp_path):
+@pytest.mark.parametrize("client", [pytest.param("vllm", marks=HAS_VLLM), pytest.param("guidellm", marks=HAS_GUIDELLM)])
+def test_each_rate_sends_prompts_of_its_own(door, tmp_path, client):
     """With one seed, a second rate replays prompts the prefix cache holds: the server would compute a few tokens
     of each instead of the whole prompt (session 23's H100 run measured rates 16 and inf so)."""
-    a = _args("vllm", door, str(tmp_path))
+    a = _args(client, door, str(tmp_path))
     a.rate, a.input_len = [20.0, 40.0], 300  # serve-http: 128-token blocks; a replay computes the last 44 tokens
     first, second = run(a)
     assert (first["seed"], second["seed"]) == (0, 1)

@@ -145,7 +145,7 @@ def guidellm_argv(a: argparse.Namespace, target: str, model: str, rate: float, p
             guidellm_profile(rate, a.num_prompts, a.max_concurrency), "--constraint",
             f"kind=max_requests,count={a.num_prompts}", "--tokenizer", f"kind=huggingface_auto,model={a.tokenizer}",
             "--data", f"kind=synthetic_text,prompt_tokens={a.input_len},output_tokens={a.output_len}", "--output",
-            f"kind=json,path={path}", "--disable-console-interactive"]
+            f"kind=json,path={path}", "--disable-console-interactive", "--seed", f"kind=static,value={a.seed}"]
 
 
 def run_guidellm(a: argparse.Namespace, target: str, model: str, rate: float, out: str) -> dict:
@@ -180,7 +180,7 @@ def run(a: argparse.Namespace) -> list[dict]:
         model = a.model or served_model(target)
         for client in a.client:
             for i, rate in enumerate(a.rate):
-                # each rate its own prompts (vLLM's client: --seed + the rate's index): with one seed, every rate
+                # each rate its own prompts (both clients' --seed: seed + the rate's index): with one seed, every rate
                 # after the first replays prompts the server's prefix cache already holds (session 23's H100 run)
                 ra = argparse.Namespace(**{**vars(a), "seed": a.seed + i})
                 out = os.path.join(a.out, f"{client}-{target.split('//')[-1].replace(':', '_')}-rate{rate:g}")
