@@ -47,9 +47,9 @@ fi
 # so a later call starts vLLM (torch.compile, ~60 s of its 123 s start-up) and our Triton kernels from the cache.
 # Bursts only: a load record's start-up figure is then not a cold start (leave it off for start-up comparisons).
 # Across machines: SAVE_CACHES=1 on a measuring stage packs them into $OUT/caches.tar.xz.K when it ends (parts of
-# 15 MB: a call brings back 8 files of 16 MiB at most); a later call carrying those parts in .caches/ (CACHES_IN)
-# unpacks them once, so a fresh machine starts warm (a cold reuse pair through `ray job submit` takes ~580 s of a
-# call's 600, a warm one ~460)
+# SAVE_CACHES_PART_BYTES, 15 MB: a call brings back 8 files of 16 MiB at most); a later call carrying those parts in
+# .caches/ (CACHES_IN) unpacks them once, so a fresh machine starts warm (a cold reuse pair through `ray job submit`
+# takes ~580 s of a call's 600, a warm one ~460)
 cr=${CACHE_ROOT:-/tmp} caches_in=${CACHES_IN:-.caches}
 if compgen -G "$caches_in/caches.tar.xz.*" > /dev/null && [[ ! -f $cr/.caches-restored ]]; then
   mkdir -p "$cr" && cat $(ls "$caches_in"/caches.tar.xz.* | sort -V) | xz -d | tar -xf - -C "$cr" \
@@ -195,12 +195,12 @@ case $stage in
       env SAVE_CACHES=0 "${envs[@]}" bash bench/device_run.sh "${words[@]}" || rc=$?  # saved once, at its end
     done
     exit $rc ;;
-  wait)  # until the background stage ends or WAIT_S (default 560) pass; prints its log's end, and brings back its
-    # $OUT (what its finished stages wrote there), and while it runs RDIR so far too (progress.tgz: every finished
-    # run's raw record)
+  wait)  # until the background stage ends (looked for every WAIT_POLL_S, 5) or WAIT_S (560) pass; prints its
+    # log's end, and brings back its $OUT (what its finished stages wrote there), and while it runs RDIR so far too
+    # (progress.tgz: every finished run's raw record)
     bg=${BG_DIR:-/tmp/bg} deadline=$(( $(date +%s) + ${WAIT_S:-560} ))
     [[ -f $bg/pid ]] || { echo "no background stage"; exit 3; }
-    while [[ ! -f $bg/rc ]] && (( $(date +%s) < deadline )) && kill -0 "$(cat "$bg/pid")" 2>/dev/null; do sleep 5; done
+    while [[ ! -f $bg/rc ]] && (( $(date +%s) < deadline )) && kill -0 "$(cat "$bg/pid")" 2>/dev/null; do sleep "${WAIT_POLL_S:-5}"; done
     grep -v -e INFO -e WARNING "$bg/log" | tail -40
     if [[ -f $bg/rc ]]; then
       cp -r "$bg/out/." "$OUT/"
@@ -286,7 +286,7 @@ if [[ ${SAVE_CACHES:-0} == 1 && ! $stage =~ ^(bg|wait|sleep)$ ]]; then
   dirs=()
   for d in vllm-cache triton-cache inductor-cache fa4cache; do [[ -d $cr/$d ]] && dirs+=("$d"); done
   if (( ${#dirs[@]} )); then
-    tar -cf - -C "$cr" "${dirs[@]}" | xz -T0 -3 | split -b 15000000 -d -a 1 - "$OUT/caches.tar.xz."
+    tar -cf - -C "$cr" "${dirs[@]}" | xz -T0 -3 | split -b "${SAVE_CACHES_PART_BYTES:-15000000}" -d -a 1 - "$OUT/caches.tar.xz."
     n=$(ls "$OUT"/caches.tar.xz.* | wc -l) bytes=$(cat "$OUT"/caches.tar.xz.* | wc -c)
     sizes=$(du -sh "${dirs[@]/#/$cr/}" | tr '\t\n' ': ')
     # a call brings back 8 files: more parts than SAVE_CACHES_MAX_PARTS (6, beside the stage's own archives) would

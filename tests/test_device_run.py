@@ -39,7 +39,7 @@ def test_a_background_stage_outlives_its_call_and_wait_brings_back_its_out(tmp_p
     assert "started in the background" in started.stdout, started.stdout + started.stderr
     again = _run(tmp_path, "bg", "sleep", "1")
     assert again.returncode == 3 and "a background stage runs" in again.stdout
-    waited = _run(tmp_path, "wait", WAIT_S="60")
+    waited = _run(tmp_path, "wait", WAIT_S="60", WAIT_POLL_S="0.5")  # not every 5 s: it ends ~2 s in
     assert "background stage ended: rc 0" in waited.stdout and "BG-SAID-THIS" in waited.stdout
     assert (waited.out / "done.txt").read_text() == "yes"
 
@@ -52,7 +52,7 @@ def test_wait_returns_at_its_limit_with_the_results_so_far(tmp_path):
          "time.sleep(30)")
     time.sleep(2)
     t0 = time.monotonic()
-    waited = _run(tmp_path, "wait", WAIT_S="1", RDIR=str(rdir))
+    waited = _run(tmp_path, "wait", WAIT_S="1", WAIT_POLL_S="0.5", RDIR=str(rdir))
     assert time.monotonic() - t0 < 25 and "still running" in waited.stdout
     # what its finished stages wrote to $OUT comes back too (a later stage may fail or the machine go back)
     assert (waited.out / "early.txt").read_text() == "x"
@@ -78,11 +78,13 @@ def test_compile_caches_saved_after_a_stage_come_back_and_a_later_call_restores_
     saved_root = tmp_path / "machine1"
     write = ("import os; d = os.environ['TRITON_CACHE_DIR']; os.makedirs(d); "
              "open(d + '/kernel.bin', 'w').write('compiled'); "
-             "open(d + '/big.bin', 'wb').write(bytes(range(256)) * 4 + os.urandom(16_000_000)); print('WROTE')")
-    p = _run(tmp_path, "py", "-c", write, WARM_CACHES="1", SAVE_CACHES="1", CACHE_ROOT=str(saved_root))
+             "open(d + '/big.bin', 'wb').write(bytes(range(256)) * 4 + os.urandom(1_600_000)); print('WROTE')")
+    # parts of 1.5 MB, not the real 15 (the same split at a tenth of the size: xz over 16 MB of noise took ~15 s)
+    p = _run(tmp_path, "py", "-c", write, WARM_CACHES="1", SAVE_CACHES="1", CACHE_ROOT=str(saved_root),
+             SAVE_CACHES_PART_BYTES="1500000")
     assert p.returncode == 0 and "compile caches saved" in p.stdout, p.stdout + p.stderr
     parts = sorted(p.out.glob("caches.tar.xz.*"))
-    assert [x.name for x in parts] == ["caches.tar.xz.0", "caches.tar.xz.1"]  # 16 MB do not fit one 15 MB part
+    assert [x.name for x in parts] == ["caches.tar.xz.0", "caches.tar.xz.1"]  # 1.6 MB do not fit one 1.5 MB part
     carried = tmp_path / "carried"  # what a later call carries as .caches/
     carried.mkdir()
     for part in parts:
@@ -92,7 +94,7 @@ def test_compile_caches_saved_after_a_stage_come_back_and_a_later_call_restores_
     read = ("import os; d = os.environ['TRITON_CACHE_DIR']; "
             "print('GOT', open(d + '/kernel.bin').read(), os.path.getsize(d + '/big.bin'))")
     q = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(carried))
-    assert "compile caches restored" in q.stdout and "GOT compiled 16001024" in q.stdout, q.stdout + q.stderr
+    assert "compile caches restored" in q.stdout and "GOT compiled 1601024" in q.stdout, q.stdout + q.stderr
     again = _run(tmp_path, "py", "-c", read, WARM_CACHES="1", CACHE_ROOT=str(fresh), CACHES_IN=str(carried))
     assert "compile caches restored" not in again.stdout and "GOT compiled" in again.stdout
 

@@ -139,9 +139,9 @@ def test_offline_and_server_runs_of_real_loadgen_against_flame_and_the_engine_se
         "--scenario",
         "offline,server",
         "--server-qps",
-        "4",
+        "8",
         "--mlperf-duration-s",
-        "3",
+        "2",
         "--mlperf-min-queries",
         "16",
         *CPU_RUN,
@@ -159,7 +159,7 @@ def test_offline_and_server_runs_of_real_loadgen_against_flame_and_the_engine_se
         assert offline["counters"]["output_tokens"] == int(data.output_lens.sum())  # every answer to its length
         assert offline["tokens_per_s"] > 0 and offline["samples_per_s"] > 0
         assert server["scenario"] == "Server" and server["result"] in ("VALID", "INVALID")
-        assert server["target_qps"] == 4.0 and server["counters"]["failed"] == 0
+        assert server["target_qps"] == 8.0 and server["counters"]["failed"] == 0
         assert server["counters"]["completed"] >= 16
         assert 0 < server["ttft_p99_s"] < 60 and 0 < server["tpot_p99_s"] < 10  # FirstTokenComplete and token counts
         for run in rec["runs"]:
@@ -186,11 +186,11 @@ def test_find_qps_over_the_front_door_searches_within_its_budget(tmp_path):
         "interactive",
         "--find-qps",
         "--server-qps",
-        "8",
+        "16",
         "--find-qps-max-s",
-        "12",
+        "4",
         "--mlperf-duration-s",
-        "2",
+        "1",
         "--mlperf-min-queries",
         "8",
         *CPU_RUN,
@@ -200,8 +200,8 @@ def test_find_qps_over_the_front_door_searches_within_its_budget(tmp_path):
     assert cli.main(argv) == 0
     rec = _record(out, "flame-http")
     fq = rec["find_qps"]["interactive"]
-    assert fq["start_qps"] == 8.0 and fq["trials"][0][0] == 8.0 and len(fq["trials"]) >= 2
-    assert fq["spent_s"] < 12 + 60  # stops before a run that would overrun the budget (plus one run's drain)
+    assert fq["start_qps"] == 16.0 and fq["trials"][0][0] == 16.0 and len(fq["trials"]) >= 2
+    assert fq["spent_s"] < 4 + 60  # stops before a run that would overrun the budget (plus one run's drain)
     runs = rec["runs"]
     assert [r["target_qps"] for r in runs] == [q for q, _ in fq["trials"]]
     assert [r["valid"] for r in runs] == [v for _, v in fq["trials"]]
