@@ -96,16 +96,10 @@ def _run(lang: str, code: str, line: int, env: dict) -> str:
 def _wait_for_no_local_ray(timeout_s: float = 600.0) -> None:
     """`flame-llm serve` as the README writes it refuses to start beside another Ray cluster on this machine (one
     service, one local Ray): wait for one that another process runs to end, or skip saying so."""
-    from ray._private import services
-
     from flame_llm.serving.ray_attach import running_local_address
 
-    def now() -> str | None:  # Ray caches the first cluster it finds for the process's life: look again each time
-        services._cached_find_gcs_addresses.cache_clear()
-        return running_local_address()
-
     deadline = time.monotonic() + timeout_s
-    while (address := now()) is not None:
+    while (address := running_local_address()) is not None:
         if time.monotonic() > deadline:
             if os.environ.get("CI"):  # CI runs one suite on its own machine: a cluster left there is a defect
                 pytest.fail(f"a Ray cluster ({address}) still runs on this machine after {timeout_s:.0f}s")

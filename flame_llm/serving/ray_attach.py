@@ -80,14 +80,22 @@ class _captured_stderr:
         return text
 
 
+def local_addresses() -> list[str]:
+    """The addresses of the Ray clusters running on this machine now (their GCS processes), sorted."""
+    from ray._private import services
+
+    # Ray caches the first answer for the process's life: a process that asks again (a test's wait, a second
+    # service started by one process) would see a cluster that has since ended
+    services.find_gcs_addresses.cache_clear()
+    try:
+        return sorted(services.find_gcs_addresses())
+    except Exception:  # noqa: BLE001 - no process table to read: nothing found
+        return []
+
+
 def running_local_address() -> str | None:
     """The address of a Ray cluster already running on this machine (its GCS process), or None."""
-    from ray._private.services import find_gcs_addresses
-
-    try:
-        found = sorted(find_gcs_addresses())
-    except Exception:  # noqa: BLE001 - no process table to read: nothing found
-        return None
+    found = local_addresses()
     return found[0] if found else None
 
 
