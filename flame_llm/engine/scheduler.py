@@ -129,6 +129,7 @@ class Scheduler:
                 # decode-first: every decode row is in the batch before a partial prefill comes up, and the cap
                 # leaves it at least one token (cap > num_prefill: this is the step's first prefill row)
                 n = min(remaining, batch.prefill_left() if prefill else batch.budget, bm.num_appendable_tokens(seq))
+                assert n > 0, (seq.request_id, remaining, batch.budget, batch.num_prefill)
                 self._add(batch, seq, n, prefill)
         self.running.extendleft(reversed(batch.seqs))
 
